@@ -1,0 +1,59 @@
+"""The paged KV pool of one rank: fixed-size pages of K and V for every layer, addressed by flat slot.
+
+Slot ``page * page_size + offset`` is one token's K/V in every layer. The pool knows nothing about requests; the
+replica hands each batch its page lists. Sized by an explicit page count or by a fraction of free memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pie_workers.config import ModelConfig
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, local_kv_heads: int, dtype: torch.dtype) -> int:
+    """Bytes one page takes on one rank: K and V, every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * page_size * local_kv_heads * cfg.head_dim * elem
+
+
+def pages_for_memory_fraction(fraction: float, bytes_per_page: int, device: torch.device) -> int:
+    """How many pages fit in ``fraction`` of the device's currently free memory."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"memory fraction {fraction} must be in (0, 1]")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, int(free * fraction) // bytes_per_page)
+
+
+class KVPool:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        local_kv_heads: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"KV pool needs >= 1 page of >= 1 token (got {num_pages} x {page_size})")
+        self.num_pages, self.page_size = num_pages, page_size
+        shape = (cfg.num_layers, num_pages * page_size, local_kv_heads, cfg.head_dim)
+        # zero-filled: padded attention reads stale slots under a mask, and 0 * -inf must never meet a NaN
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole pages' slots (all layers) — forks give a child its own copy of the parent's working pages."""
+        if src.numel():
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]

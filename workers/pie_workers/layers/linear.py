@@ -1,0 +1,85 @@
+"""Tensor-parallel linear layers and embeddings (Megatron style).
+
+Column-parallel layers split the output features across ranks and need no communication; row-parallel layers split
+the input features and all-reduce their partial sums. Weights are loaded shard by shard: each rank reads only its
+rows/columns from the checkpoint (see ``pie_workers.loader``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pie_workers.parallel import TensorParallel
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``y = x W^T`` with W's output rows split across ranks; several checkpoint matrices may be fused.
+
+    ``out_features`` lists the full output size of each fused part (e.g. q, k, v); each part is split evenly, so a
+    rank's local weight is ``[sum(part // world), in]`` and its output is its slice of every part, in order.
+    """
+
+    def __init__(self, in_features: int, out_features: list[int], bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.parts = [n // tp.world_size for n in out_features]
+        for n in out_features:
+            tp.shard_range(n)  # validates divisibility with a clear message
+        self.weight = torch.nn.Parameter(torch.empty(sum(self.parts), in_features), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(sum(self.parts)), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``y = x W^T`` with W's input columns split; partial products are summed across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        start, end = tp.shard_range(in_features)
+        self.weight = torch.nn.Parameter(torch.empty(out_features, end - start), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+def padded_vocab(vocab_size: int, tp: TensorParallel) -> int:
+    return -(-vocab_size // tp.world_size) * tp.world_size
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Each rank holds a contiguous slice of the (padded) vocabulary; lookups outside it contribute zeros."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.start, self.end = tp.shard_range(padded_vocab(vocab_size, tp))
+        self.weight = torch.nn.Parameter(torch.zeros(self.end - self.start, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(torch.nn.Module):
+    """Vocab-parallel output projection; the leader gathers full logits, trimmed to the real vocabulary."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.start, self.end = tp.shard_range(padded_vocab(vocab_size, tp))
+        self.weight = torch.nn.Parameter(torch.zeros(self.end - self.start, dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        logits = self.tp.gather_last_dim(F.linear(x, self.weight))
+        return None if logits is None else logits[..., : self.vocab_size]

@@ -1,0 +1,1 @@
+"""Model definitions driven by a ``BatchPlan`` over a paged KV pool."""

@@ -1,0 +1,164 @@
+"""The model runner of one tensor-parallel rank: a stateless ``execute(batch) -> outputs`` over a paged KV pool.
+
+The leader (rank 0) plans each batch, broadcasts the plan, runs its share of the forward, and samples; followers
+loop in ``follow`` running the same forwards. No per-request state survives a batch: page tables, lengths and
+lineage are the replica engine's business.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pie_workers import sampling
+from pie_workers.batch_plan import BatchError, PlannedBatch, RequestSampling, plan_batch
+from pie_workers.config import ModelConfig
+from pie_workers.kv_pool import KVPool, page_bytes, pages_for_memory_fraction
+from pie_workers.loader import CheckpointReader
+from pie_workers.models.llama import LlamaModel
+from pie_workers.parallel import TensorParallel
+from pie_workers.wire import brle
+from pie_workers.wire.batch import ForwardBatch, RequestOutput, SlotOutput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    page_size: int = 16
+    num_pages: int | None = None  # explicit pool size; otherwise memory_fraction of free memory
+    memory_fraction: float = 0.5
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on GPU
+    device: str | None = None  # default: cuda if available
+
+
+def _resolve_device_dtype(settings: RunnerSettings) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = settings.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return device, DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, settings: RunnerSettings = RunnerSettings(),
+                 tp: TensorParallel = TensorParallel(), show_progress: bool = False):
+        self.cfg = ModelConfig.from_dir(model_dir)
+        self.settings, self.tp = settings, tp
+        self.device, self.dtype = _resolve_device_dtype(settings)
+        with CheckpointReader(model_dir) as reader:
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                with self.device:
+                    self.model = LlamaModel(self.cfg, tp, reader)
+            finally:
+                torch.set_default_dtype(default_dtype)
+            self.model.load(reader, show_progress and tp.is_leader)
+        local_kv_heads = self.cfg.num_kv_heads // tp.world_size
+        num_pages = settings.num_pages
+        if num_pages is None:
+            per_page = page_bytes(self.cfg, settings.page_size, local_kv_heads, self.dtype)
+            num_pages = pages_for_memory_fraction(settings.memory_fraction, per_page, self.device)
+            num_pages = tp.broadcast_object(num_pages)  # every rank must agree on the pool size
+        self.kv = KVPool(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
+        """Leader only. Malformed requests come back with ``error`` set; the others run normally."""
+        planned = plan_batch(batch, self.kv.page_size, self.kv.num_pages, self.cfg.vocab_size)
+        outputs = [RequestOutput() for _ in batch.requests]
+        for i, msg in planned.errors.items():
+            outputs[i].error = msg
+        if planned.plan.num_tokens == 0:
+            self.kv.copy_slots(planned.plan.copy_src.to(self.device), planned.plan.copy_dst.to(self.device))
+            self.tp.broadcast_object(planned.plan)
+            return outputs
+        plan = planned.plan.to(self.device)
+        self.tp.broadcast_object(planned.plan)
+        logits = self.model(plan, self.kv)
+        self._sample(planned, logits, outputs)
+        return outputs
+
+    def follow(self) -> None:
+        """Follower ranks: run every plan the leader broadcasts until it sends None."""
+        while (plan := self.tp.broadcast_object()) is not None:
+            plan = plan.to(self.device)
+            if plan.num_tokens == 0:
+                self.kv.copy_slots(plan.copy_src, plan.copy_dst)
+            else:
+                self.model(plan, self.kv)
+
+    def stop_followers(self) -> None:
+        self.tp.broadcast_object(None)
+
+    def _sample(self, planned: PlannedBatch, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
+        _apply_logit_masks(logits, planned.sampling)
+        rows, slots, owners = [], [], []
+        for k, rs in enumerate(planned.sampling):
+            rows += rs.slot_rows
+            slots += rs.slots
+            owners += [k] * len(rs.slots)
+            if rs.verify_slot >= 0:
+                rows += rs.verify_rows
+                slots += [rs.slots[rs.verify_slot]] * len(rs.verify_rows)
+                owners += [k] * len(rs.verify_rows)
+        if not rows:
+            return
+        row_t = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        picked = logits[row_t]
+        dead = {owners[i] for i in sampling.check_rows_samplable(picked, slots)}
+        for k in dead:
+            outputs[planned.sampling[k].index].error = "the logit mask excludes every token"
+        if dead:
+            keep = [i for i, o in enumerate(owners) if o not in dead]
+            picked = picked[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            slots = [slots[i] for i in keep]
+            owners = [owners[i] for i in keep]
+        results = sampling.run_slots(picked, slots) if slots else []
+        cursor = 0
+        for k, rs in enumerate(planned.sampling):
+            if k in dead:
+                continue
+            n = len(rs.slots) + (len(rs.verify_rows) if rs.verify_slot >= 0 else 0)
+            mine = results[cursor : cursor + n]
+            cursor += n
+            out = outputs[rs.index]
+            out.slots = mine[: len(rs.slots)]
+            if rs.verify_slot >= 0:
+                out.tokens = _verify(rs, out.slots[rs.verify_slot], mine[len(rs.slots) :])
+
+
+def _apply_logit_masks(logits: torch.Tensor, plans: list[RequestSampling]) -> None:
+    vocab = logits.shape[-1]
+    for rs in plans:
+        if rs.logit_mask:
+            allowed = torch.from_numpy(brle.decode(rs.logit_mask, vocab)).to(logits.device)
+            rows = logits[rs.first_row : rs.first_row + rs.num_rows]
+            rows.masked_fill_(~allowed, float("-inf"))
+
+
+def _verify(rs: RequestSampling, first: SlotOutput, after_drafts: list[SlotOutput]) -> list[int]:
+    """Accept the longest prefix of drafts the sampler agrees with, plus the sampler's token after it."""
+    sampled = [first.token] + [o.token for o in after_drafts]
+    accepted: list[int] = []
+    for draft, token in zip(rs.draft_tokens, sampled, strict=False):
+        if draft != token:
+            break
+        accepted.append(draft)
+    return accepted + [sampled[len(accepted)]]
+
+
+__all__ = ["BatchError", "ModelRunner", "RunnerSettings"]
