@@ -30,8 +30,15 @@ def as_logits(slot_output) -> np.ndarray:
 
 def build_hf_family(tmp_path, family: str):
     """A random-initialised HF checkpoint of a family the embedded builder doesn't cover, saved sharded."""
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if family == "mistral":
         cfg = MistralConfig(sliding_window=8, **common)
         cls = "MistralForCausalLM"
@@ -85,8 +92,9 @@ def test_greedy_tokens_match_hf_generate(model_dir):
     ref = hf_model(model_dir)
     prompt = [random.Random(1).randrange(runner.cfg.vocab_size) for _ in range(21)]
     got = greedy_generate(runner, prompt, 32, PageAllocator(PAGES, seed=5))
-    expected = ref.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                            pad_token_id=0)[0, len(prompt):].tolist()
+    expected = ref.generate(
+        torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     assert got == expected
 
 
@@ -102,8 +110,9 @@ def test_mixed_batch_equals_each_request_alone(arch, request):
     seqs = [Seq(list(p)) for p in prompts]
     steps = 0
     while any(len(s.tokens) - len(p) < 12 for s, p in zip(seqs, prompts, strict=True)):
-        live = [s for i, (s, p) in enumerate(zip(seqs, prompts, strict=True))
-                if i <= steps and len(s.tokens) - len(p) < 12]
+        live = [
+            s for i, (s, p) in enumerate(zip(seqs, prompts, strict=True)) if i <= steps and len(s.tokens) - len(p) < 12
+        ]
         greedy_step(runner, live, alloc)
         steps += 1
-    assert [s.tokens[len(p):] for s, p in zip(seqs, prompts, strict=True)] == alone
+    assert [s.tokens[len(p) :] for s, p in zip(seqs, prompts, strict=True)] == alone

@@ -46,8 +46,13 @@ def _resolve_device_dtype(settings: RunnerSettings) -> tuple[torch.device, torch
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, settings: RunnerSettings = RunnerSettings(),
-                 tp: TensorParallel = TensorParallel(), show_progress: bool = False):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        settings: RunnerSettings = RunnerSettings(),
+        tp: TensorParallel = TensorParallel(),
+        show_progress: bool = False,
+    ):
         self.cfg = ModelConfig.from_dir(model_dir)
         self.settings, self.tp = settings, tp
         self.device, self.dtype = _resolve_device_dtype(settings)
@@ -76,6 +81,7 @@ class ModelRunner:
     def page_size(self) -> int:
         return self.kv.page_size
 
+    @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
         """Leader only. Malformed requests come back with ``error`` set; the others run normally."""
         planned = plan_batch(batch, self.kv.page_size, self.kv.num_pages, self.cfg.vocab_size)
@@ -92,6 +98,7 @@ class ModelRunner:
         self._sample(planned, logits, outputs)
         return outputs
 
+    @torch.inference_mode()
     def follow(self) -> None:
         """Follower ranks: run every plan the leader broadcasts until it sends None."""
         while (plan := self.tp.broadcast_object()) is not None:

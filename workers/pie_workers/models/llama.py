@@ -77,14 +77,11 @@ class LlamaModel(torch.nn.Module):
         attn = "model.layers.0.self_attn"
         qkv_bias, o_bias = reader.has(f"{attn}.q_proj.bias"), reader.has(f"{attn}.o_proj.bias")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, tp, i, qkv_bias, o_bias) for i in range(cfg.num_layers)
-        )
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, tp, i, qkv_bias, o_bias) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
 
-    @torch.inference_mode()
     def forward(self, plan: BatchPlan, kv: KVPool) -> torch.Tensor | None:
         """Runs every token of the plan; returns logits ``[N, vocab]`` of ``plan.logit_rows`` on the leader."""
         kv.copy_slots(plan.copy_src, plan.copy_dst)
@@ -97,41 +94,39 @@ class LlamaModel(torch.nn.Module):
         return None if logits is None else logits.float()
 
     def load(self, reader: CheckpointReader, show_progress: bool) -> None:
-        """Fill every parameter from the checkpoint (this rank's shards only)."""
+        """Fill every parameter from the checkpoint (this rank's shards only), one layer at a time."""
         cfg, tp = self.cfg, self.tp
-        H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        hidden, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+
+        def put(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+            param.data = value.to(dtype=param.dtype, device=param.device).contiguous()
+
+        def columns(name: str, rows: int) -> torch.Tensor:  # this rank's output rows of a column-parallel weight
+            return reader.read(name, (rows, hidden), shard_dim=0, tp=tp)
+
+        def vector(name: str, size: int, sharded: bool = False) -> torch.Tensor:
+            return reader.read(name, (size,), shard_dim=0 if sharded else None, tp=tp)
+
         emb = self.embed_tokens
-        steps = [
-            (emb.weight, lambda: reader.read_rows("model.embed_tokens.weight", (cfg.vocab_size, H), emb.start, emb.end)),
-            (self.lm_head.weight, lambda: reader.read_rows(head, (cfg.vocab_size, H), emb.start, emb.end)),
-            (self.norm.weight, lambda: reader.read("model.norm.weight", (H,))),
-        ]
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}"
-            a = f"{p}.self_attn"
-            col = lambda name, rows, cols=H: reader.read(name, (rows, cols), 0, tp)
-            steps += [
-                (layer.input_layernorm.weight, lambda p=p: reader.read(f"{p}.input_layernorm.weight", (H,))),
-                (layer.post_attention_layernorm.weight,
-                 lambda p=p: reader.read(f"{p}.post_attention_layernorm.weight", (H,))),
-                (layer.qkv_proj.weight, lambda a=a: torch.cat(
-                    [col(f"{a}.q_proj.weight", q_out), col(f"{a}.k_proj.weight", kv_out),
-                     col(f"{a}.v_proj.weight", kv_out)])),
-                (layer.o_proj.weight, lambda a=a: reader.read(f"{a}.o_proj.weight", (H, q_out), 1, tp)),
-                (layer.gate_up_proj.weight, lambda p=p: torch.cat(
-                    [col(f"{p}.mlp.gate_proj.weight", I), col(f"{p}.mlp.up_proj.weight", I)])),
-                (layer.down_proj.weight, lambda p=p: reader.read(f"{p}.mlp.down_proj.weight", (H, I), 1, tp)),
-            ]
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        put(emb.weight, reader.read_rows("model.embed_tokens.weight", (cfg.vocab_size, hidden), emb.start, emb.end))
+        put(self.lm_head.weight, reader.read_rows(head, (cfg.vocab_size, hidden), emb.start, emb.end))
+        put(self.norm.weight, vector("model.norm.weight", hidden))
+        for i, layer in enumerate(tqdm(self.layers, desc="loading weights", unit="layer", disable=not show_progress)):
+            p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+            put(layer.input_layernorm.weight, vector(f"{p}.input_layernorm.weight", hidden))
+            put(layer.post_attention_layernorm.weight, vector(f"{p}.post_attention_layernorm.weight", hidden))
+            qkv = [(f"{a}.q_proj", q_out), (f"{a}.k_proj", kv_out), (f"{a}.v_proj", kv_out)]
+            put(layer.qkv_proj.weight, torch.cat([columns(f"{n}.weight", rows) for n, rows in qkv]))
             if layer.qkv_proj.bias is not None:
-                steps.append((layer.qkv_proj.bias, lambda a=a: torch.cat([
-                    reader.read(f"{a}.q_proj.bias", (q_out,), 0, tp), reader.read(f"{a}.k_proj.bias", (kv_out,), 0, tp),
-                    reader.read(f"{a}.v_proj.bias", (kv_out,), 0, tp)])))
+                put(layer.qkv_proj.bias, torch.cat([vector(f"{n}.bias", rows, sharded=True) for n, rows in qkv]))
+            put(layer.o_proj.weight, reader.read(f"{a}.o_proj.weight", (hidden, q_out), shard_dim=1, tp=tp))
             if layer.o_proj.bias is not None:
-                steps.append((layer.o_proj.bias, lambda a=a: reader.read(f"{a}.o_proj.bias", (H,))))
+                put(layer.o_proj.bias, vector(f"{a}.o_proj.bias", hidden))
             if layer.q_norm is not None:
-                steps.append((layer.q_norm.weight, lambda a=a: reader.read(f"{a}.q_norm.weight", (d,))))
-                steps.append((layer.k_norm.weight, lambda a=a: reader.read(f"{a}.k_norm.weight", (d,))))
-        for param, read in tqdm(steps, desc="loading weights", unit="tensor", disable=not show_progress):
-            param.data = read().to(dtype=param.dtype, device=param.device).contiguous()
+                put(layer.q_norm.weight, vector(f"{a}.q_norm.weight", d))
+                put(layer.k_norm.weight, vector(f"{a}.k_norm.weight", d))
+            gate_up = [columns(f"{p}.mlp.gate_proj.weight", inter), columns(f"{p}.mlp.up_proj.weight", inter)]
+            put(layer.gate_up_proj.weight, torch.cat(gate_up))
+            put(layer.down_proj.weight, reader.read(f"{p}.mlp.down_proj.weight", (hidden, inter), shard_dim=1, tp=tp))

@@ -1,0 +1,65 @@
+"""The ``pie`` command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="Pie on Ray: a programmable LLM serving cluster.", no_args_is_help=True)
+model_app = typer.Typer(help="Models: the embedded default and Hugging Face directories.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+console = Console()
+
+
+@model_app.command("build-default")
+def build_default(
+    arch: Annotated[str, typer.Option(help="llama (GQA) or qwen3 (q/k norm, tied embeddings)")] = "llama",
+    out: Annotated[Path | None, typer.Option(help="write here instead of the user cache")] = None,
+) -> None:
+    """Build the tiny random-weight default model (offline, deterministic) and print its directory."""
+    from pie_workers.tiny_model import build_tiny_model, default_model_path
+
+    if arch not in ("llama", "qwen3"):
+        raise typer.BadParameter(f"unknown arch {arch!r}; choose llama or qwen3")
+    print(build_tiny_model(out, arch) if out else default_model_path(arch))
+
+
+@model_app.command("info")
+def model_info(model_dir: Path) -> None:
+    """Show what the runner reads from a Hugging Face model directory's config.json."""
+    from pie_workers.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model_dir)
+    for key, value in vars(cfg).items():
+        console.print(f"[bold]{key}[/bold]: {value}")
+
+
+@app.command()
+def smoke(
+    prompt: Annotated[str, typer.Option(help="user message")] = "Tell me about paged attention.",
+    model: Annotated[Path | None, typer.Option(help="HF model directory (default: the embedded tiny model)")] = None,
+    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
+    max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 32,
+) -> None:
+    """Bring up one replica on an embedded Ray and decode a greedy chat reply through it."""
+    from pie_workers.tiny_model import default_model_path
+
+    from pie_cluster.local_ray import init_ray
+    from pie_cluster.smoke import smoke as run_smoke
+
+    model_dir = model or default_model_path("llama")
+    init_ray(num_cpus=max(2, tp))
+    result = run_smoke(model_dir, prompt, max_tokens, tp)
+    console.print(f"[bold]model[/bold] {model_dir} (tensor parallel {tp})")
+    console.print(
+        f"[bold]prompt[/bold] {result.prompt_tokens} tokens; [bold]reply[/bold] {len(result.tokens)} "
+        f"tokens in {result.seconds * 1000:.0f} ms"
+    )
+    console.print(repr(result.text))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,131 @@
+"""One model replica on Ray: a tensor-parallel group of rank actors placed together by a placement group.
+
+Each rank actor owns one ``ModelRunner`` (its weight shards and its share of the KV pool). Rank 0 receives batches
+and broadcasts them to the other ranks over torch.distributed (NCCL on GPU, gloo on CPU); followers sit in
+``follow`` running whatever the leader sends. Data-parallel replicas are simply more ``Replica`` objects.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pie_workers.runner import ModelRunner, RunnerSettings
+from pie_workers.wire.batch import ForwardBatch, RequestOutput
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a replica tells the engine above it about itself."""
+
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    num_pages: int
+    page_size: int
+    tensor_parallel_size: int
+    device: str
+    dtype: str
+    node_id: str
+
+
+class RankWorker:
+    """One tensor-parallel rank. Runs as a Ray actor (see ``Replica``); threads = the CPUs of its bundle."""
+
+    def __init__(self, rank: int, world_size: int, threads: int):
+        import torch
+
+        torch.set_num_threads(threads)
+        self.rank, self.world_size = rank, world_size
+        self.runner: ModelRunner | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """An address and a free port on this node for the group's torch.distributed store."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def start(self, model_dir: str, settings: RunnerSettings, addr: str, port: int) -> ReplicaInfo:
+        import torch
+
+        from pie_workers.parallel import init_group
+
+        backend = "nccl" if torch.cuda.is_available() and settings.device != "cpu" else "gloo"
+        tp = init_group(self.rank, self.world_size, addr, port, backend)
+        self.runner = ModelRunner(model_dir, settings, tp, show_progress=True)
+        r = self.runner
+        return ReplicaInfo(
+            model_dir=str(model_dir),
+            architecture=r.cfg.architecture,
+            vocab_size=r.cfg.vocab_size,
+            num_pages=r.num_pages,
+            page_size=r.page_size,
+            tensor_parallel_size=self.world_size,
+            device=str(r.device),
+            dtype=str(r.dtype).removeprefix("torch."),
+            node_id=ray.get_runtime_context().get_node_id(),
+        )
+
+    def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
+        return self.runner.execute(batch)
+
+    def follow(self) -> None:
+        self.runner.follow()
+
+    def stop(self) -> None:
+        if self.runner is not None and self.world_size > 1 and self.rank == 0:
+            self.runner.stop_followers()
+
+
+class Replica:
+    """Driver-side handle of one replica: its placement group, rank actors, and the leader to send batches to."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        tensor_parallel_size: int = 1,
+        settings: RunnerSettings = RunnerSettings(),
+        cpus_per_rank: int = 1,
+        use_gpu: bool | None = None,
+    ):
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0 and settings.device != "cpu"
+        n = tensor_parallel_size
+        bundle = {"GPU": 1, "CPU": cpus_per_rank} if use_gpu else {"CPU": cpus_per_rank}
+        self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK")
+        ray.get(self.placement_group.ready(), timeout=600)
+        actor = ray.remote(RankWorker)
+        self.ranks = [
+            actor.options(
+                num_cpus=cpus_per_rank,
+                num_gpus=1 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=i
+                ),
+            ).remote(i, n, cpus_per_rank)
+            for i in range(n)
+        ]
+        addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
+        infos = ray.get([r.start.remote(str(model_dir), settings, addr, port) for r in self.ranks])
+        self.info: ReplicaInfo = infos[0]
+        self._following = [r.follow.remote() for r in self.ranks[1:]]
+
+    @property
+    def leader(self):
+        return self.ranks[0]
+
+    def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
+        return ray.get(self.leader.execute.remote(batch))
+
+    def shutdown(self) -> None:
+        ray.get(self.leader.stop.remote())
+        ray.get(self._following)
+        for r in self.ranks:
+            ray.kill(r)
+        remove_placement_group(self.placement_group)
