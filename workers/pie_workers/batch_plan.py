@@ -8,6 +8,7 @@ while there is no per-request work in the model's hot path.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,21 +27,33 @@ class AttentionBucket:
     """Requests whose query rows are padded to ``Qb`` and whose KV slots are padded to ``Kb``."""
 
     q_index: torch.Tensor  # [Rb, Qb] token index of each query row (padding -> 0)
-    kv_slots: torch.Tensor  # [Rb, Kb] flat pool slot of each KV position (padding -> 0)
-    mask: torch.Tensor  # [Rb, 1, Qb, Kb] True = attend
+    kv_pages: torch.Tensor  # [Rb, Pb] pool page holding each run of page_size KV positions (padding -> 0)
+    mask: torch.Tensor  # [Rb, 1, Qb, Pb * page_size] True = attend
     q_seq: torch.Tensor  # [Rb, 1, Qb, 1] each query's own sequence index (for sliding windows)
     valid: torch.Tensor  # [M] flat (row * Qb + i) indices of real query rows
     dest: torch.Tensor  # [M] token index each real row's output goes to
-    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    identity: bool = False  # the bucket is the whole batch, one unpadded row per request, in token order
+    _additive: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
-        """The mask restricted to a sliding window of ``window`` tokens (key k visible iff q - k < window)."""
+        """The boolean mask restricted to a sliding window of ``window`` tokens (key k visible iff q - k < window)."""
         if window is None:
             return self.mask
-        if window not in self._windowed:
-            k_seq = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            self._windowed[window] = self.mask & ((self.q_seq - k_seq) < window)
-        return self._windowed[window]
+        k_seq = torch.arange(self.mask.shape[-1], device=self.mask.device)
+        return self.mask & ((self.q_seq - k_seq) < window)
+
+    def additive_mask(self, window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """0 / -inf mask for query rows ordered (query head in KV group, row), built once per batch and reused by
+        every layer. SDPA is fastest with a float mask and with GQA folded into the query rows."""
+        key = (window, group, dtype)
+        if key not in self._additive:
+            allowed = self.mask_for(window)
+            rb, _, qb, kb = allowed.shape
+            if qb > 1 and group > 1:
+                allowed = allowed[:, :, None].expand(rb, 1, group, qb, kb).reshape(rb, 1, group * qb, kb)
+            zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self._additive[key] = zeros.masked_fill_(~allowed, float("-inf"))
+        return self._additive[key]
 
 
 @dataclass
@@ -52,8 +65,9 @@ class BatchPlan:
     write_slots: torch.Tensor  # [T] pool slot each token's K/V is written to
     buckets: list[AttentionBucket]
     logit_rows: torch.Tensor  # [N] token indices whose logits are needed
-    copy_src: torch.Tensor  # [C] pool slots copied before the forward
+    copy_src: torch.Tensor  # [C] pool pages copied before the forward
     copy_dst: torch.Tensor  # [C]
+    every_row_has_logits: bool = False  # logit_rows == arange(T): decode batches skip the row gather
 
     @property
     def num_tokens(self) -> int:
@@ -66,12 +80,15 @@ class BatchPlan:
             move(self.positions),
             move(self.write_slots),
             [
-                AttentionBucket(*(move(t) for t in (b.q_index, b.kv_slots, b.mask, b.q_seq, b.valid, b.dest)))
+                AttentionBucket(
+                    *(move(t) for t in (b.q_index, b.kv_pages, b.mask, b.q_seq, b.valid, b.dest)), b.identity
+                )
                 for b in self.buckets
             ],
             move(self.logit_rows),
             move(self.copy_src),
             move(self.copy_dst),
+            self.every_row_has_logits,
         )
 
 
@@ -80,13 +97,11 @@ class RequestSampling:
     """Leader-only: how to turn one request's logit rows into its outputs."""
 
     index: int  # position of the request in the batch
-    slot_rows: list[int]  # logit row of each slot, in slot order
-    slots: list[Slot]
+    slots: list[Slot]  # slot n reads logit row first_row + n
     logit_mask: list[int] | None
-    first_row: int  # its first logit row; rows are contiguous per request
+    first_row: int  # rows are contiguous per request: its slots', then its drafts'
     num_rows: int
-    verify_rows: list[int] = field(default_factory=list)  # logit rows of the drafts, in order
-    draft_tokens: list[int] = field(default_factory=list)
+    draft_tokens: list[int] = field(default_factory=list)  # drafts' rows follow the slots' rows
     verify_slot: int = -1  # index into slots of the verifying sampler
 
 
@@ -97,8 +112,9 @@ class PlannedBatch:
     errors: dict[int, str]
 
 
-def _check_request(req: ForwardRequest, page_size: int, num_pages: int, vocab: int) -> str | None:
-    """The first problem with a request, or None. Cheap checks over plain lists."""
+def _check_request(req: ForwardRequest, page_size: int, vocab: int) -> str | None:
+    """The first structural problem with a request, or None. Per-token checks (ids, positions, page ids) run
+    vectorized over the whole batch in ``_check_elements``."""
     n_in, n_draft = len(req.token_ids), len(req.draft_tokens)
     if n_in == 0:
         return "request has no input tokens"
@@ -106,12 +122,6 @@ def _check_request(req: ForwardRequest, page_size: int, num_pages: int, vocab: i
         return f"{len(req.positions)} positions for {n_in} input tokens"
     if len(req.draft_positions) != n_draft:
         return f"{len(req.draft_positions)} draft positions for {n_draft} draft tokens"
-    for name, ids in (("token id", req.token_ids), ("draft token id", req.draft_tokens)):
-        if ids and (min(ids) < 0 or max(ids) >= vocab):
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            return f"{name} {bad} is out of the vocabulary [0, {vocab})"
-    if min(req.positions) < 0 or (req.draft_positions and min(req.draft_positions) < 0):
-        return "positions must be non-negative"
     if req.kv_len < 0:
         return f"kv_len {req.kv_len} is negative"
     total = req.kv_len + n_in + n_draft
@@ -121,12 +131,6 @@ def _check_request(req: ForwardRequest, page_size: int, num_pages: int, vocab: i
             f"{len(req.page_ids)} KV pages hold {len(req.page_ids) * page_size} tokens but kv_len {req.kv_len} + "
             f"{n_in} inputs + {n_draft} drafts need {total} ({need} pages of {page_size})"
         )
-    used = req.page_ids[:need]
-    if min(used) < 0 or max(used) >= num_pages:
-        bad = next(p for p in used if not 0 <= p < num_pages)
-        return f"page id {bad} is out of the KV pool [0, {num_pages})"
-    if len(set(used)) != len(used):
-        return "page list names the same page twice"
     if req.attention_masks is not None:
         if len(req.attention_masks) != n_in:
             return f"{len(req.attention_masks)} attention-mask rows for {n_in} input tokens"
@@ -160,6 +164,7 @@ def _check_request(req: ForwardRequest, page_size: int, num_pages: int, vocab: i
     return None
 
 
+@functools.lru_cache(maxsize=4096)
 def _check_slot(slot: Slot, vocab: int) -> str | None:
     if not isinstance(slot.kind, SlotKind):
         return f"unknown sampler kind {slot.kind!r}"
@@ -183,13 +188,14 @@ def _check_slot(slot: Slot, vocab: int) -> str | None:
 def plan_batch(batch: ForwardBatch, page_size: int, num_pages: int, vocab: int) -> PlannedBatch:
     _check_copies(batch.page_copies, num_pages)
     errors: dict[int, str] = {}
-    ok: list[int] = []
     for i, req in enumerate(batch.requests):
-        problem = _check_request(req, page_size, num_pages, vocab)
-        if problem:
+        if problem := _check_request(req, page_size, vocab):
             errors[i] = problem
-        else:
-            ok.append(i)
+    ok = [i for i in range(len(batch.requests)) if i not in errors]
+    bad = _check_elements([batch.requests[i] for i in ok], page_size, num_pages, vocab)
+    if bad:
+        errors.update({ok[k]: msg for k, msg in bad.items()})
+        ok = [i for i in ok if i not in errors]
     reqs = [batch.requests[i] for i in ok]
     S = page_size
 
@@ -216,7 +222,7 @@ def plan_batch(batch: ForwardBatch, page_size: int, num_pages: int, vocab: int) 
         buckets.append(_bucket(members, reqs, n_in, n_rows, kv_len, total, tok_start, page_start, pages, S))
 
     sampling, logit_rows = _sampling_plan(ok, reqs, n_in, tok_start)
-    copy_src, copy_dst = _copy_slots(batch.page_copies, S)
+    copy_src, copy_dst = _copy_pages(batch.page_copies)
     plan = BatchPlan(
         token_ids=torch.tensor(token_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
@@ -225,8 +231,38 @@ def plan_batch(batch: ForwardBatch, page_size: int, num_pages: int, vocab: int) 
         logit_rows=torch.tensor(logit_rows, dtype=torch.long),
         copy_src=copy_src,
         copy_dst=copy_dst,
+        every_row_has_logits=logit_rows == list(range(len(token_ids))),
     )
     return PlannedBatch(plan, sampling, errors)
+
+
+def _check_elements(reqs: list[ForwardRequest], page_size: int, num_pages: int, vocab: int) -> dict[int, str]:
+    """Token ids in the vocabulary, non-negative positions, page ids in the pool and not repeated — for every
+    request at once. Returns {index in reqs: problem}."""
+    if not reqs:
+        return {}
+    tokens = np.fromiter((t for r in reqs for t in (*r.token_ids, *r.draft_tokens)), dtype=np.int64)
+    positions = np.fromiter((p for r in reqs for p in (*r.positions, *r.draft_positions)), dtype=np.int64)
+    rows = np.fromiter((len(r.token_ids) + len(r.draft_tokens) for r in reqs), dtype=np.int64, count=len(reqs))
+    need = np.fromiter(
+        (-(-(r.kv_len + len(r.token_ids) + len(r.draft_tokens)) // page_size) for r in reqs), np.int64, len(reqs)
+    )
+    pages = np.fromiter((p for r, n in zip(reqs, need, strict=True) for p in r.page_ids[:n]), dtype=np.int64)
+    req_of_tok, req_of_page = np.repeat(np.arange(len(reqs)), rows), np.repeat(np.arange(len(reqs)), need)
+    problems: dict[int, str] = {}
+    for k in np.unique(req_of_tok[(tokens < 0) | (tokens >= vocab)]):
+        bad = next(t for t in (*reqs[k].token_ids, *reqs[k].draft_tokens) if not 0 <= t < vocab)
+        problems[int(k)] = f"token id {bad} is out of the vocabulary [0, {vocab})"
+    for k in np.unique(req_of_tok[positions < 0]):
+        problems.setdefault(int(k), "positions must be non-negative")
+    for k in np.unique(req_of_page[(pages < 0) | (pages >= num_pages)]):
+        bad = next(p for p in reqs[k].page_ids if not 0 <= p < num_pages)
+        problems.setdefault(int(k), f"page id {bad} is out of the KV pool [0, {num_pages})")
+    order = np.lexsort((pages, req_of_page))
+    repeated = (np.diff(pages[order]) == 0) & (np.diff(req_of_page[order]) == 0)
+    for k in np.unique(req_of_page[order][1:][repeated]):
+        problems.setdefault(int(k), "page list names the same page twice")
+    return problems
 
 
 def _pow2_ceil(x: np.ndarray) -> np.ndarray:
@@ -235,55 +271,50 @@ def _pow2_ceil(x: np.ndarray) -> np.ndarray:
 
 def _bucket(members, reqs, n_in, n_rows, kv_len, total, tok_start, page_start, pages, S) -> AttentionBucket:
     rows, ins, kvl, tot = n_rows[members], n_in[members], kv_len[members], total[members]
-    qb, kb = int(rows.max()), int(tot.max())
+    qb = int(rows.max())
+    pb = int(-(-tot.max() // S))
+    kb = pb * S
     i = np.arange(qb)[None, :]
     j = np.arange(kb)[None, None, :]
     real_q = i < rows[:, None]  # [Rb, Qb]
     q_index = np.where(real_q, tok_start[members][:, None] + i, 0)
-    page_idx = np.minimum(page_start[members][:, None] + np.arange(kb)[None, :] // S, pages.size - 1)
-    real_k = np.arange(kb)[None, :] < tot[:, None]
-    kv_slots = np.where(real_k, pages[page_idx] * S + np.arange(kb)[None, :] % S, 0)
+    n_pages = -(-tot // S)
+    real_p = np.arange(pb)[None, :] < n_pages[:, None]
+    kv_pages = np.where(real_p, pages[np.minimum(page_start[members][:, None] + np.arange(pb), pages.size - 1)], 0)
     q_seq = np.where(real_q, kvl[:, None] + i, 0)
-    mask = (j <= q_seq[:, :, None]) & real_k[:, None, :] & real_q[:, :, None]
+    mask = (j <= q_seq[:, :, None]) & (j < tot[:, None, None]) & real_q[:, :, None]
     mask[:, :, 0] |= ~real_q  # padded query rows attend slot 0 so softmax stays finite; their output is dropped
     for local, r in enumerate(members):
         rows_brle = reqs[r].attention_masks
         if rows_brle is not None:
             mask[local, : ins[local], :] = brle.decode_rows(rows_brle, kb)
     valid = np.flatnonzero(real_q.reshape(-1))
+    dest = q_index.reshape(-1)[valid]
     return AttentionBucket(
         q_index=torch.from_numpy(q_index),
-        kv_slots=torch.from_numpy(kv_slots),
+        kv_pages=torch.from_numpy(kv_pages),
         mask=torch.from_numpy(mask[:, None]),
         q_seq=torch.from_numpy(q_seq[:, None, :, None]),
         valid=torch.from_numpy(valid),
-        dest=torch.from_numpy(q_index.reshape(-1)[valid]),
+        dest=torch.from_numpy(dest),
+        identity=qb == 1 and len(members) == len(reqs),
     )
 
 
 def _sampling_plan(ok: list[int], reqs: list[ForwardRequest], n_in: np.ndarray, tok_start: np.ndarray):
-    """Pick the logit rows each request needs (slot rows, plus draft rows to verify), contiguous per request."""
+    """One logit row per slot (in slot order), then one per draft to verify; contiguous per request."""
     sampling, logit_rows = [], []
     for k, (idx, req) in enumerate(zip(ok, reqs, strict=True)):
-        needed = sorted({row for row, _ in req.slots})
-        draft_rows = list(range(int(n_in[k]), int(n_in[k]) + len(req.draft_tokens)))
-        first = len(logit_rows)
-        local = {row: first + n for n, row in enumerate(needed + draft_rows)}
-        logit_rows.extend(int(tok_start[k]) + row for row in needed + draft_rows)
-        verify = next((n for n, (_, s) in enumerate(req.slots) if s.kind.is_token), -1)
-        sampling.append(
-            RequestSampling(
-                index=idx,
-                slot_rows=[local[row] for row, _ in req.slots],
-                slots=[s for _, s in req.slots],
-                logit_mask=req.logit_mask or None,
-                first_row=first,
-                num_rows=len(logit_rows) - first,
-                verify_rows=[local[row] for row in draft_rows],
-                draft_tokens=list(req.draft_tokens),
-                verify_slot=verify if req.draft_tokens else -1,
-            )
-        )
+        start, first = int(tok_start[k]), len(logit_rows)
+        logit_rows += [start + row for row, _ in req.slots]
+        slots = [s for _, s in req.slots]
+        rs = RequestSampling(idx, slots, req.logit_mask or None, first, len(slots))
+        if req.draft_tokens:
+            rs.verify_slot = next(n for n, s in enumerate(slots) if s.kind.is_token)
+            rs.draft_tokens = list(req.draft_tokens)
+            logit_rows += range(start + int(n_in[k]), start + int(n_in[k]) + len(req.draft_tokens))
+            rs.num_rows += len(req.draft_tokens)
+        sampling.append(rs)
     return sampling, logit_rows
 
 
@@ -295,12 +326,6 @@ def _check_copies(copies: list[tuple[int, int]], num_pages: int) -> None:
             raise BatchError(f"page copy {src} -> {dst} copies a page onto itself")
 
 
-def _copy_slots(copies: list[tuple[int, int]], S: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not copies:
-        empty = torch.zeros(0, dtype=torch.long)
-        return empty, empty
-    arr = np.asarray(copies, dtype=np.int64)
-    offs = np.arange(S)
-    src = (arr[:, 0:1] * S + offs).reshape(-1)
-    dst = (arr[:, 1:2] * S + offs).reshape(-1)
-    return torch.from_numpy(src), torch.from_numpy(dst)
+def _copy_pages(copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    arr = torch.tensor(copies, dtype=torch.long).reshape(-1, 2)
+    return arr[:, 0].contiguous(), arr[:, 1].contiguous()

@@ -1,6 +1,6 @@
-"""The paged KV pool of one rank: fixed-size pages of K and V for every layer, addressed by flat slot.
+"""The paged KV pool of one rank: fixed-size pages of K and V for every layer.
 
-Slot ``page * page_size + offset`` is one token's K/V in every layer. The pool knows nothing about requests; the
+Pages are gathered whole for attention; single tokens are written by flat slot ``page * page_size + offset``. The pool knows nothing about requests; the
 replica hands each batch its page lists. Sized by an explicit page count or by a fraction of free memory.
 """
 
@@ -43,17 +43,17 @@ class KVPool:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"KV pool needs >= 1 page of >= 1 token (got {num_pages} x {page_size})")
         self.num_pages, self.page_size = num_pages, page_size
-        shape = (cfg.num_layers, num_pages * page_size, local_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, num_pages, page_size, local_kv_heads, cfg.head_dim)
         # zero-filled: padded attention reads stale slots under a mask, and 0 * -inf must never meet a NaN
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k[layer].flatten(0, 1).index_copy_(0, slots, k)
+        self.v[layer].flatten(0, 1).index_copy_(0, slots, v)
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole pages' slots (all layers) — forks give a child its own copy of the parent's working pages."""
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole pages (all layers) — forks give a child its own copy of the parent's working pages."""
         if src.numel():
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]

@@ -89,7 +89,7 @@ class ModelRunner:
         for i, msg in planned.errors.items():
             outputs[i].error = msg
         if planned.plan.num_tokens == 0:
-            self.kv.copy_slots(planned.plan.copy_src.to(self.device), planned.plan.copy_dst.to(self.device))
+            self.kv.copy_pages(planned.plan.copy_src.to(self.device), planned.plan.copy_dst.to(self.device))
             self.tp.broadcast_object(planned.plan)
             return outputs
         plan = planned.plan.to(self.device)
@@ -104,7 +104,7 @@ class ModelRunner:
         while (plan := self.tp.broadcast_object()) is not None:
             plan = plan.to(self.device)
             if plan.num_tokens == 0:
-                self.kv.copy_slots(plan.copy_src, plan.copy_dst)
+                self.kv.copy_pages(plan.copy_src, plan.copy_dst)
             else:
                 self.model(plan, self.kv)
 
@@ -112,56 +112,46 @@ class ModelRunner:
         self.tp.broadcast_object(None)
 
     def _sample(self, planned: PlannedBatch, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
-        _apply_logit_masks(logits, planned.sampling)
-        rows, slots, owners = [], [], []
-        for k, rs in enumerate(planned.sampling):
-            rows += rs.slot_rows
-            slots += rs.slots
-            owners += [k] * len(rs.slots)
-            if rs.verify_slot >= 0:
-                rows += rs.verify_rows
-                slots += [rs.slots[rs.verify_slot]] * len(rs.verify_rows)
-                owners += [k] * len(rs.verify_rows)
-        if not rows:
-            return
-        row_t = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        picked = logits[row_t]
-        dead = {owners[i] for i in sampling.check_rows_samplable(picked, slots)}
-        for k in dead:
-            outputs[planned.sampling[k].index].error = "the logit mask excludes every token"
+        """Evaluate every slot; with drafts, also sample each draft row with the verifying sampler."""
+        plans = planned.sampling
+        masked = [rs for rs in plans if rs.logit_mask]
+        for rs in masked:
+            allowed = torch.from_numpy(brle.decode(rs.logit_mask, logits.shape[-1])).to(logits.device)
+            logits[rs.first_row : rs.first_row + rs.num_rows].masked_fill_(~allowed, float("-inf"))
+        slots = [s for rs in plans for s in _row_slots(rs)]
+        dead = {rs.index for rs in masked if sampling.check_rows_samplable(_rows_of(logits, rs), _row_slots(rs))}
         if dead:
-            keep = [i for i, o in enumerate(owners) if o not in dead]
-            picked = picked[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-            slots = [slots[i] for i in keep]
-            owners = [owners[i] for i in keep]
-        results = sampling.run_slots(picked, slots) if slots else []
+            keep = [rs for rs in plans if rs.index not in dead]
+            for rs in plans:
+                if rs.index in dead:
+                    outputs[rs.index].error = "the logit mask excludes every token"
+            logits = torch.cat([_rows_of(logits, rs) for rs in keep]) if keep else logits[:0]
+            plans, slots = keep, [s for rs in keep for s in _row_slots(rs)]
+        results = sampling.run_slots(logits, slots) if slots else []
         cursor = 0
-        for k, rs in enumerate(planned.sampling):
-            if k in dead:
-                continue
-            n = len(rs.slots) + (len(rs.verify_rows) if rs.verify_slot >= 0 else 0)
-            mine = results[cursor : cursor + n]
-            cursor += n
+        for rs in plans:
+            mine = results[cursor : cursor + rs.num_rows]
+            cursor += rs.num_rows
             out = outputs[rs.index]
             out.slots = mine[: len(rs.slots)]
-            if rs.verify_slot >= 0:
-                out.tokens = _verify(rs, out.slots[rs.verify_slot], mine[len(rs.slots) :])
+            if rs.draft_tokens:
+                out.tokens = _verify(rs.draft_tokens, out.slots[rs.verify_slot], mine[len(rs.slots) :])
 
 
-def _apply_logit_masks(logits: torch.Tensor, plans: list[RequestSampling]) -> None:
-    vocab = logits.shape[-1]
-    for rs in plans:
-        if rs.logit_mask:
-            allowed = torch.from_numpy(brle.decode(rs.logit_mask, vocab)).to(logits.device)
-            rows = logits[rs.first_row : rs.first_row + rs.num_rows]
-            rows.masked_fill_(~allowed, float("-inf"))
+def _row_slots(rs: RequestSampling) -> list:
+    """The slot evaluated on each of the request's logit rows."""
+    return rs.slots + [rs.slots[rs.verify_slot]] * len(rs.draft_tokens)
 
 
-def _verify(rs: RequestSampling, first: SlotOutput, after_drafts: list[SlotOutput]) -> list[int]:
+def _rows_of(logits: torch.Tensor, rs: RequestSampling) -> torch.Tensor:
+    return logits[rs.first_row : rs.first_row + rs.num_rows]
+
+
+def _verify(drafts: list[int], first: SlotOutput, after_drafts: list[SlotOutput]) -> list[int]:
     """Accept the longest prefix of drafts the sampler agrees with, plus the sampler's token after it."""
     sampled = [first.token] + [o.token for o in after_drafts]
     accepted: list[int] = []
-    for draft, token in zip(rs.draft_tokens, sampled, strict=False):
+    for draft, token in zip(drafts, sampled, strict=False):
         if draft != token:
             break
         accepted.append(draft)

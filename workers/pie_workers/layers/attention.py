@@ -10,21 +10,32 @@ from pie_workers.batch_plan import BatchPlan
 
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    k_pool: torch.Tensor,  # [slots, Hkv, D] of one layer
-    v_pool: torch.Tensor,
+    k_pages: torch.Tensor,  # [pages, page_size, Hkv, D] of one layer
+    v_pages: torch.Tensor,
     plan: BatchPlan,
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """Returns ``[T, Hq * D]``. Each bucket gathers its requests' queries and KV pages into padded tensors."""
+    """Returns ``[T, Hq * D]``. Each bucket gathers its requests' queries and whole KV pages into padded tensors.
+
+    The query heads sharing a KV head are folded into extra query rows, so SDPA sees ``[Rb, Hkv, G * Qb, D]``
+    against ``[Rb, Hkv, Kb, D]`` and no KV head is ever repeated.
+    """
     T, Hq, D = q.shape
-    out = q.new_empty(T, Hq * D)
-    gqa = Hq != k_pool.shape[1]
+    Hkv = k_pages.shape[2]
+    G = Hq // Hkv
+    out = None if len(plan.buckets) == 1 and plan.buckets[0].identity else q.new_empty(T, Hq * D)
     for b in plan.buckets:
         rb, qb = b.q_index.shape
-        qs = q[b.q_index].transpose(1, 2)  # [Rb, Hq, Qb, D]
-        ks = k_pool[b.kv_slots].transpose(1, 2)  # [Rb, Hkv, Kb, D]
-        vs = v_pool[b.kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=b.mask_for(window), scale=scale, enable_gqa=gqa)
-        out[b.dest] = o.transpose(1, 2).reshape(rb * qb, Hq * D)[b.valid]
+        qs = q[:, None] if b.identity else q[b.q_index]  # [Rb, Qb, Hq, D]
+        qs = qs.view(rb, qb, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(rb, Hkv, G * qb, D)
+        pages = b.kv_pages.flatten()  # index_select copies whole pages: ~3x faster than advanced indexing
+        ks = k_pages.index_select(0, pages).view(rb, -1, Hkv, D).transpose(1, 2)  # [Rb, Hkv, Kb, D]
+        vs = v_pages.index_select(0, pages).view(rb, -1, Hkv, D).transpose(1, 2)
+        mask = b.additive_mask(window, G, q.dtype)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [Rb, Hkv, G * Qb, D]
+        o = o.view(rb, Hkv, G, qb, D).permute(0, 3, 1, 2, 4).reshape(rb * qb, Hq * D)
+        if out is None:
+            return o
+        out[b.dest] = o[b.valid]
     return out

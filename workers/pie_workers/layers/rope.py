@@ -38,14 +38,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables ``[T, 1, head_dim]`` for the given token positions (computed in fp32)."""
+        """cos and sign-folded sin tables ``[T, 1, head_dim]`` for the given positions (computed in fp32).
+
+        The sin table's first half is negated so that ``apply_rotary`` can swap halves without a negation.
+        """
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos = freqs.cos()
+        sin = freqs.sin()
+        return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: ``[T, heads, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: ``[T, heads, head_dim]``; HF's ``x * cos + rotate_half(x) * sin`` with the sign folded into the table."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * signed_sin

@@ -51,13 +51,15 @@ class DecoderLayer(torch.nn.Module):
 
     def forward(self, h, cos, sin, plan: BatchPlan, kv: KVPool) -> torch.Tensor:
         T, d = h.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(self.input_layernorm(h)).split(
-            [self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1
-        )
-        q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(self.input_layernorm(h))
+        n_q, n_kv = self.local_heads, self.local_kv_heads
+        if self.q_norm is None:  # rotate q and k together: they are adjacent in the fused projection
+            qk = apply_rotary(qkv[:, : (n_q + n_kv) * d].view(T, n_q + n_kv, d), cos, sin)
+            q, k = qk[:, :n_q], qk[:, n_q:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, : n_q * d].view(T, n_q, d)), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, n_q * d : (n_q + n_kv) * d].view(T, n_kv, d)), cos, sin)
+        v = qkv[:, (n_q + n_kv) * d :].view(T, n_kv, d)
         kv.write(self.index, plan.write_slots, k, v)
         attn = paged_attention(q, kv.k[self.index], kv.v[self.index], plan, self.window, self.scale)
         h = h + self.o_proj(attn)
@@ -84,12 +86,12 @@ class LlamaModel(torch.nn.Module):
 
     def forward(self, plan: BatchPlan, kv: KVPool) -> torch.Tensor | None:
         """Runs every token of the plan; returns logits ``[N, vocab]`` of ``plan.logit_rows`` on the leader."""
-        kv.copy_slots(plan.copy_src, plan.copy_dst)
+        kv.copy_pages(plan.copy_src, plan.copy_dst)
         h = self.embed_tokens(plan.token_ids)
         cos, sin = self.rotary.cos_sin(plan.positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, plan, kv)
-        h = self.norm(h[plan.logit_rows])
+        h = self.norm(h if plan.every_row_has_logits else h[plan.logit_rows])
         logits = self.lm_head(h)
         return None if logits is None else logits.float()
 
