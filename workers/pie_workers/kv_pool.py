@@ -1,7 +1,8 @@
 """The paged KV pool of one rank: fixed-size pages of K and V for every layer.
 
-Pages are gathered whole for attention; single tokens are written by flat slot ``page * page_size + offset``. The pool knows nothing about requests; the
-replica hands each batch its page lists. Sized by an explicit page count or by a fraction of free memory.
+Pages are gathered whole for attention; single tokens are written by flat slot ``page * page_size + offset``.
+The pool knows nothing about requests; the replica hands each batch its page lists. Sized by an explicit page
+count or by a fraction of free memory.
 """
 
 from __future__ import annotations
