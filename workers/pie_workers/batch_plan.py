@@ -9,6 +9,7 @@ while there is no per-request work in the model's hot path.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,6 +69,7 @@ class BatchPlan:
     copy_src: torch.Tensor  # [C] pool pages copied before the forward
     copy_dst: torch.Tensor  # [C]
     every_row_has_logits: bool = False  # logit_rows == arange(T): decode batches skip the row gather
+    max_position: int = 0  # largest RoPE position in the batch (sizes the rotary table without a device sync)
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +91,7 @@ class BatchPlan:
             move(self.copy_src),
             move(self.copy_dst),
             self.every_row_has_logits,
+            self.max_position,
         )
 
 
@@ -192,95 +195,132 @@ def plan_batch(batch: ForwardBatch, page_size: int, num_pages: int, vocab: int) 
         if problem := _check_request(req, page_size, vocab):
             errors[i] = problem
     ok = [i for i in range(len(batch.requests)) if i not in errors]
-    bad = _check_elements([batch.requests[i] for i in ok], page_size, num_pages, vocab)
-    if bad:
-        errors.update({ok[k]: msg for k, msg in bad.items()})
-        ok = [i for i in ok if i not in errors]
     reqs = [batch.requests[i] for i in ok]
+    cols = _Columns.of(reqs, page_size)
+    if bad := cols.problems(reqs, num_pages, vocab):
+        errors.update({ok[k]: msg for k, msg in bad.items()})
+        keep = np.array([k not in bad for k in range(len(reqs))])
+        cols = cols.select(keep)
+        ok = [i for k, i in enumerate(ok) if keep[k]]
+        reqs = [batch.requests[i] for i in ok]
     S = page_size
 
-    n_in = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
-    n_rows = n_in + np.array([len(r.draft_tokens) for r in reqs], dtype=np.int64)
-    kv_len = np.array([r.kv_len for r in reqs], dtype=np.int64)
-    total = kv_len + n_rows
-    tok_start = np.cumsum(n_rows) - n_rows
-    n_pages = np.array([len(r.page_ids) for r in reqs], dtype=np.int64)
-    page_start = np.cumsum(n_pages) - n_pages
-    pages = np.fromiter((p for r in reqs for p in r.page_ids), dtype=np.int64, count=int(n_pages.sum()))
+    total = cols.kv_len + cols.n_rows
+    tok_start = np.cumsum(cols.n_rows) - cols.n_rows
+    page_start = np.cumsum(cols.n_pages) - cols.n_pages
+    req_of_tok = np.repeat(np.arange(len(reqs)), cols.n_rows)
+    seq_of_tok = cols.kv_len[req_of_tok] + np.arange(req_of_tok.size) - tok_start[req_of_tok]
+    write_slots = cols.pages[page_start[req_of_tok] + seq_of_tok // S] * S + seq_of_tok % S
 
-    token_ids = [t for r in reqs for t in (*r.token_ids, *r.draft_tokens)]
-    positions = [p for r in reqs for p in (*r.positions, *r.draft_positions)]
-    req_of_tok = np.repeat(np.arange(len(reqs)), n_rows)
-    row_of_tok = np.arange(int(n_rows.sum())) - np.repeat(tok_start, n_rows)
-    seq_of_tok = kv_len[req_of_tok] + row_of_tok
-    write_slots = pages[page_start[req_of_tok] + seq_of_tok // S] * S + seq_of_tok % S
+    if cols.n_rows.size and cols.n_rows.max() == cols.n_rows.min():  # e.g. pure decode: one bucket
+        groups = [np.arange(len(reqs))]
+    else:
+        bucket_of_req = _pow2_ceil(cols.n_rows)
+        groups = [np.flatnonzero(bucket_of_req == qb) for qb in np.unique(bucket_of_req)]
+    buckets = [_bucket(members, reqs, cols, total, tok_start, page_start, S) for members in groups]
 
-    buckets = []
-    bucket_of_req = _pow2_ceil(n_rows)
-    for qb in np.unique(bucket_of_req):
-        members = np.flatnonzero(bucket_of_req == qb)
-        buckets.append(_bucket(members, reqs, n_in, n_rows, kv_len, total, tok_start, page_start, pages, S))
-
-    sampling, logit_rows = _sampling_plan(ok, reqs, n_in, tok_start)
+    sampling, logit_rows = _sampling_plan(ok, reqs, cols.n_in, tok_start)
     copy_src, copy_dst = _copy_pages(batch.page_copies)
     plan = BatchPlan(
-        token_ids=torch.tensor(token_ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+        token_ids=torch.from_numpy(cols.tokens),
+        positions=torch.from_numpy(cols.positions),
         write_slots=torch.from_numpy(write_slots),
         buckets=buckets,
         logit_rows=torch.tensor(logit_rows, dtype=torch.long),
         copy_src=copy_src,
         copy_dst=copy_dst,
-        every_row_has_logits=logit_rows == list(range(len(token_ids))),
+        every_row_has_logits=logit_rows == list(range(cols.tokens.size)),
+        max_position=int(cols.positions.max()) if cols.positions.size else 0,
     )
     return PlannedBatch(plan, sampling, errors)
 
 
-def _check_elements(reqs: list[ForwardRequest], page_size: int, num_pages: int, vocab: int) -> dict[int, str]:
-    """Token ids in the vocabulary, non-negative positions, page ids in the pool and not repeated — for every
-    request at once. Returns {index in reqs: problem}."""
-    if not reqs:
-        return {}
-    tokens = np.fromiter((t for r in reqs for t in (*r.token_ids, *r.draft_tokens)), dtype=np.int64)
-    positions = np.fromiter((p for r in reqs for p in (*r.positions, *r.draft_positions)), dtype=np.int64)
-    rows = np.fromiter((len(r.token_ids) + len(r.draft_tokens) for r in reqs), dtype=np.int64, count=len(reqs))
-    need = np.fromiter(
-        (-(-(r.kv_len + len(r.token_ids) + len(r.draft_tokens)) // page_size) for r in reqs), np.int64, len(reqs)
-    )
-    pages = np.fromiter((p for r, n in zip(reqs, need, strict=True) for p in r.page_ids[:n]), dtype=np.int64)
-    req_of_tok, req_of_page = np.repeat(np.arange(len(reqs)), rows), np.repeat(np.arange(len(reqs)), need)
-    problems: dict[int, str] = {}
-    for k in np.unique(req_of_tok[(tokens < 0) | (tokens >= vocab)]):
-        bad = next(t for t in (*reqs[k].token_ids, *reqs[k].draft_tokens) if not 0 <= t < vocab)
-        problems[int(k)] = f"token id {bad} is out of the vocabulary [0, {vocab})"
-    for k in np.unique(req_of_tok[positions < 0]):
-        problems.setdefault(int(k), "positions must be non-negative")
-    for k in np.unique(req_of_page[(pages < 0) | (pages >= num_pages)]):
-        bad = next(p for p in reqs[k].page_ids if not 0 <= p < num_pages)
-        problems.setdefault(int(k), f"page id {bad} is out of the KV pool [0, {num_pages})")
-    order = np.lexsort((pages, req_of_page))
-    repeated = (np.diff(pages[order]) == 0) & (np.diff(req_of_page[order]) == 0)
-    for k in np.unique(req_of_page[order][1:][repeated]):
-        problems.setdefault(int(k), "page list names the same page twice")
-    return problems
+@dataclass
+class _Columns:
+    """The batch flattened once: per-request lengths, then every row's token/position and every used page."""
+
+    n_in: np.ndarray
+    n_rows: np.ndarray  # inputs + drafts
+    kv_len: np.ndarray
+    n_pages: np.ndarray  # pages each request actually uses
+    tokens: np.ndarray
+    positions: np.ndarray
+    pages: np.ndarray
+
+    @staticmethod
+    def of(reqs: list[ForwardRequest], page_size: int) -> _Columns:
+        chain = itertools.chain.from_iterable
+        n_in = np.fromiter((len(r.token_ids) for r in reqs), np.int64, len(reqs))
+        n_rows = n_in + np.fromiter((len(r.draft_tokens) for r in reqs), np.int64, len(reqs))
+        kv_len = np.fromiter((r.kv_len for r in reqs), np.int64, len(reqs))
+        n_pages = -(-(kv_len + n_rows) // page_size)
+        return _Columns(
+            n_in,
+            n_rows,
+            kv_len,
+            n_pages,
+            np.fromiter(chain(chain((r.token_ids, r.draft_tokens)) for r in reqs), np.int64, int(n_rows.sum())),
+            np.fromiter(chain(chain((r.positions, r.draft_positions)) for r in reqs), np.int64, int(n_rows.sum())),
+            np.fromiter(chain(r.page_ids[:n] for r, n in zip(reqs, n_pages.tolist(), strict=True)), np.int64),
+        )
+
+    def problems(self, reqs: list[ForwardRequest], num_pages: int, vocab: int) -> dict[int, str]:
+        """Token ids in the vocabulary, non-negative positions, page ids in the pool and not repeated — checked for
+        every request at once (a few reductions when all is well). Returns {index in reqs: problem}."""
+        tokens, positions, pages = self.tokens, self.positions, self.pages
+        req_of_page = np.repeat(np.arange(len(reqs)), self.n_pages)
+        page_keys = req_of_page * num_pages + pages
+        if (
+            (tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < vocab and positions.min() >= 0))
+            and (pages.size == 0 or (pages.min() >= 0 and pages.max() < num_pages))
+            and np.unique(page_keys).size == pages.size
+        ):
+            return {}
+        req_of_tok = np.repeat(np.arange(len(reqs)), self.n_rows)
+        found: dict[int, str] = {}
+        for k in np.unique(req_of_tok[(tokens < 0) | (tokens >= vocab)]).tolist():
+            bad = next(t for t in (*reqs[k].token_ids, *reqs[k].draft_tokens) if not 0 <= t < vocab)
+            found[k] = f"token id {bad} is out of the vocabulary [0, {vocab})"
+        for k in np.unique(req_of_tok[positions < 0]).tolist():
+            found.setdefault(k, "positions must be non-negative")
+        for k in np.unique(req_of_page[(pages < 0) | (pages >= num_pages)]).tolist():
+            bad = next(p for p in reqs[k].page_ids if not 0 <= p < num_pages)
+            found.setdefault(k, f"page id {bad} is out of the KV pool [0, {num_pages})")
+        order = np.lexsort((pages, req_of_page))
+        repeated = (np.diff(pages[order]) == 0) & (np.diff(req_of_page[order]) == 0)
+        for k in np.unique(req_of_page[order][1:][repeated]).tolist():
+            found.setdefault(k, "page list names the same page twice")
+        return found
+
+    def select(self, keep: np.ndarray) -> _Columns:
+        rows, pages = np.repeat(keep, self.n_rows), np.repeat(keep, self.n_pages)
+        return _Columns(
+            self.n_in[keep],
+            self.n_rows[keep],
+            self.kv_len[keep],
+            self.n_pages[keep],
+            self.tokens[rows],
+            self.positions[rows],
+            self.pages[pages],
+        )
 
 
 def _pow2_ceil(x: np.ndarray) -> np.ndarray:
     return np.left_shift(1, np.ceil(np.log2(np.maximum(x, 1))).astype(np.int64))
 
 
-def _bucket(members, reqs, n_in, n_rows, kv_len, total, tok_start, page_start, pages, S) -> AttentionBucket:
-    rows, ins, kvl, tot = n_rows[members], n_in[members], kv_len[members], total[members]
+def _bucket(members, reqs, cols: _Columns, total, tok_start, page_start, S) -> AttentionBucket:
+    rows, ins, kvl, tot = cols.n_rows[members], cols.n_in[members], cols.kv_len[members], total[members]
     qb = int(rows.max())
-    pb = int(-(-tot.max() // S))
+    pb = int(cols.n_pages[members].max())
     kb = pb * S
     i = np.arange(qb)[None, :]
     j = np.arange(kb)[None, None, :]
     real_q = i < rows[:, None]  # [Rb, Qb]
     q_index = np.where(real_q, tok_start[members][:, None] + i, 0)
-    n_pages = -(-tot // S)
-    real_p = np.arange(pb)[None, :] < n_pages[:, None]
-    kv_pages = np.where(real_p, pages[np.minimum(page_start[members][:, None] + np.arange(pb), pages.size - 1)], 0)
+    real_p = np.arange(pb)[None, :] < cols.n_pages[members][:, None]
+    page_index = np.where(real_p, page_start[members][:, None] + np.arange(pb), 0)
+    kv_pages = np.where(real_p, cols.pages[page_index], 0)
     q_seq = np.where(real_q, kvl[:, None] + i, 0)
     mask = (j <= q_seq[:, :, None]) & (j < tot[:, None, None]) & real_q[:, :, None]
     mask[:, :, 0] |= ~real_q  # padded query rows attend slot 0 so softmax stays finite; their output is dropped

@@ -33,19 +33,28 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """Looks cos/sin up in a table that grows (doubling) to the largest position seen, so a decode step costs
+    one gather instead of recomputing trigonometry."""
+
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
+        self.table: torch.Tensor | None = None  # [positions, 2, head_dim]: cos, sign-folded sin
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin tables ``[T, 1, head_dim]`` for the given positions (computed in fp32).
+    def cos_sin(
+        self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ``[T, 1, head_dim]`` for the given positions (computed in fp32, as HF does).
 
         The sin table's first half is negated so that ``apply_rotary`` can swap halves without a negation.
         """
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos = freqs.cos()
-        sin = freqs.sin()
-        return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype)
+        if self.table is None or self.table.shape[0] <= max_position or self.table.dtype != dtype:
+            size = max(1024, 1 << max_position.bit_length())
+            freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+            cos, sin = freqs.cos(), freqs.sin()
+            self.table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1).to(dtype)
+        rows = self.table.index_select(0, positions)
+        return rows[:, :1], rows[:, 1:]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

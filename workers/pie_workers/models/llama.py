@@ -88,7 +88,7 @@ class LlamaModel(torch.nn.Module):
         """Runs every token of the plan; returns logits ``[N, vocab]`` of ``plan.logit_rows`` on the leader."""
         kv.copy_pages(plan.copy_src, plan.copy_dst)
         h = self.embed_tokens(plan.token_ids)
-        cos, sin = self.rotary.cos_sin(plan.positions, h.dtype)
+        cos, sin = self.rotary.cos_sin(plan.positions, plan.max_position, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, plan, kv)
         h = self.norm(h if plan.every_row_has_logits else h[plan.logit_rows])
