@@ -35,3 +35,17 @@ def ray_session():
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="pie-test")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def served(ray_session, tiny_llama):
+    """One replica of the tiny Llama with its engine running, served under the model name "default"."""
+    from pie_cluster.host import endpoints_for
+    from pie_workers.engine.scheduler import BatchLimits
+    from pie_workers.replica import Replica
+    from pie_workers.runner import RunnerSettings
+    from sdk_host import Served
+
+    replica = Replica(tiny_llama, 1, RunnerSettings(num_pages=512), cpus_per_rank=2, engine=BatchLimits())
+    yield Served(replica, endpoints_for("default", replica))
+    replica.shutdown()

@@ -54,6 +54,18 @@ def test_logit_mask_is_respected_by_samplers_and_seen_by_probes(runner):
     assert len(seen) > 1
 
 
+def test_prefill_without_samplers_fills_kv_for_later_decode(runner):
+    prompt = prompt_of(35, 8)
+    seq = Seq(list(prompt))
+    alloc = PageAllocator(PAGES, 12)
+    out = runner.execute(ForwardBatch([request_for(seq, alloc, 16, slots=[])]))[0]
+    assert out.error is None and out.slots == []
+    seq.kv_len = 34  # re-run the last prompt token on top of the cached prefix
+    seq.tokens = prompt
+    o = runner.execute(ForwardBatch([request_for(Seq(prompt, pages=seq.pages, kv_len=34), alloc, 16)]))[0]
+    assert o.slots[0].token == greedy_generate(runner, prompt, 1, PageAllocator(PAGES, 13))[0]
+
+
 def test_seeded_multinomial_is_reproducible(runner):
     slot = Slot(SlotKind.MULTINOMIAL, temperature=3.0, seed=1234)
     draws = [

@@ -37,6 +37,50 @@ def model_info(model_dir: Path) -> None:
         console.print(f"[bold]{key}[/bold]: {value}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    program: Annotated[Path, typer.Argument(help="inferlet file defining `async def main(input)`")],
+    model: Annotated[Path | None, typer.Option(help="HF model directory (default: the embedded tiny model)")] = None,
+    model_name: Annotated[str, typer.Option(help="the name inferlets load the model by")] = "default",
+    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
+    pages: Annotated[int, typer.Option(help="KV pool size in pages")] = 4096,
+    stdout: Annotated[bool, typer.Option("--stdout", help="relay what the inferlet prints")] = False,
+    user: Annotated[str, typer.Option(help="username the inferlet runs as")] = "local",
+) -> None:
+    """Run one inferlet on an embedded local Ray and print its return value. Arguments after `--` become its input
+    (`--key value` -> {"key": value}, kebab-case to snake_case, numbers and true/false parsed, bare words under
+    "_positional")."""
+    import asyncio
+
+    from pie_workers.engine.scheduler import BatchLimits
+    from pie_workers.replica import Replica
+    from pie_workers.runner import RunnerSettings
+    from pie_workers.tiny_model import default_model_path
+
+    from pie_cluster.arguments import fold_arguments
+    from pie_cluster.host import encode_return, endpoints_for, load_program, run_inferlet
+    from pie_cluster.local_ray import init_ray
+
+    try:
+        main = load_program(program)
+    except (ValueError, SyntaxError, ImportError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    init_ray(num_cpus=max(2, tp))
+    replica = Replica(model or default_model_path("llama"), tp, RunnerSettings(num_pages=pages), engine=BatchLimits())
+    try:
+        result = asyncio.run(
+            run_inferlet(main, fold_arguments(ctx.args), endpoints_for(model_name, replica), user, stdout)
+        )
+    except Exception as e:
+        console.print(f"[red]error:[/red] {type(e).__name__}: {e}")
+        raise typer.Exit(1) from None
+    finally:
+        replica.shutdown()
+    print(encode_return(result))
+
+
 @app.command()
 def smoke(
     prompt: Annotated[str, typer.Option(help="user message")] = "Tell me about paged attention.",

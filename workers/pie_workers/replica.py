@@ -7,6 +7,7 @@ and broadcasts them to the other ranks over torch.distributed (NCCL on GPU, gloo
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 
@@ -35,7 +37,11 @@ class ReplicaInfo:
 
 
 class RankWorker:
-    """One tensor-parallel rank. Runs as a Ray actor (see ``Replica``); threads = the CPUs of its bundle."""
+    """One tensor-parallel rank. Runs as an async Ray actor (see ``Replica``); threads = the CPUs of its bundle.
+
+    Rank 0 may also host the replica engine (contexts, scheduler, inferlet channel) on the actor's event loop;
+    forward passes then run on the engine's executor thread so the loop keeps serving inferlets meanwhile.
+    """
 
     def __init__(self, rank: int, world_size: int, threads: int):
         import torch
@@ -43,15 +49,16 @@ class RankWorker:
         torch.set_num_threads(threads)
         self.rank, self.world_size = rank, world_size
         self.runner: ModelRunner | None = None
+        self.engine = None
 
-    def rendezvous_address(self) -> tuple[str, int]:
+    async def rendezvous_address(self) -> tuple[str, int]:
         """An address and a free port on this node for the group's torch.distributed store."""
         ip = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
 
-    def start(self, model_dir: str, settings: RunnerSettings, addr: str, port: int) -> ReplicaInfo:
+    async def start(self, model_dir: str, settings: RunnerSettings, addr: str, port: int) -> ReplicaInfo:
         import torch
 
         from pie_workers.parallel import init_group
@@ -72,15 +79,30 @@ class RankWorker:
             node_id=ray.get_runtime_context().get_node_id(),
         )
 
-    def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
-        return self.runner.execute(batch)
+    async def start_engine(self, limits: BatchLimits) -> dict[str, str]:
+        """Rank 0: start the engine and its channel; returns the addresses inferlets connect to."""
+        from pie_workers.engine.service import ReplicaEngine
 
-    def follow(self) -> None:
-        self.runner.follow()
+        self.engine = ReplicaEngine(self.runner, limits)
+        return self.engine.start(ray.util.get_node_ip_address())
 
-    def stop(self) -> None:
+    async def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
+        """A batch straight to the runner (no engine bookkeeping); goes through the engine's queue if it runs."""
+        if self.engine is not None:
+            return list(await asyncio.gather(*(self.engine.scheduler.submit(r) for r in batch.requests)))
+        return await asyncio.to_thread(self.runner.execute, batch)
+
+    async def engine_stats(self) -> dict:
+        return await self.engine.op_stats(None, "")
+
+    async def follow(self) -> None:
+        await asyncio.to_thread(self.runner.follow)
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
         if self.runner is not None and self.world_size > 1 and self.rank == 0:
-            self.runner.stop_followers()
+            await asyncio.to_thread(self.runner.stop_followers)
 
 
 class Replica:
@@ -93,7 +115,9 @@ class Replica:
         settings: RunnerSettings = RunnerSettings(),
         cpus_per_rank: int = 1,
         use_gpu: bool | None = None,
+        engine: BatchLimits | None = None,
     ):
+        """``engine``: also start the replica engine with these batch limits (what inferlets talk to)."""
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0 and settings.device != "cpu"
         n = tensor_parallel_size
@@ -115,6 +139,7 @@ class Replica:
         infos = ray.get([r.start.remote(str(model_dir), settings, addr, port) for r in self.ranks])
         self.info: ReplicaInfo = infos[0]
         self._following = [r.follow.remote() for r in self.ranks[1:]]
+        self.addresses = ray.get(self.leader.start_engine.remote(engine)) if engine is not None else {}
 
     @property
     def leader(self):

@@ -140,7 +140,7 @@ class ModelRunner:
 
 def _row_slots(rs: RequestSampling) -> list:
     """The slot evaluated on each of the request's logit rows."""
-    return rs.slots + [rs.slots[rs.verify_slot]] * len(rs.draft_tokens)
+    return rs.slots + [rs.slots[rs.verify_slot]] * len(rs.draft_tokens) if rs.draft_tokens else rs.slots
 
 
 def _rows_of(logits: torch.Tensor, rs: RequestSampling) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""``Context``: a KV cache on a replica, plus the tokens the inferlet has queued but not yet run (the buffer).
+
+Filling methods (``system``, ``user``, ``cue``, ...) only extend the buffer; ``flush`` or the next generation step
+runs it. Lifetime and snapshot operations are synchronous round trips to the replica; forward passes are awaited.
+"""
+
+from __future__ import annotations
+
+from inferlet.forward import Forward
+from inferlet.model import Model
+from inferlet.sampler import Sampler
+
+
+class Context:
+    def __init__(self, model: Model, *, _id: int | None = None, _seq_len: int = 0, _buffer: list[int] | None = None):
+        self._model = model
+        self._id = model.channel.call_sync("create") if _id is None else _id
+        self._seq_len = _seq_len
+        self._buffer: list[int] = list(_buffer or [])
+        self._released = False
+
+    # -- lifetime --------------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Free this context's pages now (idempotent)."""
+        if not self._released:
+            self._released = True
+            self._model.channel.call_sync("destroy", self._id)
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise ValueError(f"context {self._id} was released; it can no longer be used")
+
+    @staticmethod
+    def open(model: Model, name: str) -> Context | None:
+        """A copy of the snapshot ``name`` (the snapshot stays), or None if there is none."""
+        got = model.channel.call_sync("open", name)
+        return None if got is None else Context(model, _id=got[0], _seq_len=got[1])
+
+    @staticmethod
+    def take(model: Model, name: str) -> Context | None:
+        """The snapshot ``name`` itself (it is removed), or None if there is none."""
+        got = model.channel.call_sync("take", name)
+        return None if got is None else Context(model, _id=got[0], _seq_len=got[1])
+
+    @staticmethod
+    def delete(model: Model, name: str) -> None:
+        model.channel.call_sync("delete", name)
+
+    def fork(self) -> Context:
+        """A copy-on-write clone: shares every committed page, copies the partly filled one, copies the buffer."""
+        self._check_live()
+        child, seq_len = self._model.channel.call_sync("fork", self._id)
+        return Context(self._model, _id=child, _seq_len=seq_len, _buffer=self._buffer)
+
+    def save(self, name: str) -> None:
+        """Snapshot the KV cache under ``name`` (per user; outlives this inferlet while the replica is up)."""
+        self._check_live()
+        self._model.channel.call_sync("save", self._id, name)
+
+    def snapshot(self) -> str:
+        self._check_live()
+        return self._model.channel.call_sync("snapshot", self._id)
+
+    # -- filling -------------------------------------------------------------------------------------------------
+
+    def append(self, tokens: list[int]) -> Context:
+        self._check_live()
+        self._buffer += [int(t) for t in tokens]
+        return self
+
+    def system(self, text: str) -> Context:
+        return self.append(self._model.instruct.system(text))
+
+    def user(self, text: str) -> Context:
+        return self.append(self._model.instruct.user(text))
+
+    def assistant(self, text: str) -> Context:
+        return self.append(self._model.instruct.assistant(text))
+
+    def cue(self) -> Context:
+        return self.append(self._model.instruct.cue())
+
+    def seal(self) -> Context:
+        return self.append(self._model.instruct.seal())
+
+    async def flush(self) -> None:
+        """Run the buffered tokens through the model (prefill); their pages are committed and shareable."""
+        self._check_live()
+        if self._buffer:
+            fwd = Forward(self)
+            fwd.input(self._buffer)
+            await fwd.execute()
+            self._buffer = []
+
+    # -- inspection ----------------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Model:
+        return self._model
+
+    @property
+    def page_size(self) -> int:
+        return self._model.page_size
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the KV cache (committed + working); excludes the buffer."""
+        return self._seq_len
+
+    def buffer(self) -> list[int]:
+        return list(self._buffer)
+
+    def truncate(self, n: int) -> None:
+        """Drop the last ``n`` tokens of the KV cache (only tokens not yet committed: the rollback primitive)."""
+        self._check_live()
+        self._seq_len = self._model.channel.call_sync("truncate", self._id, int(n))
+
+    # -- passes --------------------------------------------------------------------------------------------------
+
+    def forward(self) -> Forward:
+        return Forward(self)
+
+    def generate(self, sampler: Sampler, **options):
+        from inferlet.generator import Generator
+
+        return Generator(self, sampler, **options)

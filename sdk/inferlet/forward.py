@@ -1,0 +1,142 @@
+"""``Forward``: one raw forward pass over a context, and ``Output``: what it returned.
+
+Pages are the replica's business: it reserves what a pass needs, commits full pages to the shared prefix trie, and
+reports the context's new ``seq_len``. Sampler and probe handles index into the output's slots in attach order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pie_workers.wire.batch import SlotKind, SlotOutput
+from pie_workers.wire.codec import output_from_wire, slot_to_wire
+
+from inferlet.sampler import Probe, Sampler
+
+if TYPE_CHECKING:
+    from inferlet.context import Context
+
+
+@dataclass(frozen=True)
+class SampleHandle:
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ProbeHandle:
+    slot: int
+    kind: SlotKind
+
+
+@dataclass
+class Output:
+    raw: list[SlotOutput]
+    tokens: list[int] = field(default_factory=list)  # Generator-accepted tokens this step (empty for raw Forward)
+    auto_sampler: SampleHandle | None = None
+    verified: list[int] = field(default_factory=list)  # the replica's verified walk when drafts were sent
+
+    def token(self, h: SampleHandle) -> int | None:
+        return self.raw[h.slots[0]].token if h.slots and h.slots[0] < len(self.raw) else None
+
+    def tokens_at(self, h: SampleHandle) -> list[int]:
+        return [self.raw[i].token for i in h.slots if i < len(self.raw)]
+
+    def _probe(self, h: ProbeHandle, kind: SlotKind):
+        if h.kind is not kind or h.slot >= len(self.raw):
+            return None
+        return self.raw[h.slot]
+
+    def distribution(self, h: ProbeHandle) -> tuple[list[int], list[float]] | None:
+        out = self._probe(h, SlotKind.DISTRIBUTION)
+        return None if out is None else out.distribution
+
+    def logits(self, h: ProbeHandle) -> bytes | None:
+        out = self._probe(h, SlotKind.LOGITS)
+        return None if out is None else out.logits
+
+    def logprobs(self, h: ProbeHandle) -> list[float] | None:
+        out = self._probe(h, SlotKind.LOGPROBS)
+        return None if out is None else out.logprobs
+
+    def entropy(self, h: ProbeHandle) -> float | None:
+        out = self._probe(h, SlotKind.ENTROPY)
+        return None if out is None else out.entropy
+
+
+class Forward:
+    def __init__(self, ctx: Context):
+        ctx._check_live()
+        self._ctx = ctx
+        self._start = ctx.seq_len
+        self._tokens: list[int] = []
+        self._positions: list[int] = []
+        self._slots: list[tuple[int, object]] = []
+        self._masks: list[list[int]] | None = None
+        self._logit_mask: list[int] | None = None
+        self._drafts: list[int] = []
+        self._draft_positions: list[int] = []
+        self._hold = 0
+
+    def start_position(self) -> int:
+        """Position the first auto-input token occupies: the context's ``seq_len`` when ``forward()`` was called."""
+        return self._start
+
+    def input(self, tokens: list[int]) -> Forward:
+        """Append tokens at the next positions after everything already in this pass."""
+        first = self._positions[-1] + 1 if self._positions else self._start
+        return self.input_at(tokens, list(range(first, first + len(tokens))))
+
+    def input_at(self, tokens: list[int], positions: list[int]) -> Forward:
+        """Append tokens with explicit RoPE positions (their KV still goes into the next slots)."""
+        if len(tokens) != len(positions):
+            raise ValueError(f"input_at: {len(tokens)} tokens but {len(positions)} positions")
+        self._tokens += [int(t) for t in tokens]
+        self._positions += [int(p) for p in positions]
+        return self
+
+    def attention_mask(self, masks: list[list[int]]) -> Forward:
+        """One BRLE row per input token over the context's KV slots ``[0, seq_len + inputs)``; true = attend."""
+        self._masks = [list(m) for m in masks]
+        return self
+
+    def mask(self, brle: list[int]) -> Forward:
+        """A logit mask (BRLE over the vocabulary, true = allowed) applied at every sampled row."""
+        self._logit_mask = list(brle)
+        return self
+
+    def sample(self, indices: list[int], sampler: Sampler) -> SampleHandle:
+        if not isinstance(sampler, Sampler):
+            raise TypeError(f"sample() needs a Sampler, got {type(sampler).__name__}")
+        first = len(self._slots)
+        self._slots += [(int(i), sampler.slot) for i in indices]
+        return SampleHandle(tuple(range(first, len(self._slots))))
+
+    def probe(self, index: int, probe: Probe) -> ProbeHandle:
+        if not isinstance(probe, Probe):
+            raise TypeError(f"probe() needs a probe (Logits, Distribution, ...), got {type(probe).__name__}")
+        self._slots.append((int(index), probe.slot))
+        return ProbeHandle(len(self._slots) - 1, probe.kind)
+
+    def _draft(self, tokens: list[int], positions: list[int], hold: int) -> None:
+        self._drafts, self._draft_positions, self._hold = list(tokens), list(positions), hold
+
+    async def execute(self) -> Output:
+        if not self._tokens:
+            raise ValueError("forward pass has no input tokens: call input() or input_at() first")
+        ctx = self._ctx
+        ctx._check_live()
+        slots, verified, seq_len = await ctx.model.channel.call(
+            "forward",
+            ctx._id,
+            self._tokens,
+            self._positions,
+            [[row, slot_to_wire(s)] for row, s in self._slots],
+            self._masks,
+            self._logit_mask,
+            self._drafts,
+            self._draft_positions,
+            self._hold,
+        )
+        ctx._seq_len = seq_len
+        return Output([output_from_wire(s) for s in slots], verified=verified)

@@ -1,0 +1,42 @@
+"""``Model``: a handle on a served model — its tokenizer, its chat template, and the channel to its replica."""
+
+from __future__ import annotations
+
+from inferlet._channel import Channel
+from inferlet.instruct import Instruct
+from inferlet.runtime import ModelEndpoint, Runtime, current
+from inferlet.tokenizer import Tokenizer
+
+
+class Model:
+    def __init__(self, endpoint: ModelEndpoint, runtime: Runtime):
+        self.name = endpoint.name
+        self.endpoint = endpoint
+        self.page_size = endpoint.page_size
+        self._tokenizer = Tokenizer.from_dir(endpoint.model_dir)
+        self.instruct = Instruct.from_dir(endpoint.model_dir)
+        identity = "/".join(part.replace("/", "_") for part in (runtime.username, runtime.instance_id, runtime.session))
+        self.channel = Channel(endpoint.address, identity)
+
+    @staticmethod
+    def load(name: str) -> Model:
+        """Bind to a served model by its name (the ``[model.<name>]`` key of the cluster config)."""
+        rt = current()
+        if name not in rt.models_loaded:
+            if name not in rt.endpoints:
+                raise ValueError(f"unknown model {name!r}; this cluster serves: {', '.join(sorted(rt.endpoints))}")
+            rt.models_loaded[name] = Model(rt.endpoints[name], rt)
+        return rt.models_loaded[name]
+
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def __repr__(self) -> str:
+        return f"Model({self.name!r})"
+
+    def _close(self) -> None:
+        """Release every context this inferlet holds on the replica (snapshots survive), then hang up."""
+        try:
+            self.channel.call_sync("close")
+        finally:
+            self.channel.close()

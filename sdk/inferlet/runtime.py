@@ -1,0 +1,76 @@
+"""What an inferlet knows about where it runs: its identity and the models it can reach.
+
+The host that launches an inferlet installs a ``Runtime`` for it in a context variable, so many inferlets can share
+one process (each asyncio task sees its own runtime).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class ModelEndpoint:
+    """How to reach one replica of a model, and what the SDK needs to know about it."""
+
+    name: str
+    address: str  # ipc:// on the replica's node, tcp:// otherwise
+    model_dir: str
+    page_size: int
+    vocab_size: int
+    architecture: str
+
+
+@dataclass
+class Runtime:
+    username: str
+    instance_id: str
+    endpoints: dict[str, ModelEndpoint]
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)
+    models_loaded: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Release everything this inferlet still holds on every replica (contexts, pages); snapshots survive."""
+        for model in self.models_loaded.values():
+            model._close()
+        self.models_loaded.clear()
+
+
+_current: contextvars.ContextVar[Runtime] = contextvars.ContextVar("inferlet_runtime")
+
+
+def install(runtime: Runtime) -> contextvars.Token:
+    return _current.set(runtime)
+
+
+def uninstall(token: contextvars.Token) -> None:
+    _current.reset(token)
+
+
+def current() -> Runtime:
+    try:
+        return _current.get()
+    except LookupError:
+        raise RuntimeError("no inferlet runtime here: run the program with `pie run` or `pie submit`") from None
+
+
+def models() -> list[str]:
+    """Names of every model the inferlet can load."""
+    return sorted(current().endpoints)
+
+
+def version() -> str:
+    return VERSION
+
+
+def instance_id() -> str:
+    return current().instance_id
+
+
+def username() -> str:
+    return current().username

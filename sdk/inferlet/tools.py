@@ -1,0 +1,130 @@
+"""Tool use: prompt prefixes that equip tools and return results, and a streaming tool-call parser.
+
+The call syntax comes from the model's family (`Instruct.tool_call_format`): Qwen/ChatML write
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, Llama 3 replies with a bare
+`{"name": ..., "parameters": {...}}`. Calls are recognised on decoded text as soon as their JSON is complete, so the
+parser does not need to see the end-of-turn token (the Generator strips stop tokens before handing tokens out).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from inferlet.instruct import ModelLike
+from inferlet.tokenizer import TextStream
+
+_JSON = json.JSONDecoder()
+_ARGS_KEYS = ("arguments", "parameters")
+
+
+def equip_prefix(model: ModelLike, schemas: Iterable[dict | str]) -> list[int]:
+    """Tokens of the turn that registers tool schemas (dicts or JSON strings); append before the user message."""
+    return model.instruct.equip(list(schemas))
+
+
+def answer_prefix(model: ModelLike, name: str, value: Any) -> list[int]:
+    """Tokens of the turn that returns a tool's result; non-string values are JSON-encoded."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return model.instruct.answer(name, text)
+
+
+class Event:
+    """What one `Decoder.feed` produced; match on `Event.Idle()`, `Event.Start()`, `Event.Call(name, args)`."""
+
+    __slots__ = ()
+    Idle: ClassVar[type[Idle]]
+    Start: ClassVar[type[Start]]
+    Call: ClassVar[type[Call]]
+
+
+@dataclass(frozen=True, slots=True)
+class Idle(Event):
+    """No tool call is being written (plain text so far). Pie reports this as `Start`; kept distinct here."""
+
+
+@dataclass(frozen=True, slots=True)
+class Start(Event):
+    """A tool call is being written but is not complete yet."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Event):
+    """A complete tool call; `args` is its arguments as a JSON string."""
+
+    name: str
+    args: str
+
+
+Event.Idle, Event.Start, Event.Call = Idle, Start, Call
+
+
+class Decoder:
+    """Finds tool calls in the generated token stream; one event per `feed`.
+
+    Several calls completed by one batch are reported one per feed (call `feed([])` to drain them). Text between
+    the call tags that is not a JSON object with a string `name` is skipped.
+    """
+
+    def __init__(self, model: ModelLike) -> None:
+        tokenizer = model.tokenizer()
+        self._format = model.instruct.tool_call_format
+        self._special = tokenizer.special_ids
+        self._stream = TextStream(tokenizer)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all state (call between turns)."""
+        self._stream.reset()
+        self._text = ""
+        self._pos = 0  # everything before this offset has been reported or ruled out
+
+    def feed(self, tokens: Iterable[int]) -> Event:
+        """Consume the tokens of one generation step."""
+        self._text += self._stream.push(t for t in tokens if t not in self._special)
+        return self._tagged() if self._format.open else self._bare()
+
+    def _tagged(self) -> Event:
+        """Qwen style: each call sits between the open and close tags."""
+        open_, close = self._format.open, self._format.close
+        while True:
+            at = self._text.find(open_, self._pos)
+            if at < 0:
+                # No tag starts before here: later searches can skip it (keeps long replies linear).
+                self._pos = max(self._pos, len(self._text) - len(open_) + 1)
+                return Idle()
+            self._pos = at
+            end = self._text.find(close, at + len(open_))
+            if end < 0:
+                return Start()
+            self._pos = end + len(close)
+            try:
+                call = self._call(json.loads(self._text[at + len(open_) : end]))
+            except json.JSONDecodeError:
+                call = None
+            if call is not None:
+                return call
+
+    def _bare(self) -> Event:
+        """Llama 3 style: the reply is JSON call objects (optionally separated by `;`), or plain text."""
+        text, at = self._text, self._pos
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text) or text[at] != "{":
+            return Idle()
+        try:
+            value, end = _JSON.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return Start()  # the object is still being written
+        self._pos = end
+        return self._call(value) or Idle()
+
+    def _call(self, value: Any) -> Call | None:
+        """The call a parsed JSON value describes, if it is one; the family's args key is preferred."""
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        key = next((k for k in (self._format.args_key, *_ARGS_KEYS) if k in value), None)
+        args = value[key] if key else {}
+        return Call(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))

@@ -1,0 +1,27 @@
+"""Test helper: run inferlet coroutines against a served replica exactly as `pie run` does."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+from pie_cluster.host import run_inferlet
+
+
+class Served:
+    def __init__(self, replica, endpoints):
+        self.replica, self.endpoints = replica, endpoints
+
+    def run(self, main, input: dict | None = None, user: str = "alice"):
+        return asyncio.run(run_inferlet(main, input or {}, self.endpoints, user))
+
+    def run_many(self, mains_inputs, user: str = "alice"):
+        async def all_of():
+            return await asyncio.gather(
+                *(run_inferlet(m, i, self.endpoints, user) for m, i in mains_inputs), return_exceptions=True
+            )
+
+        return asyncio.run(all_of())
+
+    def stats(self) -> dict:
+        return ray.get(self.replica.leader.engine_stats.remote())

@@ -1,0 +1,350 @@
+"""Engine-side contexts of one replica: committed chains, working pages, token lineage, and per-user snapshots.
+
+A context is a committed chain in the page store's trie (shared, content-addressed, immutable) followed by working
+pages it owns exclusively, whose tokens are recorded as lineage once a forward pass has written their KV. Commit
+moves full working pages into the trie; fork and snapshots share the committed chain by reference and copy only the
+working pages that hold tokens (the returned ``(src, dst)`` copies must run before the next forward).
+
+Every operation validates before it mutates: an error leaves pages, references and lineage exactly as they were.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import groupby
+
+from pie_workers.engine.page_store import Node, PageStore
+
+PageCopies = list[tuple[int, int]]
+
+
+class ContextError(ValueError):
+    """A context operation the context's state does not allow; the message names the context and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContextView:
+    """What a forward pass needs: every page of the context (committed chain, then working) and its KV length."""
+
+    page_ids: tuple[int, ...]
+    kv_len: int
+    seq_len: int
+    committed_pages: int
+    working_pages: int
+    working_tokens: int
+    page_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TableStats:
+    contexts: int
+    snapshots: int
+    context_working_pages: int
+    snapshot_working_pages: int
+    working_tokens: int
+
+
+@dataclass(slots=True, eq=False)
+class _Holding:
+    """A committed chain tail plus exclusively owned working pages: the state of a context or of a snapshot.
+
+    Lineage entries are (token, position, salt); the salt is kept per token so a page mixing adapters or masks
+    still hashes by what produced each of its tokens.
+    """
+
+    owner: str
+    tail: Node | None = None
+    working: list[int] = field(default_factory=list)
+    lineage: list[tuple[int, int, bytes]] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Context(_Holding):
+    id: int = 0
+    instance: str | None = None
+
+
+def _page_salt(salts: list[bytes]) -> bytes:
+    """A page whose tokens share one salt hashes with that salt (so ``match_prefix`` with it finds the page)."""
+    if len(groups := [(s, len(list(g))) for s, g in groupby(salts)]) == 1:
+        return groups[0][0]
+    return b"\x00mixed" + b"".join(len(s).to_bytes(4, "little") + s + n.to_bytes(4, "little") for s, n in groups)
+
+
+def _as_bytes(salt: bytes | str) -> bytes:
+    return salt.encode() if isinstance(salt, str) else bytes(salt)
+
+
+class ContextTable:
+    def __init__(self, store: PageStore):
+        self.store = store
+        self.page_size = store.page_size
+        self._contexts: dict[int, _Context] = {}
+        self._snapshots: dict[tuple[str, str], _Holding] = {}
+        self._next_id = 1
+
+    # -- lifetime -----------------------------------------------------------------------------------------------
+
+    def create(self, owner: str, instance: str | None = None) -> int:
+        """A new empty context. ``instance`` (the inferlet run) scopes ``destroy_all``; snapshots are per owner."""
+        return self._add(_Holding(owner), owner, instance)
+
+    def destroy(self, ctx: int) -> None:
+        self._drop(self._contexts.pop(self._get(ctx).id))
+
+    def contexts_of(self, owner: str, instance: str | None = None) -> list[int]:
+        """Live contexts of ``owner`` (only those of ``instance`` when given)."""
+        return [c.id for c in self._contexts.values() if c.owner == owner and instance in (None, c.instance)]
+
+    def destroy_all(self, owner: str, instance: str | None = None) -> int:
+        """Destroy what an ended inferlet left behind; snapshots survive (they are meant to outlive contexts)."""
+        ids = self.contexts_of(owner, instance)
+        for ctx in ids:
+            self.destroy(ctx)
+        return len(ids)
+
+    def owner_of(self, ctx: int) -> str:
+        return self._get(ctx).owner
+
+    # -- pages and tokens ---------------------------------------------------------------------------------------
+
+    def reserve(self, ctx: int, n: int) -> list[int]:
+        """Append n working pages (OutOfPages if the pool cannot supply them)."""
+        c = self._get(ctx)
+        self._check_count(n, "reserve", "pages", c)
+        pages = self.store.allocate(n)
+        c.working.extend(pages)
+        return pages
+
+    def release_working(self, ctx: int, n: int) -> None:
+        """Give back the last n working pages; only pages holding no lineage tokens can go."""
+        c = self._get(ctx)
+        self._check_count(n, "release", "working pages", c)
+        empty = len(c.working) - self._pages_for(len(c.lineage))
+        if n > empty:
+            raise ContextError(
+                f"cannot release {n} working pages of context {c.id}: only {empty} of its {len(c.working)} "
+                "working pages hold no tokens"
+            )
+        if n:
+            pages = c.working[-n:]
+            del c.working[-n:]
+            self.store.free(pages)
+
+    def record(self, ctx: int, tokens: Sequence[int], positions: Sequence[int], salt: bytes | str = b"") -> None:
+        """Append lineage for tokens whose KV a completed forward pass wrote into the working pages."""
+        c = self._get(ctx)
+        if len(tokens) != len(positions):
+            raise ContextError(
+                f"cannot record into context {c.id}: {len(tokens)} tokens but {len(positions)} positions"
+            )
+        room = len(c.working) * self.page_size - len(c.lineage)
+        if len(tokens) > room:
+            raise ContextError(
+                f"cannot record {len(tokens)} tokens into context {c.id}: its {len(c.working)} working pages "
+                f"have room for {room} more tokens"
+            )
+        salt = _as_bytes(salt)
+        c.lineage.extend((int(t), int(p), salt) for t, p in zip(tokens, positions, strict=True))
+
+    def truncate(self, ctx: int, n: int) -> None:
+        """Drop the last n lineage tokens (speculative rollback); their pages stay reserved."""
+        c = self._get(ctx)
+        self._check_count(n, "truncate", "tokens", c)
+        if n > len(c.lineage):
+            raise ContextError(
+                f"cannot truncate {n} tokens from context {c.id}: only {len(c.lineage)} tokens are in its working "
+                "pages (committed pages cannot be truncated)"
+            )
+        if n:
+            del c.lineage[-n:]
+
+    def commit(self, ctx: int, n_pages: int) -> None:
+        """Move the first n full working pages into the committed chain, sharing any identical page already there."""
+        c = self._get(ctx)
+        self._check_count(n_pages, "commit", "pages", c)
+        size = self.page_size
+        if n_pages * size > len(c.lineage):
+            raise ContextError(
+                f"cannot commit {n_pages} pages of context {c.id}: that needs {n_pages * size} working tokens, "
+                f"it has {len(c.lineage)}"
+            )
+        top = -1 if c.tail is None else c.tail.max_position
+        for i in range(n_pages):
+            positions = [p for _, p, _ in c.lineage[i * size : (i + 1) * size]]
+            if min(positions) <= top:
+                raise ContextError(
+                    f"cannot commit page {i} of context {c.id}: position {min(positions)} is not greater than the "
+                    f"highest committed position {top}"
+                )
+            top = max(positions)
+        old = tail = c.tail
+        for i in range(n_pages):
+            entries = c.lineage[i * size : (i + 1) * size]
+            node, _ = self.store.commit(
+                tail,
+                c.working[i],
+                [t for t, _, _ in entries],
+                [p for _, p, _ in entries],
+                _page_salt([s for _, _, s in entries]),
+            )
+            if tail is not old:
+                self.store.release(tail)
+            tail = node
+        if n_pages:
+            self.store.chain(tail)  # extend the old tail's cached page list before letting it go
+            if old is not None:
+                self.store.release(old)
+        c.tail = tail
+        del c.working[:n_pages]
+        del c.lineage[: n_pages * size]
+
+    def reuse_prefix(self, ctx: int, tokens: Sequence[int], positions: Sequence[int], salt: bytes | str = b"") -> int:
+        """Extend the committed chain with cached pages matching the start of ``tokens``; returns tokens covered.
+
+        The caller then only needs to forward ``tokens[returned:]``. Needs a context with no working tokens, since
+        committed pages must precede them.
+        """
+        c = self._get(ctx)
+        if c.lineage:
+            raise ContextError(
+                f"cannot reuse a cached prefix in context {c.id}: it has {len(c.lineage)} working tokens that "
+                "would have to come after it"
+            )
+        if len(tokens) != len(positions):
+            raise ContextError(f"cannot match context {c.id}: {len(tokens)} tokens but {len(positions)} positions")
+        node, matched = self.store.match_prefix(tokens, positions, _as_bytes(salt), parent=c.tail)
+        if matched:
+            self.store.retain(node)
+            self.store.chain(node)
+            if c.tail is not None:
+                self.store.release(c.tail)
+            c.tail = node
+        return matched * self.page_size
+
+    # -- fork and snapshots -------------------------------------------------------------------------------------
+
+    def fork(self, ctx: int) -> tuple[int, PageCopies]:
+        """A child sharing the committed chain, with as many fresh working pages and copies of those holding tokens."""
+        c = self._get(ctx)
+        child, copies = self._clone(c, len(c.working))
+        return self._add(child, c.owner, c.instance), copies
+
+    def save(self, ctx: int, name: str) -> PageCopies:
+        """Store a snapshot of the context under ``name`` in its owner's namespace (keeps only pages with tokens)."""
+        c = self._get(ctx)
+        if not name:
+            raise ContextError("a snapshot name cannot be empty")
+        if (c.owner, name) in self._snapshots:
+            raise ContextError(f"snapshot {name!r} already exists for user {c.owner!r}")
+        snap, copies = self._clone(c, self._pages_for(len(c.lineage)))
+        self._snapshots[c.owner, name] = snap
+        return copies
+
+    def snapshot(self, ctx: int) -> tuple[str, PageCopies]:
+        """Like ``save`` with a generated name, unique among the owner's snapshots."""
+        owner = self._get(ctx).owner
+        name = f"snapshot-{secrets.token_hex(8)}"
+        while (owner, name) in self._snapshots:
+            name = f"snapshot-{secrets.token_hex(8)}"
+        return name, self.save(ctx, name)
+
+    def open(self, owner: str, name: str, instance: str | None = None) -> tuple[int, PageCopies] | None:
+        """A new context forked from the snapshot (which stays); None if the owner has no such snapshot."""
+        snap = self._snapshots.get((owner, name))
+        if snap is None:
+            return None
+        child, copies = self._clone(snap, len(snap.working))
+        return self._add(child, owner, instance), copies
+
+    def take(self, owner: str, name: str, instance: str | None = None) -> int | None:
+        """The snapshot becomes a context: its pages change hands, nothing is copied. None if absent."""
+        snap = self._snapshots.pop((owner, name), None)
+        return None if snap is None else self._add(snap, owner, instance)
+
+    def delete(self, owner: str, name: str) -> None:
+        snap = self._snapshots.pop((owner, name), None)
+        if snap is None:
+            raise ContextError(f"no snapshot named {name!r} for user {owner!r}")
+        self._drop(snap)
+
+    def snapshots_of(self, owner: str) -> list[str]:
+        return sorted(name for o, name in self._snapshots if o == owner)
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def view(self, ctx: int) -> ContextView:
+        return self._view(self._get(ctx))
+
+    def view_snapshot(self, owner: str, name: str) -> ContextView:
+        snap = self._snapshots.get((owner, name))
+        if snap is None:
+            raise ContextError(f"no snapshot named {name!r} for user {owner!r}")
+        return self._view(snap)
+
+    def lineage(self, ctx: int) -> list[tuple[int, int]]:
+        """(token, position) of every working token: what replays the working KV after a suspension."""
+        return [(t, p) for t, p, _ in self._get(ctx).lineage]
+
+    def stats(self) -> TableStats:
+        return TableStats(
+            contexts=len(self._contexts),
+            snapshots=len(self._snapshots),
+            context_working_pages=sum(len(c.working) for c in self._contexts.values()),
+            snapshot_working_pages=sum(len(s.working) for s in self._snapshots.values()),
+            working_tokens=sum(len(c.lineage) for c in self._contexts.values()),
+        )
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _get(self, ctx: int) -> _Context:
+        c = self._contexts.get(ctx)
+        if c is not None:
+            return c
+        if isinstance(ctx, int) and 0 < ctx < self._next_id:
+            raise ContextError(f"context {ctx} was destroyed")
+        raise ContextError(f"unknown context id {ctx!r}")
+
+    def _add(self, holding: _Holding, owner: str, instance: str | None) -> int:
+        ctx = _Context(owner, holding.tail, holding.working, holding.lineage, self._next_id, instance)
+        self._contexts[ctx.id] = ctx
+        self._next_id += 1
+        return ctx.id
+
+    def _drop(self, holding: _Holding) -> None:
+        if holding.tail is not None:
+            self.store.release(holding.tail)
+        self.store.free(holding.working)
+
+    def _clone(self, src: _Holding, n_pages: int) -> tuple[_Holding, PageCopies]:
+        """Share src's committed chain and copy its token-holding working pages into n_pages fresh ones."""
+        pages = self.store.allocate(n_pages)
+        if src.tail is not None:
+            self.store.retain(src.tail)
+        used = self._pages_for(len(src.lineage))
+        return _Holding(src.owner, src.tail, pages, list(src.lineage)), list(
+            zip(src.working[:used], pages[:used], strict=True)
+        )
+
+    def _view(self, h: _Holding) -> ContextView:
+        chain = self.store.chain(h.tail)
+        seq_len = len(chain) * self.page_size + len(h.lineage)
+        return ContextView(
+            page_ids=chain + tuple(h.working),
+            kv_len=seq_len,
+            seq_len=seq_len,
+            committed_pages=len(chain),
+            working_pages=len(h.working),
+            working_tokens=len(h.lineage),
+            page_size=self.page_size,
+        )
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    @staticmethod
+    def _check_count(n: int, verb: str, what: str, c: _Context) -> None:
+        if n < 0:
+            raise ContextError(f"cannot {verb} a negative number of {what} ({n}) in context {c.id}")

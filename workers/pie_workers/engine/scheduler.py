@@ -1,0 +1,108 @@
+"""Collects forward requests from every inferlet on a replica into ragged batches (continuous batching).
+
+One batch runs at a time. While it runs, new requests queue up; when it finishes, the next batch fires as soon as
+the queue holds as many requests as recent batches did (so N inferlets stepping in lock-step stay in one batch), or
+after a short wait bounded by the last batch's latency (so a lone request is never held long). Batches respect
+limits on tokens, requests and page references; page copies (forks) ride with the next batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_tokens: int = 2048  # also the prefill chunk size: longer inputs are split by the engine
+    max_requests: int = 256
+    max_page_refs: int = 65536
+    max_wait_s: float = 0.005  # upper bound on holding a batch open for stragglers
+
+
+@dataclass
+class _Job:
+    request: ForwardRequest | None  # None: a copies-only job
+    copies: list[tuple[int, int]]
+    future: asyncio.Future
+
+
+class BatchScheduler:
+    def __init__(self, execute: Callable[[ForwardBatch], Awaitable[list[RequestOutput]]], limits: BatchLimits):
+        self._execute = execute
+        self.limits = limits
+        self._queue: deque[_Job] = deque()
+        self._arrived = asyncio.Event()
+        self._recent_sizes: deque[int] = deque(maxlen=8)
+        self._last_latency = 0.0
+        self.batches_fired = 0
+        self.requests_served = 0
+
+    def submit(self, request: ForwardRequest | None, copies: list[tuple[int, int]] = ()) -> asyncio.Future:
+        """Queue one request (and/or page copies); the future resolves to its RequestOutput (or None for copies)."""
+        job = _Job(request, list(copies), asyncio.get_running_loop().create_future())
+        self._queue.append(job)
+        self._arrived.set()
+        return job.future
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    async def run(self) -> None:
+        while True:
+            if not self._queue:
+                self._arrived.clear()
+                await self._arrived.wait()
+            await self._gather_stragglers()
+            jobs = self._take()
+            batch = ForwardBatch(
+                [j.request for j in jobs if j.request is not None], [c for j in jobs for c in j.copies]
+            )
+            start = time.perf_counter()
+            try:
+                outputs = await self._execute(batch)
+            except Exception as e:  # a runner failure fails this batch's requests, not the replica
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(RuntimeError(f"forward pass failed: {e}"))
+                continue
+            self._last_latency = time.perf_counter() - start
+            self._recent_sizes.append(len(batch.requests))
+            self.batches_fired += 1
+            self.requests_served += len(batch.requests)
+            results = iter(outputs)
+            for j in jobs:
+                if not j.future.done():
+                    j.future.set_result(next(results) if j.request is not None else None)
+                elif j.request is not None:
+                    next(results)
+
+    async def _gather_stragglers(self) -> None:
+        """Hold the batch open briefly while fewer requests are queued than recent batches carried."""
+        target = max(self._recent_sizes, default=1)
+        deadline = time.perf_counter() + min(self.limits.max_wait_s, self._last_latency)
+        while len(self._queue) < target and time.perf_counter() < deadline:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), deadline - time.perf_counter())
+            except TimeoutError:
+                break
+
+    def _take(self) -> list[_Job]:
+        jobs, tokens, refs = [], 0, 0
+        while self._queue and len(jobs) < self.limits.max_requests:
+            job = self._queue[0]
+            req = job.request
+            n = len(req.token_ids) + len(req.draft_tokens) if req else 0
+            p = len(req.page_ids) if req else 0
+            if jobs and (tokens + n > self.limits.max_tokens or refs + p > self.limits.max_page_refs):
+                break
+            jobs.append(self._queue.popleft())
+            tokens, refs = tokens + n, refs + p
+        return jobs

@@ -1,0 +1,257 @@
+"""The replica engine on rank 0: contexts and pages, the batch scheduler, and the channel inferlets talk to.
+
+Every operation an inferlet can ask of a replica is a method ``op_<name>`` here. Forwards go through the
+scheduler; the engine itself reserves the pages a forward needs, records lineage for what the forward wrote
+(inputs plus the drafts the model accepted — rejected drafts are rolled back here, so KV, ``seq_len`` and lineage
+always agree), commits every full page to the prefix trie, and returns surplus pages. A context belongs to the
+inferlet run (session) that made it; snapshots belong to the user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pie_workers.engine.channel import ChannelServer
+from pie_workers.engine.contexts import ContextError, ContextTable
+from pie_workers.engine.page_store import PageStore
+from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
+from pie_workers.runner import ModelRunner
+from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
+from pie_workers.wire.codec import output_to_wire, slot_from_wire
+
+
+@dataclass
+class Session:
+    """One inferlet run's connection: who it is and which contexts it holds."""
+
+    username: str
+    instance: str
+    contexts: set[int] = field(default_factory=set)
+
+
+class ReplicaEngine:
+    def __init__(self, runner: ModelRunner, limits: BatchLimits = BatchLimits()):
+        self.runner = runner
+        self.page_size = runner.page_size
+        self.store = PageStore(runner.num_pages, runner.page_size)
+        self.contexts = ContextTable(self.store)
+        self.scheduler = BatchScheduler(self._execute, limits)
+        self.channel = ChannelServer(self._handle)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        self._sessions: dict[str, Session] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._salts: dict[int, bytes] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self, host_ip: str) -> dict[str, str]:
+        addresses = self.channel.bind(host_ip)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self.scheduler.run()), loop.create_task(self.channel.serve())]
+        return addresses
+
+    def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.channel.close()
+
+    async def _execute(self, batch: ForwardBatch) -> list[RequestOutput]:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.execute, batch)
+
+    # -- dispatch ----------------------------------------------------------------------------------------------
+
+    async def _handle(self, ident: bytes, op: str, args: list):
+        """Identity frames are ``user/instance/session:socket``; the session scopes every context operation."""
+        username, instance, key = ident.decode().rsplit(":", 1)[0].split("/", 2)
+        session = self._sessions.get(key)
+        if session is None:
+            session = self._sessions[key] = Session(username, instance)
+        method = getattr(self, f"op_{op}", None)
+        if method is None:
+            raise ValueError(f"unknown replica operation {op!r}")
+        return await method(session, key, *args)
+
+    def _own(self, session: Session, ctx: int) -> int:
+        if ctx not in session.contexts:
+            raise ContextError(f"context {ctx} does not exist or was released")
+        return ctx
+
+    def _adopt(self, session: Session, ctx: int) -> int:
+        session.contexts.add(ctx)
+        self._locks[ctx] = asyncio.Lock()
+        return ctx
+
+    async def _run_copies(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            await self.scheduler.submit(None, copies)
+
+    # -- context lifetime --------------------------------------------------------------------------------------
+
+    async def op_create(self, session: Session, key: str) -> int:
+        return self._adopt(session, self.contexts.create(session.username, key))
+
+    async def op_destroy(self, session: Session, key: str, ctx: int) -> None:
+        self.contexts.destroy(self._own(session, ctx))
+        session.contexts.discard(ctx)
+        self._locks.pop(ctx, None)
+        self._salts.pop(ctx, None)
+
+    async def op_close(self, session: Session, key: str) -> int:
+        """The inferlet ended: release every context it still holds (snapshots survive)."""
+        n = 0
+        for ctx in list(session.contexts):
+            await self.op_destroy(session, key, ctx)
+            n += 1
+        self._sessions.pop(key, None)
+        return n
+
+    async def op_fork(self, session: Session, key: str, ctx: int) -> list[int]:
+        child, copies = self.contexts.fork(self._own(session, ctx))
+        self._adopt(session, child)
+        if ctx in self._salts:
+            self._salts[child] = self._salts[ctx]
+        await self._run_copies(copies)
+        return [child, self.contexts.view(child).seq_len]
+
+    async def op_save(self, session: Session, key: str, ctx: int, name: str) -> None:
+        await self._run_copies(self.contexts.save(self._own(session, ctx), name))
+
+    async def op_snapshot(self, session: Session, key: str, ctx: int) -> str:
+        name, copies = self.contexts.snapshot(self._own(session, ctx))
+        await self._run_copies(copies)
+        return name
+
+    async def op_open(self, session: Session, key: str, name: str) -> list[int] | None:
+        opened = self.contexts.open(session.username, name, key)
+        if opened is None:
+            return None
+        ctx, copies = opened
+        self._adopt(session, ctx)
+        await self._run_copies(copies)
+        return [ctx, self.contexts.view(ctx).seq_len]
+
+    async def op_take(self, session: Session, key: str, name: str) -> list[int] | None:
+        ctx = self.contexts.take(session.username, name, key)
+        if ctx is None:
+            return None
+        self._adopt(session, ctx)
+        return [ctx, self.contexts.view(ctx).seq_len]
+
+    async def op_delete(self, session: Session, key: str, name: str) -> None:
+        self.contexts.delete(session.username, name)
+
+    async def op_truncate(self, session: Session, key: str, ctx: int, n: int) -> int:
+        async with self._locks[self._own(session, ctx)]:
+            self.contexts.truncate(ctx, n)
+            self._trim(ctx)
+            return self.contexts.view(ctx).seq_len
+
+    async def op_stats(self, session: Session, key: str) -> dict:
+        s = self.store.stats()
+        return {
+            "free": s.free,
+            "working": s.working,
+            "committed": s.committed,
+            "cached": s.cached,
+            "total": s.total,
+            "contexts": self.contexts.stats().contexts,
+            "batches": self.scheduler.batches_fired,
+            "requests": self.scheduler.requests_served,
+        }
+
+    # -- forward -----------------------------------------------------------------------------------------------
+
+    async def op_forward(
+        self,
+        session: Session,
+        key: str,
+        ctx: int,
+        tokens: list[int],
+        positions: list[int],
+        slots: list,
+        attention_masks: list[list[int]] | None,
+        logit_mask: list[int] | None,
+        drafts: list[int],
+        draft_positions: list[int],
+        hold: int = 0,
+    ) -> list:
+        """Run ``tokens`` (then ``drafts``) through the context; returns [slot outputs, verified walk, seq_len].
+
+        Full pages are committed (shared through the prefix trie) right away, except pages touching the last
+        ``hold`` tokens: a Generator holds back accepted drafts it may still cut at a stop token.
+        """
+        async with self._locks[self._own(session, ctx)]:
+            if len(tokens) != len(positions):
+                raise ValueError(f"{len(positions)} positions for {len(tokens)} input tokens")
+            decoded = [(int(row), slot_from_wire(s)) for row, s in slots]
+            if attention_masks is not None:  # KV written under a custom mask must never be shared by prefix
+                self._salts.setdefault(ctx, uuid.uuid4().bytes)
+            chunk = self.scheduler.limits.max_tokens
+            start = 0
+            while len(tokens) - start > chunk:  # chunked prefill: leading chunks carry no samplers
+                if any(row < start + chunk for row, _ in decoded):
+                    break
+                await self._forward_once(
+                    ctx,
+                    tokens[start : start + chunk],
+                    positions[start : start + chunk],
+                    [],
+                    attention_masks[start : start + chunk] if attention_masks is not None else None,
+                    None,
+                    [],
+                    [],
+                    0,
+                )
+                start += chunk
+            out = await self._forward_once(
+                ctx,
+                tokens[start:],
+                positions[start:],
+                [(row - start, s) for row, s in decoded],
+                attention_masks[start:] if attention_masks is not None else None,
+                logit_mask,
+                drafts,
+                draft_positions,
+                hold,
+            )
+            return [[output_to_wire(s) for s in out.slots], out.tokens, self.contexts.view(ctx).seq_len]
+
+    async def _forward_once(self, ctx, tokens, positions, slots, masks, logit_mask, drafts, draft_positions, hold):
+        view = self.contexts.view(ctx)
+        need = -(-(view.seq_len + len(tokens) + len(drafts)) // self.page_size) - len(view.page_ids)
+        if need > 0:
+            self.contexts.reserve(ctx, need)
+            view = self.contexts.view(ctx)
+        request = ForwardRequest(
+            token_ids=tokens,
+            positions=positions,
+            page_ids=list(view.page_ids),
+            kv_len=view.seq_len,
+            slots=slots,
+            attention_masks=masks,
+            logit_mask=logit_mask or None,
+            draft_tokens=drafts,
+            draft_positions=draft_positions,
+        )
+        out = await self.scheduler.submit(request)
+        if out.error is None:
+            accepted = len(out.tokens) - 1 if drafts else 0
+            self.contexts.record(
+                ctx, tokens + drafts[:accepted], positions + draft_positions[:accepted], self._salts.get(ctx, b"")
+            )
+            full = max(0, self.contexts.view(ctx).working_tokens - hold) // self.page_size
+            if full:
+                self.contexts.commit(ctx, full)
+        self._trim(ctx)
+        if out.error is not None:
+            raise ValueError(out.error)
+        return out
+
+    def _trim(self, ctx: int) -> None:
+        """Give back working pages that hold no tokens (after a rejected draft, a failed pass, or a truncate)."""
+        view = self.contexts.view(ctx)
+        spare = view.working_pages - (-(-view.working_tokens // self.page_size))
+        if spare > 0:
+            self.contexts.release_working(ctx, spare)
