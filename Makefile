@@ -11,13 +11,14 @@ $(VENV)/.installed: pyproject.toml
 
 .PHONY: run test bench lint
 run: $(VENV)/.installed
-	$(VENV)/bin/pie smoke
+	$(VENV)/bin/pie run examples/text_completion.py -- --prompt "Tell me about paged attention." --max-tokens 32
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15
 
 bench: $(VENV)/.installed
 	$(PY) bench/forward.py
+	$(PY) bench/tax.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

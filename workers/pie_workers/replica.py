@@ -39,8 +39,7 @@ class ReplicaInfo:
 class RankWorker:
     """One tensor-parallel rank. Runs as an async Ray actor (see ``Replica``); threads = the CPUs of its bundle.
 
-    Rank 0 may also host the replica engine (contexts, scheduler, inferlet channel) on the actor's event loop;
-    forward passes then run on the engine's executor thread so the loop keeps serving inferlets meanwhile.
+    Rank 0 may also host the replica engine (contexts, scheduler, inferlet channel) on the actor's event loop.
     """
 
     def __init__(self, rank: int, world_size: int, threads: int):

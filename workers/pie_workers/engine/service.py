@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pie_workers.engine.channel import ChannelServer
@@ -40,7 +39,6 @@ class ReplicaEngine:
         self.contexts = ContextTable(self.store)
         self.scheduler = BatchScheduler(self._execute, limits)
         self.channel = ChannelServer(self._handle)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="forward")
         self._sessions: dict[str, Session] = {}
         self._locks: dict[int, asyncio.Lock] = {}
         self._salts: dict[int, bytes] = {}
@@ -58,7 +56,9 @@ class ReplicaEngine:
         self.channel.close()
 
     async def _execute(self, batch: ForwardBatch) -> list[RequestOutput]:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.execute, batch)
+        """Runs the forward on the event loop's thread: a thread hop per batch costs more than it saves (the GIL
+        is contended either way), and inferlet messages simply queue in the socket until the batch is done."""
+        return self.runner.execute(batch)
 
     # -- dispatch ----------------------------------------------------------------------------------------------
 

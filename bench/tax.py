@@ -1,0 +1,110 @@
+"""The programmability tax: inferlets on a Ray replica vs the same model runner driven by a plain in-process loop.
+
+Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64]
+
+(a) per-token latency of one inferlet generating greedily vs the in-process loop at batch 1 — the difference is the
+    tax in ms/token (channel round trip, engine bookkeeping, scheduling, SDK);
+(b) aggregate tokens/s of N concurrent inferlets vs the in-process loop decoding N sequences as one batch.
+Both sides use 2 torch threads; the inferlets run in this process, the model in the replica actor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+
+from forward import paged_decode
+from inferlet import Context, Model, Sampler
+from pie_cluster.host import endpoints_for, run_inferlet
+from pie_cluster.local_ray import init_ray
+from pie_workers.engine.scheduler import BatchLimits
+from pie_workers.replica import Replica
+from pie_workers.runner import ModelRunner, RunnerSettings
+from pie_workers.tiny_model import default_model_path
+from rich.console import Console
+from rich.table import Table
+
+PROMPT = 32
+
+
+async def timed_generation(input: dict) -> tuple[float, float]:
+    """Prefill, wait for every peer, then time ``tokens`` greedy steps; returns (start, end)."""
+    model = Model.load("default")
+    with Context(model) as ctx:
+        ctx.append(input["prompt"])
+        await ctx.flush()
+        ctx.append([input["prompt"][-1]])
+        input["ready"].set_result(None) if not input["ready"].done() else None
+        await input["go"]
+        start = time.perf_counter()
+        got = await ctx.generate(
+            Sampler.argmax(), max_tokens=input["tokens"], stop=[], auto_flush=False
+        ).collect_tokens()
+        assert len(got) == input["tokens"]
+        return start, time.perf_counter()
+
+
+async def concurrent(endpoints, n: int, tokens: int, rng: random.Random) -> float:
+    """Aggregate tokens/s of n inferlets decoding together."""
+    loop = asyncio.get_running_loop()
+    go = loop.create_future()
+    inputs = [
+        {
+            "prompt": [rng.randrange(3, 4096) for _ in range(PROMPT)],
+            "tokens": tokens,
+            "ready": loop.create_future(),
+            "go": go,
+        }
+        for _ in range(n)
+    ]
+    runs = [asyncio.ensure_future(run_inferlet(timed_generation, i, endpoints, "bench")) for i in inputs]
+    await asyncio.gather(*(i["ready"] for i in inputs))
+    go.set_result(None)
+    spans = await asyncio.gather(*runs)
+    return n * tokens / (max(e for _, e in spans) - min(s for s, _ in spans))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    levels = [int(n) for n in args.concurrency.split(",")]
+    model_dir = default_model_path("llama")
+    pages = levels[-1] * (-(-(PROMPT + args.tokens + 2) // 16)) + 64
+
+    init_ray(num_cpus=4)
+    replica = Replica(model_dir, 1, RunnerSettings(num_pages=pages), cpus_per_rank=2, engine=BatchLimits())
+    endpoints = endpoints_for("default", replica)
+    local = ModelRunner(model_dir, RunnerSettings(num_pages=pages))
+    rng = random.Random(0)
+
+    rows = []
+    for n in levels:
+        prompts = [[rng.randrange(3, 4096) for _ in range(PROMPT)] for _ in range(n)]
+        base = max(paged_decode(local, prompts, args.tokens) for _ in range(args.repeats))
+        ours = max(asyncio.run(concurrent(endpoints, n, args.tokens, rng)) for _ in range(args.repeats))
+        rows.append((n, ours, base))
+    replica.shutdown()
+
+    console = Console()
+    n1 = next(r for r in rows if r[0] == 1) if 1 in levels else None
+    if n1:
+        tax = 1000 / n1[1] - 1000 / n1[2]
+        console.print(
+            f"(a) one inferlet: {1000 / n1[1]:.3f} ms/token vs in-process loop {1000 / n1[2]:.3f} "
+            f"ms/token -> programmability tax {tax:.3f} ms/token"
+        )
+    table = Table(title=f"(b) aggregate decode tokens/s, {args.tokens} tokens per sequence, tiny Llama")
+    for col in ("inferlets / batch", "inferlets on Ray", "in-process loop", "ratio"):
+        table.add_column(col, justify="right")
+    for n, ours, base in rows:
+        table.add_row(str(n), f"{ours:,.0f}", f"{base:,.0f}", f"{ours / base:.2f}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

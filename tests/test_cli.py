@@ -1,0 +1,65 @@
+"""`pie run` as a user runs it (a subprocess with its own embedded Ray), and Pie's argument-folding rules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pie_cluster.arguments import fold_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FOLDING = [
+    ([], {}),
+    (["--prompt", "hi there"], {"prompt": "hi there"}),
+    (["--max-tokens", "32"], {"max_tokens": 32}),
+    (["--temperature", "0.7"], {"temperature": 0.7}),
+    (["--stream", "true", "--echo", "false"], {"stream": True, "echo": False}),
+    (["--verbose"], {"verbose": True}),
+    (["--verbose", "--n", "3"], {"verbose": True, "n": 3}),
+    (["--temp", "-1"], {"temp": True}),  # Pie's rule: a value starting with '-' makes the option a flag
+    (["-k", "5"], {"k": 5}),
+    (["--x", "1", "-k"], {"x": 1}),  # a lone trailing short option is dropped
+    (["a.txt", "--n", "2", "7"], {"n": 2, "_positional": ["a.txt", 7]}),
+    (["--name", "True"], {"name": "True"}),  # only lowercase true/false are booleans
+    (["--big", "1e3"], {"big": 1000.0}),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), FOLDING)
+def test_argument_folding_follows_pie(args, expected):
+    assert fold_arguments(args) == expected
+
+
+def pie(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    return subprocess.run(
+        [sys.executable, "-m", "pie_cluster.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_pie_run_prints_the_return_value_and_fails_clearly(tmp_path):
+    ok = pie("run", "examples/text_completion.py", "--pages", "256", "--", "--max-tokens", "5")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip(), "the reply is printed"
+
+    bad = tmp_path / "bad.py"
+    bad.write_text("async def main(input):\n    raise ValueError('the input needs a --question')\n")
+    failed = pie("run", str(bad), "--pages", "64")
+    assert failed.returncode == 1
+    assert "the input needs a --question" in failed.stdout + failed.stderr
+
+    not_inferlet = tmp_path / "plain.py"
+    not_inferlet.write_text("def main(input):\n    return 1\n")
+    refused = pie("run", str(not_inferlet))
+    assert refused.returncode == 2
+    assert "async def main" in refused.stdout + refused.stderr
