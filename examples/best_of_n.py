@@ -54,7 +54,7 @@ async def main(input: dict) -> dict:
             for i in range(n)
         ]
         try:  # the children decode concurrently, so their steps share batches on the replica
-            runs = await asyncio.gather(*(sample(c, s, max_tokens) for c, s in zip(children, samplers)))
+            runs = await asyncio.gather(*(sample(c, s, max_tokens) for c, s in zip(children, samplers, strict=True)))
         finally:
             for child in children:
                 child.release()
@@ -67,7 +67,7 @@ async def main(input: dict) -> dict:
             "mean_logprob": sum(logprobs) / len(logprobs) if logprobs else None,  # None: an empty reply
             "mean_entropy": sum(entropies) / len(entropies),
         }
-        for (tokens, entropies), logprobs in zip(runs, scores)
+        for (tokens, entropies), logprobs in zip(runs, scores, strict=True)
     ]
     best = max(range(n), key=lambda i: (candidates[i]["mean_logprob"] is not None, candidates[i]["mean_logprob"] or 0))
     return {"prefix_len": prefix_len, "candidates": candidates, "best": best, "text": candidates[best]["text"]}

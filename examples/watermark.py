@@ -42,7 +42,7 @@ def pick(logits: array, key: int, prev: int, gamma: float, delta: float) -> int:
 def green_fraction(tokens: list[int], first_prev: int, key: int, gamma: float) -> float:
     """The detector: the share of tokens that are green given the token before each."""
     prevs = [first_prev, *tokens[:-1]]
-    return sum(green_list(key, p, gamma)(t) for p, t in zip(prevs, tokens)) / max(1, len(tokens))
+    return sum(green_list(key, p, gamma)(t) for p, t in zip(prevs, tokens, strict=True)) / max(1, len(tokens))
 
 
 async def main(input: dict) -> dict:

@@ -75,6 +75,16 @@ def test_seeded_multinomial_is_reproducible(runner):
         for _ in range(5)
     ]
     assert len(set(draws)) == 1
+    # ...but the next position draws fresh noise: a seeded generation does not repeat one token forever
+    seq = Seq(prompt_of(5))
+    alloc = PageAllocator(PAGES, 3)
+    tokens = []
+    for _ in range(8):
+        o = runner.execute(ForwardBatch([request_for(seq, alloc, 16, slots=[(len(seq.pending()) - 1, slot)])]))[0]
+        seq.kv_len = len(seq.tokens)
+        seq.tokens.append(o.slots[0].token)
+        tokens.append(o.slots[0].token)
+    assert len(set(tokens)) > 1
 
 
 @pytest.mark.parametrize("prompt_len", [9, 14])  # 14 + 1 pending + drafts crosses the 16-token page boundary

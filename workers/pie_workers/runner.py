@@ -8,7 +8,7 @@ lineage are the replica engine's business.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from pie_workers.loader import CheckpointReader
 from pie_workers.models.llama import LlamaModel
 from pie_workers.parallel import TensorParallel
 from pie_workers.wire import brle
-from pie_workers.wire.batch import ForwardBatch, RequestOutput, SlotOutput
+from pie_workers.wire.batch import ForwardBatch, RequestOutput, Slot, SlotOutput
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class ModelRunner:
         for rs in masked:
             allowed = torch.from_numpy(brle.decode(rs.logit_mask, logits.shape[-1])).to(logits.device)
             logits[rs.first_row : rs.first_row + rs.num_rows].masked_fill_(~allowed, float("-inf"))
-        slots = [s for rs in plans for s in _row_slots(rs)]
+        slots = _per_position_seeds(planned, [s for rs in plans for s in _row_slots(rs)])
         dead = {rs.index for rs in masked if sampling.check_rows_samplable(_rows_of(logits, rs), _row_slots(rs))}
         if dead:
             keep = [rs for rs in plans if rs.index not in dead]
@@ -126,7 +126,8 @@ class ModelRunner:
                 if rs.index in dead:
                     outputs[rs.index].error = "the logit mask excludes every token"
             logits = torch.cat([_rows_of(logits, rs) for rs in keep]) if keep else logits[:0]
-            plans, slots = keep, [s for rs in keep for s in _row_slots(rs)]
+            slots = [s for rs in keep for s in slots[rs.first_row : rs.first_row + rs.num_rows]]
+            plans = keep
         results = sampling.run_slots(logits, slots) if slots else []
         cursor = 0
         for rs in plans:
@@ -136,6 +137,18 @@ class ModelRunner:
             out.slots = mine[: len(rs.slots)]
             if rs.draft_tokens:
                 out.tokens = _verify(rs.draft_tokens, out.slots[rs.verify_slot], mine[len(rs.slots) :])
+
+
+def _per_position_seeds(planned: PlannedBatch, slots: list[Slot]) -> list[Slot]:
+    """A seeded sampler draws from (seed, token position): runs replay exactly, yet successive steps of one
+    generation — same seed, next position — draw fresh noise instead of repeating the same token."""
+    if not any(s.seed and s.kind.is_token for s in slots):
+        return slots
+    positions = planned.plan.positions[planned.plan.logit_rows].tolist()
+    return [
+        replace(s, seed=(s.seed * 0x9E3779B97F4A7C15 + p + 1) % (1 << 63) or 1) if s.seed and s.kind.is_token else s
+        for s, p in zip(slots, positions, strict=True)
+    ]
 
 
 def _row_slots(rs: RequestSampling) -> list:
