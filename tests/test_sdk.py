@@ -230,3 +230,30 @@ def test_bad_input_raises_in_the_inferlet_and_the_replica_keeps_serving(served, 
     assert other == hf_greedy(hf, messages, 8), "another inferlet is unaffected"
     stats = served.stats()
     assert stats["working"] == 0 and stats["contexts"] == 0
+
+
+def test_a_new_context_reuses_cached_prefix_pages(served, hf):
+    long_system = "You are a careful assistant who answers in one short sentence. " * 3
+
+    async def main(input):
+        model = Model.load("default")
+        with Context(model) as ctx:
+            ctx.system(long_system).user(input["q"])
+            before = await served.replica.leader.engine_stats.remote()
+            tokens = await ctx.generate(Sampler.argmax(), max_tokens=6).collect_tokens()
+            after = await served.replica.leader.engine_stats.remote()
+            return tokens, before, after
+
+    first, _, _ = served.run(main, {"q": "Why is the sky blue?"})
+    second, before, after = served.run(main, {"q": "Why is the sea salty?"})
+    prompt_len = len(
+        hf[0].apply_chat_template(
+            [{"role": "system", "content": long_system}, {"role": "user", "content": "Why is the sea salty?"}],
+            add_generation_prompt=True,
+        )["input_ids"]
+    )
+    without_reuse = -(-(prompt_len + 5) // 16)  # pages the prompt and 5 generated tokens fill in the KV cache
+    fresh = before["free"] - after["free"]  # the pool is far from full: nothing is evicted to make room
+    assert fresh <= without_reuse - 2, "at least the two pages of pure system prompt were adopted from the cache"
+    messages = [{"role": "system", "content": long_system}, {"role": "user", "content": "Why is the sea salty?"}]
+    assert second == hf_greedy(hf, messages, 6)

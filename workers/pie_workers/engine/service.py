@@ -188,6 +188,8 @@ class ReplicaEngine:
             decoded = [(int(row), slot_from_wire(s)) for row, s in slots]
             if attention_masks is not None:  # KV written under a custom mask must never be shared by prefix
                 self._salts.setdefault(ctx, uuid.uuid4().bytes)
+            if self.contexts.view(ctx).seq_len == 0 and attention_masks is None and not drafts:
+                tokens, positions, decoded = self._reuse_cached_prefix(ctx, tokens, positions, decoded)
             chunk = self.scheduler.limits.max_tokens
             start = 0
             while len(tokens) - start > chunk:  # chunked prefill: leading chunks carry no samplers
@@ -217,6 +219,16 @@ class ReplicaEngine:
                 hold,
             )
             return [[output_to_wire(s) for s in out.slots], out.tokens, self.contexts.view(ctx).seq_len]
+
+    def _reuse_cached_prefix(self, ctx, tokens, positions, decoded):
+        """A fresh context whose first pages match cached ones adopts them instead of recomputing them (prefix
+        caching). Rows that carry samplers or probes, and the last token, are always computed."""
+        first_row = min((row for row, _ in decoded), default=len(tokens))
+        usable = min(first_row, len(tokens) - 1) // self.page_size * self.page_size
+        if usable <= 0:
+            return tokens, positions, decoded
+        reused = self.contexts.reuse_prefix(ctx, tokens[:usable], positions[:usable], self._salts.get(ctx, b""))
+        return tokens[reused:], positions[reused:], [(row - reused, s) for row, s in decoded]
 
     async def _forward_once(self, ctx, tokens, positions, slots, masks, logit_mask, drafts, draft_positions, hold):
         view = self.contexts.view(ctx)
