@@ -75,11 +75,15 @@ class Instruct(ABC):
     reasoning_markers: tuple[str, str] | None = None  # the text that opens/closes a reasoning block, if any
     tool_call_format = QWEN_TOOL_CALLS
     stop_names: tuple[str, ...] = ()  # vocabulary entries that end a turn
+    cue_text = ""  # what opens the assistant turn the model generates
+    seal_text = ""  # what the template renders after an assistant message's text
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         ids = [tokenizer.token_id(name) for name in self.stop_names] + [tokenizer.eos_token_id]
         self._stops = list(dict.fromkeys(i for i in ids if i is not None))
+        self._cue = tokenizer.encode(self.cue_text)
+        self._seal = tokenizer.encode(self.seal_text)
 
     @staticmethod
     def from_dir(path: str | Path) -> Instruct:
@@ -110,11 +114,10 @@ class Instruct(ABC):
     def assistant(self, text: str) -> list[int]:
         """A pre-filled, closed assistant turn."""
 
-    @abstractmethod
     def cue(self) -> list[int]:
         """Opens the assistant turn the model is about to generate."""
+        return list(self._cue)
 
-    @abstractmethod
     def seal(self) -> list[int]:
         """Closes a generated assistant turn exactly as the template renders the end of an assistant message.
 
@@ -122,6 +125,7 @@ class Instruct(ABC):
         sampled stop token into the KV cache, so `seal()` must append the template's turn ending and nothing else,
         or the cached conversation diverges from what the model was trained on (and from a re-rendered prompt).
         """
+        return list(self._seal)
 
     def stop_tokens(self) -> list[int]:
         """Ids that end a turn (those present in the vocabulary), plus the tokenizer's EOS."""
@@ -141,11 +145,8 @@ class ChatML(Instruct):
 
     family = "chatml"
     stop_names = ("<|im_end|>", "<|endoftext|>")
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        super().__init__(tokenizer)
-        self._cue = self.tokenizer.encode("<|im_start|>assistant\n")
-        self._seal = self.tokenizer.encode("<|im_end|>\n")
+    cue_text = "<|im_start|>assistant\n"
+    seal_text = "<|im_end|>\n"
 
     def _turn(self, role: str, text: str) -> list[int]:
         return self.tokenizer.encode(f"<|im_start|>{role}\n{text}<|im_end|>\n")
@@ -158,12 +159,6 @@ class ChatML(Instruct):
 
     def assistant(self, text: str) -> list[int]:
         return self._turn("assistant", text)
-
-    def cue(self) -> list[int]:
-        return list(self._cue)
-
-    def seal(self) -> list[int]:
-        return list(self._seal)
 
     def equip(self, tools: list[dict | str]) -> list[int]:
         """Qwen's tool system turn, as its template renders it when the conversation has no system message."""
@@ -211,13 +206,13 @@ class Llama3(Instruct):
     reasoning_markers = THINK_MARKERS
     tool_call_format = LLAMA3_TOOL_CALLS
     stop_names = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+    cue_text = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    seal_text = "<|eot_id|>"
 
     def __init__(self, tokenizer: Tokenizer, preamble: str = "") -> None:
         """`preamble`: the knowledge-date lines that Llama 3.1+ templates put at the top of the system turn."""
         super().__init__(tokenizer)
         self.preamble = preamble
-        self._cue = self.tokenizer.encode("<|start_header_id|>assistant<|end_header_id|>\n\n")
-        self._seal = self.tokenizer.encode("<|eot_id|>")
 
     def _turn(self, role: str, text: str) -> list[int]:
         return self.tokenizer.encode(f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>")
@@ -230,12 +225,6 @@ class Llama3(Instruct):
 
     def assistant(self, text: str) -> list[int]:
         return self._turn("assistant", text.strip())
-
-    def cue(self) -> list[int]:
-        return list(self._cue)
-
-    def seal(self) -> list[int]:
-        return list(self._seal)
 
     def equip(self, tools: list[dict | str]) -> list[int]:
         """The system turn Llama 3.1's template renders for tools with an empty system message (no BOS here)."""
