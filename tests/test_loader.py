@@ -84,20 +84,23 @@ def test_unsupported_rope_type_is_named(tiny_llama):
         ModelConfig.from_dict(cfg)
 
 
-def test_missing_tensor_names_tensor(tiny_llama, tmp_path):
-    model = copy_model(tiny_llama, tmp_path / "m")
+def with_weights_edited(src, dst, edit):
+    """A copy of the model whose weights went through ``edit(dict)``."""
+    model = copy_model(src, dst)
     weights = load_file(model / "model.safetensors")
-    del weights["model.layers.2.mlp.down_proj.weight"]
+    edit(weights)
     save_file(weights, model / "model.safetensors")
+    return model
+
+
+def test_missing_tensor_names_tensor(tiny_llama, tmp_path):
+    model = with_weights_edited(tiny_llama, tmp_path / "m", lambda w: w.pop("model.layers.2.mlp.down_proj.weight"))
     with pytest.raises(CheckpointError, match=r"incomplete.*model\.layers\.2\.mlp\.down_proj\.weight"):
         ModelRunner(model, RunnerSettings(num_pages=4))
 
 
 def test_wrong_shape_names_file_and_tensor(tiny_llama, tmp_path):
-    model = copy_model(tiny_llama, tmp_path / "m")
-    weights = load_file(model / "model.safetensors")
-    weights["model.norm.weight"] = torch.ones(7)
-    save_file(weights, model / "model.safetensors")
+    model = with_weights_edited(tiny_llama, tmp_path / "m", lambda w: w.update({"model.norm.weight": torch.ones(7)}))
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*model\.norm\.weight.*\[7\]"):
         ModelRunner(model, RunnerSettings(num_pages=4))
 

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from paged import LOGITS, PageAllocator, Seq, greedy_generate, request_for
+from paged import LOGITS, PageAllocator, Seq, greedy_generate, greedy_step, request_for
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire import brle
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot, SlotKind
@@ -107,13 +107,9 @@ def test_draft_verification_accepts_exactly_the_matching_prefix(runner, prompt_l
         # The accepted drafts' KV is valid: continuing from it reproduces the non-speculative run.
         seq.kv_len = len(seq.tokens) + n_good
         seq.tokens += out.tokens
-        rest = []
         for _ in range(3):
-            o = runner.execute(ForwardBatch([request_for(seq, alloc, 16)]))[0]
-            seq.kv_len = len(seq.tokens)
-            seq.tokens.append(o.slots[0].token)
-            rest.append(o.slots[0].token)
-        assert rest == truth[2 + n_good : 5 + n_good]
+            greedy_step(runner, [seq], alloc)
+        assert seq.tokens[-3:] == truth[2 + n_good : 5 + n_good]
     all_good = truth[1:6]
     seq = Seq(prompt + truth[:1])
     req = request_for(
@@ -136,13 +132,9 @@ def test_page_copy_forks_a_sequence(runner):
     runner.execute(ForwardBatch([], page_copies=[(parent.pages[1], child.pages[1])]))
     scribble = Seq(prompt_of(20, 99), pages=[parent.pages[1], *alloc.take(1)])
     runner.execute(ForwardBatch([request_for(scribble, alloc, 16)]))  # overwrites the parent's page 1
-    out = []
     for _ in range(6):
-        o = runner.execute(ForwardBatch([request_for(child, alloc, 16)]))[0]
-        child.kv_len = len(child.tokens)
-        child.tokens.append(o.slots[0].token)
-        out.append(o.slots[0].token)
-    assert out == greedy_generate(runner, prompt, 7, PageAllocator(PAGES, 5))[1:]
+        greedy_step(runner, [child], alloc)
+    assert child.tokens[21:] == greedy_generate(runner, prompt, 7, PageAllocator(PAGES, 5))[1:]
 
 
 def test_brle_attention_mask_matches_hf_attention_mask(runner, tiny_llama):
