@@ -34,7 +34,6 @@ class Output:
     raw: list[SlotOutput]
     tokens: list[int] = field(default_factory=list)  # Generator-accepted tokens this step (empty for raw Forward)
     auto_sampler: SampleHandle | None = None
-    verified: list[int] = field(default_factory=list)  # the replica's verified walk when drafts were sent
 
     def token(self, h: SampleHandle) -> int | None:
         return self.raw[h.slots[0]].token if h.slots and h.slots[0] < len(self.raw) else None
@@ -74,9 +73,6 @@ class Forward:
         self._slots: list[tuple[int, object]] = []
         self._masks: list[list[int]] | None = None
         self._logit_mask: list[int] | None = None
-        self._drafts: list[int] = []
-        self._draft_positions: list[int] = []
-        self._hold = 0
 
     def start_position(self) -> int:
         """Position the first auto-input token occupies: the context's ``seq_len`` when ``forward()`` was called."""
@@ -118,15 +114,12 @@ class Forward:
         self._slots.append((int(index), probe.slot))
         return ProbeHandle(len(self._slots) - 1, probe.kind)
 
-    def _draft(self, tokens: list[int], positions: list[int], hold: int) -> None:
-        self._drafts, self._draft_positions, self._hold = list(tokens), list(positions), hold
-
     async def execute(self) -> Output:
         if not self._tokens:
             raise ValueError("forward pass has no input tokens: call input() or input_at() first")
         ctx = self._ctx
         ctx._check_live()
-        slots, verified, seq_len = await ctx.model.channel.call(
+        slots, _, seq_len = await ctx.model.channel.call(
             "forward",
             ctx._id,
             self._tokens,
@@ -134,9 +127,9 @@ class Forward:
             [[row, slot_to_wire(s)] for row, s in self._slots],
             self._masks,
             self._logit_mask,
-            self._drafts,
-            self._draft_positions,
-            self._hold,
+            [],  # drafts to verify: speculative decoding is not wired into the SDK yet
+            [],
+            0,
         )
         ctx._seq_len = seq_len
-        return Output([output_from_wire(s) for s in slots], verified=verified)
+        return Output([output_from_wire(s) for s in slots])

@@ -41,10 +41,6 @@ class Sampler:
         """``draws`` seeds the draw (as in Pie): 0 is fresh randomness, any other value is reproducible."""
         return Sampler(Slot(SlotKind.MULTINOMIAL, temperature=temperature, seed=draws))
 
-    @property
-    def is_argmax(self) -> bool:
-        return self.slot.is_greedy
-
 
 class Probe:
     """Base of the probes: each reads one thing off one row's (masked, untempered) logits."""

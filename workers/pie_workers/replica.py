@@ -86,9 +86,9 @@ class RankWorker:
         return self.engine.start(ray.util.get_node_ip_address())
 
     async def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
-        """A batch straight to the runner (no engine bookkeeping); goes through the engine's queue if it runs."""
+        """A batch straight to the runner, for replicas without an engine (whose page tables the caller keeps)."""
         if self.engine is not None:
-            return list(await asyncio.gather(*(self.engine.scheduler.submit(r) for r in batch.requests)))
+            raise RuntimeError("this replica's engine owns its KV pool: reach it through the inferlet channel")
         return await asyncio.to_thread(self.runner.execute, batch)
 
     async def engine_stats(self) -> dict:

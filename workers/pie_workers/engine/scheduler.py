@@ -50,10 +50,6 @@ class BatchScheduler:
         self._arrived.set()
         return job.future
 
-    @property
-    def queue_depth(self) -> int:
-        return len(self._queue)
-
     async def run(self) -> None:
         while True:
             if not self._queue:
