@@ -63,3 +63,17 @@ def test_pie_run_prints_the_return_value_and_fails_clearly(tmp_path):
     refused = pie("run", str(not_inferlet))
     assert refused.returncode == 2
     assert "async def main" in refused.stdout + refused.stderr
+
+
+def test_pie_model_commands(tmp_path, tiny_llama):
+    from pie_cluster.cli import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    built = runner.invoke(app, ["model", "build-default", "--arch", "qwen3", "--out", str(tmp_path / "q")])
+    assert built.exit_code == 0, built.output
+    assert (tmp_path / "q" / "model.safetensors").is_file() and str(tmp_path / "q") in built.output
+    info = runner.invoke(app, ["model", "info", str(tmp_path / "q")])
+    assert info.exit_code == 0 and "Qwen3ForCausalLM" in info.output and "qk_norm" in info.output
+    bad = runner.invoke(app, ["model", "build-default", "--arch", "gpt2"])
+    assert bad.exit_code != 0 and "gpt2" in bad.output

@@ -81,29 +81,5 @@ def run(
     print(encode_return(result))
 
 
-@app.command()
-def smoke(
-    prompt: Annotated[str, typer.Option(help="user message")] = "Tell me about paged attention.",
-    model: Annotated[Path | None, typer.Option(help="HF model directory (default: the embedded tiny model)")] = None,
-    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
-    max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 32,
-) -> None:
-    """Bring up one replica on an embedded Ray and decode a greedy chat reply through it."""
-    from pie_workers.tiny_model import default_model_path
-
-    from pie_cluster.local_ray import init_ray
-    from pie_cluster.smoke import smoke as run_smoke
-
-    model_dir = model or default_model_path("llama")
-    init_ray(num_cpus=max(2, tp))
-    result = run_smoke(model_dir, prompt, max_tokens, tp)
-    console.print(f"[bold]model[/bold] {model_dir} (tensor parallel {tp})")
-    console.print(
-        f"[bold]prompt[/bold] {result.prompt_tokens} tokens; [bold]reply[/bold] {len(result.tokens)} "
-        f"tokens in {result.seconds * 1000:.0f} ms"
-    )
-    console.print(repr(result.text))
-
-
 if __name__ == "__main__":
     app()
