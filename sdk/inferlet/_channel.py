@@ -1,9 +1,18 @@
-"""The inferlet's side of its channel to a replica: a ZeroMQ DEALER with async request/response over msgpack."""
+"""The inferlet's side of its channel to a replica: ZeroMQ DEALER sockets carrying batched msgpack requests.
+
+Many inferlets share one process (and one event loop), and in lock-step decoding they all send a forward at once.
+So each process holds one *link* per (event loop, replica): every request made during one loop iteration goes out
+as a single frame ``[[request id, session, op, args], ...]`` and replies come back batched the same way. A session
+string ``user/instance/session`` in each request tells the replica whose contexts it touches. Synchronous control
+calls (``Context(model)``, ``fork``, ``open``...) use a blocking socket per (thread, replica) and cost one round
+trip (~0.1-0.2 ms).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from typing import Any
 
 import msgpack
@@ -18,60 +27,111 @@ class ReplicaError(RuntimeError):
     """The replica failed for a reason that is not the caller's input."""
 
 
-class Channel:
-    """Two sockets to one replica under one session identity: an async one for forwards and other awaited ops, and
-    a blocking one for the SDK's synchronous control calls (``Context(model)``, ``fork``, ``open``...), which need
-    their answer before returning and cost one round trip (~0.1-0.2 ms)."""
+class _AsyncLink:
+    """One DEALER socket per (event loop, replica address); batches every request of a loop iteration into a frame."""
 
-    def __init__(self, address: str, session: str):
+    def __init__(self, address: str, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.ROUTING_ID, f"{session}:a".encode())
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop a send: the replica applies backpressure
         self._sock.connect(address)
-        self._sync = zmq.Context.instance().socket(zmq.DEALER)
-        self._sync.setsockopt(zmq.ROUTING_ID, f"{session}:s".encode())
-        self._sync.connect(address)
+        self._send_now = zmq.Socket.shadow(self._sock.underlying)  # plain non-blocking send, no future per frame
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        self._outbox: list[list] = []
+        self._reader = loop.create_task(self._read())
+        self.users = 0
 
-    def call_sync(self, op: str, *args: Any) -> Any:
+    def call(self, session: str, op: str, args: list) -> asyncio.Future:
         rid = next(self._ids)
-        self._sync.send(msgpack.packb([rid, op, list(args)]))
-        while True:
-            got, error, value = msgpack.unpackb(self._sync.recv())
-            if got == rid:
-                return _result(error, value)
-
-    async def call(self, op: str, *args: Any) -> Any:
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
-        rid = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
+        fut = self._loop.create_future()
         self._pending[rid] = fut
-        await self._sock.send(msgpack.packb([rid, op, list(args)]))
-        return await fut
+        if not self._outbox:
+            self._loop.call_soon(self._flush)
+        self._outbox.append([rid, session, op, args])
+        return fut
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        self._send_now.send(msgpack.packb(batch), zmq.NOBLOCK)
 
     async def _read(self) -> None:
         while True:
-            rid, error, value = msgpack.unpackb(await self._sock.recv())
-            fut = self._pending.pop(rid, None)
-            if fut is None or fut.done():
-                continue
-            try:
-                fut.set_result(_result(error, value))
-            except Exception as e:
-                fut.set_exception(e)
+            for rid, error, value in msgpack.unpackb(await self._sock.recv()):
+                fut = self._pending.pop(rid, None)
+                if fut is None or fut.done():
+                    continue
+                if error is None:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(_error(error, value))
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        self._reader.cancel()
         self._sock.close(linger=0)
-        self._sync.close(linger=0)
 
 
-def _result(error: str | None, value: Any) -> Any:
-    if error is None:
-        return value
+class _SyncLink:
+    """A blocking DEALER socket per (thread, replica address) for control calls that must answer before returning."""
+
+    def __init__(self, address: str):
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.connect(address)
+        self._ids = itertools.count()
+
+    def call(self, session: str, op: str, args: list) -> Any:
+        rid = next(self._ids)
+        self._sock.send(msgpack.packb([[rid, session, op, args]]))
+        while True:
+            for got, error, value in msgpack.unpackb(self._sock.recv()):
+                if got == rid:
+                    if error is None:
+                        return value
+                    raise _error(error, value)
+
+
+_async_links: dict[tuple[asyncio.AbstractEventLoop, str], _AsyncLink] = {}
+_sync_links = threading.local()
+
+
+class Channel:
+    """One inferlet session's view of a replica: awaited calls (forwards) and blocking control calls."""
+
+    def __init__(self, address: str, session: str):
+        self._address = address
+        self._session = session
+        self._link: _AsyncLink | None = None
+
+    def call_sync(self, op: str, *args: Any) -> Any:
+        links = _sync_links.__dict__
+        link = links.get(self._address)
+        if link is None:
+            link = links[self._address] = _SyncLink(self._address)
+        return link.call(self._session, op, list(args))
+
+    def call(self, op: str, *args: Any) -> asyncio.Future:
+        """Queue the request for this loop iteration's frame; await the returned future for the result."""
+        link = self._link
+        if link is None:
+            loop = asyncio.get_running_loop()
+            link = _async_links.get((loop, self._address))
+            if link is None:
+                link = _async_links[(loop, self._address)] = _AsyncLink(self._address, loop)
+            link.users += 1
+            self._link = link
+        return link.call(self._session, op, list(args))
+
+    def close(self) -> None:
+        """Drop this session's hold on the shared link; the last session on a link closes its socket."""
+        link, self._link = self._link, None
+        if link is not None:
+            link.users -= 1
+            if link.users == 0:
+                _async_links.pop((link._loop, self._address), None)
+                link.close()
+
+
+def _error(error: str, value: Any) -> Exception:
     if error in _CALLER_ERRORS:
-        raise ValueError(value)
-    raise ReplicaError(f"{error}: {value}")
+        return ValueError(value)
+    return ReplicaError(f"{error}: {value}")

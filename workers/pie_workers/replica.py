@@ -92,7 +92,7 @@ class RankWorker:
         return await asyncio.to_thread(self.runner.execute, batch)
 
     async def engine_stats(self) -> dict:
-        return await self.engine.op_stats(None, "")
+        return await self.engine.op_stats(None)
 
     async def follow(self) -> None:
         await asyncio.to_thread(self.runner.follow)

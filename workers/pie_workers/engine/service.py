@@ -26,8 +26,10 @@ from pie_workers.wire.codec import output_to_wire, slot_from_wire
 class Session:
     """One inferlet run's connection: who it is and which contexts it holds."""
 
+    name: str  # ``user/instance/session``
     username: str
     instance: str
+    key: str  # the inferlet run; scopes its contexts
     contexts: set[int] = field(default_factory=set)
 
 
@@ -39,10 +41,11 @@ class ReplicaEngine:
         self.contexts = ContextTable(self.store)
         self.scheduler = BatchScheduler(self._execute, limits)
         self.channel = ChannelServer(self._handle)
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
         self._locks: dict[int, asyncio.Lock] = {}
         self._salts: dict[int, bytes] = {}
         self._tasks: list[asyncio.Task] = []
+        self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
 
     def start(self, host_ip: str) -> dict[str, str]:
         addresses = self.channel.bind(host_ip)
@@ -62,16 +65,16 @@ class ReplicaEngine:
 
     # -- dispatch ----------------------------------------------------------------------------------------------
 
-    async def _handle(self, ident: bytes, op: str, args: list):
-        """Identity frames are ``user/instance/session:socket``; the session scopes every context operation."""
-        username, instance, key = ident.decode().rsplit(":", 1)[0].split("/", 2)
-        session = self._sessions.get(key)
+    async def _handle(self, name: str, op: str, args: list):
+        """``name`` is the requesting session, ``user/instance/session``; it scopes every context operation."""
+        session = self._sessions.get(name)
         if session is None:
-            session = self._sessions[key] = Session(username, instance)
-        method = getattr(self, f"op_{op}", None)
+            username, instance, key = name.split("/", 2)
+            session = self._sessions[name] = Session(name, username, instance, key)
+        method = self._ops.get(op)
         if method is None:
             raise ValueError(f"unknown replica operation {op!r}")
-        return await method(session, key, *args)
+        return await method(session, *args)
 
     def _own(self, session: Session, ctx: int) -> int:
         if ctx not in session.contexts:
@@ -89,25 +92,25 @@ class ReplicaEngine:
 
     # -- context lifetime --------------------------------------------------------------------------------------
 
-    async def op_create(self, session: Session, key: str) -> int:
-        return self._adopt(session, self.contexts.create(session.username, key))
+    async def op_create(self, session: Session) -> int:
+        return self._adopt(session, self.contexts.create(session.username, session.key))
 
-    async def op_destroy(self, session: Session, key: str, ctx: int) -> None:
+    async def op_destroy(self, session: Session, ctx: int) -> None:
         self.contexts.destroy(self._own(session, ctx))
         session.contexts.discard(ctx)
         self._locks.pop(ctx, None)
         self._salts.pop(ctx, None)
 
-    async def op_close(self, session: Session, key: str) -> int:
+    async def op_close(self, session: Session) -> int:
         """The inferlet ended: release every context it still holds (snapshots survive)."""
         n = 0
         for ctx in list(session.contexts):
-            await self.op_destroy(session, key, ctx)
+            await self.op_destroy(session, ctx)
             n += 1
-        self._sessions.pop(key, None)
+        self._sessions.pop(session.name, None)
         return n
 
-    async def op_fork(self, session: Session, key: str, ctx: int) -> list[int]:
+    async def op_fork(self, session: Session, ctx: int) -> list[int]:
         child, copies = self.contexts.fork(self._own(session, ctx))
         self._adopt(session, child)
         if ctx in self._salts:
@@ -115,16 +118,16 @@ class ReplicaEngine:
         await self._run_copies(copies)
         return [child, self.contexts.view(child).seq_len]
 
-    async def op_save(self, session: Session, key: str, ctx: int, name: str) -> None:
+    async def op_save(self, session: Session, ctx: int, name: str) -> None:
         await self._run_copies(self.contexts.save(self._own(session, ctx), name))
 
-    async def op_snapshot(self, session: Session, key: str, ctx: int) -> str:
+    async def op_snapshot(self, session: Session, ctx: int) -> str:
         name, copies = self.contexts.snapshot(self._own(session, ctx))
         await self._run_copies(copies)
         return name
 
-    async def op_open(self, session: Session, key: str, name: str) -> list[int] | None:
-        opened = self.contexts.open(session.username, name, key)
+    async def op_open(self, session: Session, name: str) -> list[int] | None:
+        opened = self.contexts.open(session.username, name, session.key)
         if opened is None:
             return None
         ctx, copies = opened
@@ -132,23 +135,23 @@ class ReplicaEngine:
         await self._run_copies(copies)
         return [ctx, self.contexts.view(ctx).seq_len]
 
-    async def op_take(self, session: Session, key: str, name: str) -> list[int] | None:
-        ctx = self.contexts.take(session.username, name, key)
+    async def op_take(self, session: Session, name: str) -> list[int] | None:
+        ctx = self.contexts.take(session.username, name, session.key)
         if ctx is None:
             return None
         self._adopt(session, ctx)
         return [ctx, self.contexts.view(ctx).seq_len]
 
-    async def op_delete(self, session: Session, key: str, name: str) -> None:
+    async def op_delete(self, session: Session, name: str) -> None:
         self.contexts.delete(session.username, name)
 
-    async def op_truncate(self, session: Session, key: str, ctx: int, n: int) -> int:
+    async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
         async with self._locks[self._own(session, ctx)]:
             self.contexts.truncate(ctx, n)
             self._trim(ctx)
             return self.contexts.view(ctx).seq_len
 
-    async def op_stats(self, session: Session, key: str) -> dict:
+    async def op_stats(self, session: Session) -> dict:
         s = self.store.stats()
         return {
             "free": s.free,
@@ -166,7 +169,6 @@ class ReplicaEngine:
     async def op_forward(
         self,
         session: Session,
-        key: str,
         ctx: int,
         tokens: list[int],
         positions: list[int],
