@@ -1,0 +1,161 @@
+"""The KV-page market's cost: one market tick (every device's round) for a contended cluster-sized workload.
+
+Usage: python bench/market.py [--contexts 10000] [--devices 8] [--processes 2500] [--ticks 200]
+
+A tick is one round per device: each device's report (all its contexts: owner, bid per page, effective pages,
+resident or suspended; pages made per process) is settled — make cost, auction, rent, dividends — and its decision
+comes back. Demand is 1.25 × every device's capacity, bids drift a little every tick and residents follow the
+previous decision, so every round suspends and restores some contexts. Measured in this process (``Market.settle``),
+through the Ray actor with one concurrent call per device (as one replica per device makes them) and with all devices
+in one call; each with the per-context fields as numpy arrays and as plain lists. CPU ms is this thread's CPU time,
+which other load on the machine does not inflate. The goal is a tick under 5 ms for 10k contexts across 8 devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import ray
+from pie_cluster.local_ray import NAMESPACE, init_ray
+from pie_cluster.market import Market, get_or_create_market
+from rich.console import Console
+from rich.table import Table
+
+OVERLOAD = 1.25
+SHARED_PREFIX_PAGES = 4
+WARMUP = 10
+
+
+class Workload:
+    """Contexts spread over devices and processes, each with a bid per page and effective pages (own pages plus an
+    equal share of a prefix shared by up to four holders)."""
+
+    def __init__(self, contexts: int, devices: int, processes: int, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.processes = [f"inferlet-{k}" for k in range(processes)]
+        self.device = self.rng.integers(0, devices, contexts)
+        self.owner = self.rng.integers(0, processes, contexts)
+        holders = self.rng.integers(1, 5, contexts)
+        self.pages = self.rng.integers(1, 48, contexts) + SHARED_PREFIX_PAGES / holders
+        self.bids = self.rng.lognormal(np.log(0.005), 0.5, contexts)
+        self.resident = np.zeros(contexts, bool)
+        self.suspended = self.restored = 0
+        self.devices = [f"replica-{d}/rank0" for d in range(devices)]
+        self.capacity = [float(self.pages[self.device == d].sum()) / OVERLOAD for d in range(devices)]
+
+    def reports(self, as_lists: bool) -> list[dict]:
+        """One report per device for the next tick (bids drift; each process made a page now and then)."""
+        self.bids *= self.rng.lognormal(0, 0.05, self.bids.size)
+        made_now = self.rng.random(len(self.processes)) < 0.05
+        reports = []
+        for d, device in enumerate(self.devices):
+            mine = np.flatnonzero(self.device == d)
+            present, owners = np.unique(self.owner[mine], return_inverse=True)
+            report = {
+                "device": device,
+                "capacity": self.capacity[d],
+                "processes": [self.processes[p] for p in present],
+                "owners": owners,
+                "contexts": mine,
+                "bids": self.bids[mine],
+                "pages": self.pages[mine],
+                "resident": self.resident[mine],
+                "made": made_now[present].astype(np.int64),
+            }
+            if as_lists:
+                report = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in report.items()}
+            reports.append(report)
+        return reports
+
+    def apply(self, decisions: list[dict]) -> None:
+        """Do what the market decided, as the replicas would (counting the churn)."""
+        for decision in decisions:
+            self.resident[decision["suspend"]] = False
+            self.resident[decision["restore"]] = True
+            self.suspended += len(decision["suspend"])
+            self.restored += len(decision["restore"])
+
+
+def joined_market(workload: Workload) -> Market:
+    market = Market()
+    for process in workload.processes:
+        market.join(process)
+    return market
+
+
+def joined_actor(workload: Workload):
+    actor = get_or_create_market(namespace=NAMESPACE)
+    ray.get([actor.join.remote(p) for p in workload.processes])
+    return actor
+
+
+def settle_in_process(market: Market, reports: list[dict]) -> list[dict]:
+    return market.settle(reports)
+
+
+def settle_per_device(actor, reports: list[dict]) -> list[dict]:
+    """One concurrent call per device, as one replica per device would make them."""
+    return [d for decisions in ray.get([actor.settle.remote([r]) for r in reports]) for d in decisions]
+
+
+def settle_in_one_call(actor, reports: list[dict]) -> list[dict]:
+    return ray.get(actor.settle.remote(reports))
+
+
+def tick_cost_table(args) -> Table:
+    """Market tick cost: in-process and through the actor, with numpy and list payloads."""
+    table = Table(
+        title=f"market tick: {args.contexts:,} contexts on {args.devices} devices, {args.processes:,} processes, "
+        f"{args.ticks} ticks"
+    )
+    for column in ("where", "payload", "median ms", "p90 ms", "CPU ms", "suspended / tick", "restored / tick"):
+        table.add_column(column, justify="right")
+    paths = [
+        ("in process", joined_market, settle_in_process),
+        (f"actor, {args.devices} calls", joined_actor, settle_per_device),
+        ("actor, 1 call", joined_actor, settle_in_one_call),
+    ]
+    for where, make_target, settle in paths:
+        for as_lists in (False, True):
+            workload = Workload(args.contexts, args.devices, args.processes)
+            target = make_target(workload)
+            wall, cpu = [], []
+            for tick in range(WARMUP + args.ticks):
+                reports = workload.reports(as_lists)
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                decisions = settle(target, reports)
+                if tick == WARMUP:
+                    workload.suspended = workload.restored = 0
+                if tick >= WARMUP:
+                    wall.append(time.perf_counter() - start)
+                    cpu.append(time.thread_time() - start_cpu)
+                workload.apply(decisions)
+            if not isinstance(target, Market):
+                ray.kill(target)
+            table.add_row(
+                where,
+                "lists" if as_lists else "numpy",
+                f"{np.median(wall) * 1e3:.2f}",
+                f"{np.percentile(wall, 90) * 1e3:.2f}",
+                f"{np.median(cpu) * 1e3:.2f}" if where == "in process" else "-",
+                f"{workload.suspended / args.ticks:.0f}",
+                f"{workload.restored / args.ticks:.0f}",
+            )
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, default=10_000)
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--processes", type=int, default=2_500)
+    ap.add_argument("--ticks", type=int, default=200)
+    args = ap.parse_args()
+    init_ray(num_cpus=2)
+    Console(width=120).print(tick_cost_table(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""The KV-page market: wallets, per-device second-price knapsack auctions, rent, dividends (rules in ``market.py``)."""
+
+from pie_cluster.market.actor import MARKET_NAME, MarketActor, get_or_create_market
+from pie_cluster.market.auction import Clearing, clear
+from pie_cluster.market.market import DEFAULT_ENDOWMENT, PAGE_COST, Market
+from pie_cluster.market.wallets import MICRO, Ledger
+from pie_cluster.market.wire import Account, DeviceDecision, DeviceReport
+
+__all__ = [
+    "DEFAULT_ENDOWMENT",
+    "MARKET_NAME",
+    "MICRO",
+    "PAGE_COST",
+    "Account",
+    "Clearing",
+    "DeviceDecision",
+    "DeviceReport",
+    "Ledger",
+    "Market",
+    "MarketActor",
+    "clear",
+    "get_or_create_market",
+]

@@ -1,0 +1,47 @@
+"""The cluster's one market as a named Ray actor, and the way every component finds it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ray
+
+from pie_cluster.market.market import DEFAULT_ENDOWMENT, Market
+from pie_cluster.market.wallets import Ledger
+from pie_cluster.market.wire import Account, DeviceDecision, DeviceReport
+
+MARKET_NAME = "pie-market"
+
+
+@ray.remote(num_cpus=0)
+class MarketActor:
+    """``Market`` behind an actor. Async, so that calls from many replicas and inferlets queue cheaply; each method
+    runs to completion on the actor's event loop without awaiting, so rounds and wallet changes never interleave."""
+
+    def __init__(self, default_endowment: float = DEFAULT_ENDOWMENT) -> None:
+        self._market = Market(default_endowment)
+
+    async def join(self, process_id: str, endowment: float | None = None) -> float:
+        return self._market.join(process_id, endowment)
+
+    async def leave(self, process_id: str) -> float:
+        return self._market.leave(process_id)
+
+    async def settle(self, reports: Sequence[DeviceReport]) -> list[DeviceDecision]:
+        return self._market.settle(reports)
+
+    async def account(self, process_id: str) -> Account:
+        return self._market.account(process_id)
+
+    async def ledger(self) -> Ledger:
+        return self._market.ledger()
+
+
+def get_or_create_market(
+    namespace: str = "pie", default_endowment: float = DEFAULT_ENDOWMENT, lifetime: str | None = None
+) -> ray.actor.ActorHandle:
+    """The market named ``MARKET_NAME`` in ``namespace``, started here if no one has started it yet
+    (``lifetime="detached"`` lets it outlive the job that started it)."""
+    return MarketActor.options(name=MARKET_NAME, namespace=namespace, get_if_exists=True, lifetime=lifetime).remote(
+        default_endowment
+    )
