@@ -34,13 +34,36 @@ def tiny_qwen3() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """Start a local Ray once per test session (starting it costs ~3 s)."""
+def ray_cluster():
+    """One Ray cluster of two nodes (two raylets on this machine) for the whole session; starting it costs ~5 s.
+
+    The head has the dashboard (the Jobs API needs it); the second node carries a ``second_node`` resource so a
+    test can pin work there. Tests that do not care see one pool of 8 CPUs.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import socket
+
+    with socket.socket() as s:  # a free dashboard port: parallel test sessions must not collide on 8265
+        s.bind(("127.0.0.1", 0))
+        dashboard_port = s.getsockname()[1]
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 4, "include_dashboard": True, "dashboard_port": dashboard_port},
+    )
+    cluster.add_node(num_cpus=4, resources={"second_node": 1})
+    ray.init(address=cluster.address, log_to_driver=False, namespace="pie-test")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_cluster):
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="pie-test")
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,13 @@ def run(
     replica = Replica(model or default_model_path("llama"), tp, RunnerSettings(num_pages=pages), engine=BatchLimits())
     try:
         result = asyncio.run(
-            run_inferlet(main, fold_arguments(ctx.args), endpoints_for(model_name, replica), user, stdout)
+            run_inferlet(
+                main,
+                fold_arguments(ctx.args),
+                endpoints_for(model_name, replica),
+                user,
+                output=None if stdout else (lambda stream, text: None),
+            )
         )
     except Exception as e:
         console.print(f"[red]error:[/red] {type(e).__name__}: {e}")

@@ -2,35 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import inspect
-import io
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inferlet.runtime import ModelEndpoint, Runtime, install, uninstall
+from inferlet.runtime import ModelEndpoint, Runtime, SessionIO, install, uninstall
+
+from pie_cluster import stdio
+from pie_cluster.programs import Main, Program
+from pie_cluster.stdio import Sink
 
 
-class ProgramError(ValueError):
-    """The program file cannot be run as an inferlet."""
-
-
-def load_program(path: str | Path) -> Callable[[dict], Awaitable[Any]]:
-    """Import a single-file inferlet and return its ``async def main(input)``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ProgramError(f"{path}: no such program file")
-    spec = importlib.util.spec_from_file_location(f"inferlet_program_{uuid.uuid4().hex[:8]}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    main = getattr(module, "main", None)
-    if main is None or not inspect.iscoroutinefunction(main):
-        raise ProgramError(f"{path}: an inferlet defines `async def main(input)` at top level")
-    return main
+def load_program(path: str | Path) -> Main:
+    """The ``async def main(input)`` of a program file or directory (see ``pie_cluster.programs``)."""
+    return Program.from_path(path).load_main()
 
 
 def encode_return(value: Any) -> str:
@@ -39,22 +26,35 @@ def encode_return(value: Any) -> str:
 
 
 async def run_inferlet(
-    main: Callable[[dict], Awaitable[Any]],
+    main: Main,
     input: dict,
     endpoints: dict[str, ModelEndpoint],
     username: str,
-    relay_stdout: bool = True,
+    *,
+    instance_id: str | None = None,
+    bus: Sequence[str] = (),
+    io: SessionIO | None = None,
+    output: Sink | None = None,
 ) -> Any:
-    """Await ``main(input)`` under its own runtime; whatever happens, release what it holds on every replica."""
-    runtime = Runtime(username=username, instance_id=uuid.uuid4().hex, endpoints=endpoints)
+    """Await ``main(input)`` under its own runtime; whatever happens, release what it holds on every replica and
+    on the message bus (``bus``: the shard addresses from ``pie_cluster.bus.Bus.addresses()``).
+
+    ``io`` serves ``inferlet.session``; ``output`` receives what the inferlet prints, ``(stream, text)`` (None: the
+    process's own stdout/stderr)."""
+    runtime = Runtime(
+        username=username, instance_id=instance_id or uuid.uuid4().hex, endpoints=endpoints, bus=tuple(bus), io=io
+    )
     token = install(runtime)
-    sink = contextlib.nullcontext() if relay_stdout else contextlib.redirect_stdout(io.StringIO())
+    captured = stdio.capture(output) if output is not None else None
     try:
-        with sink:
-            return await main(input)
+        return await main(input)
     finally:
-        runtime.close()
-        uninstall(token)
+        try:
+            runtime.close()
+        finally:
+            if captured is not None:
+                stdio.release(captured)
+            uninstall(token)
 
 
 def endpoints_for(name: str, replica) -> dict[str, ModelEndpoint]:

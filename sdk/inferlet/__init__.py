@@ -1,6 +1,6 @@
 """The inferlet SDK: write ``async def main(input)`` against these and run it with ``pie run``."""
 
-from inferlet import chat, reasoning, runtime, tools
+from inferlet import chat, messaging, reasoning, runtime, session, tools
 from inferlet.context import Context
 from inferlet.forward import Forward, Output, ProbeHandle, SampleHandle
 from inferlet.generator import Generator, GenStep
@@ -25,7 +25,9 @@ __all__ = [
     "Sampler",
     "Tokenizer",
     "chat",
+    "messaging",
     "reasoning",
     "runtime",
+    "session",
     "tools",
 ]

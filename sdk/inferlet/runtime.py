@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextvars
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 VERSION = "0.1.0"
 
@@ -26,6 +26,18 @@ class ModelEndpoint:
     architecture: str
 
 
+class SessionIO(Protocol):
+    """What the host provides for ``inferlet.session``: events to the client, messages and files from it."""
+
+    def send(self, text: str) -> None: ...
+
+    def send_file(self, data: bytes) -> None: ...
+
+    async def receive(self) -> str: ...
+
+    async def receive_file(self) -> bytes: ...
+
+
 @dataclass
 class Runtime:
     username: str
@@ -33,12 +45,20 @@ class Runtime:
     endpoints: dict[str, ModelEndpoint]
     session: str = field(default_factory=lambda: uuid.uuid4().hex)
     models_loaded: dict[str, Any] = field(default_factory=dict)
+    bus: tuple[str, ...] = ()  # one address per message-bus shard (see inferlet.messaging); empty: no messaging
+    bus_client: Any = None  # opened by inferlet.messaging on first use
+    io: SessionIO | None = None  # the launching client's side of inferlet.session; None: no client attached
 
     def close(self) -> None:
-        """Release everything this inferlet still holds on every replica (contexts, pages); snapshots survive."""
-        for model in self.models_loaded.values():
-            model._close()
-        self.models_loaded.clear()
+        """Release everything this inferlet still holds on every replica (contexts, pages) and withdraw its pulls
+        and subscriptions from the message bus; snapshots and queued messages survive."""
+        try:
+            for model in self.models_loaded.values():
+                model._close()
+            self.models_loaded.clear()
+        finally:
+            if self.bus_client is not None:  # kept, closed: a task left behind gets an error, not a new client
+                self.bus_client.close()
 
 
 _current: contextvars.ContextVar[Runtime] = contextvars.ContextVar("inferlet_runtime")

@@ -43,6 +43,11 @@ class BatchScheduler:
         self.batches_fired = 0
         self.requests_served = 0
 
+    @property
+    def queued(self) -> int:
+        """Forward requests waiting for the next batch."""
+        return len(self._queue)
+
     def submit(self, request: ForwardRequest | None, copies: list[tuple[int, int]] = ()) -> asyncio.Future:
         """Queue one request (and/or page copies); the future resolves to its RequestOutput (or None for copies)."""
         job = _Job(request, list(copies), asyncio.get_running_loop().create_future())

@@ -160,6 +160,7 @@ class ReplicaEngine:
             "cached": s.cached,
             "total": s.total,
             "contexts": self.contexts.stats().contexts,
+            "queued": self.scheduler.queued,
             "batches": self.scheduler.batches_fired,
             "requests": self.scheduler.requests_served,
         }

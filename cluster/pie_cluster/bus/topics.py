@@ -1,0 +1,143 @@
+"""What one bus shard holds: per (user, topic) a FIFO message queue with FIFO pullers and a set of subscribers, and
+per peer (one inferlet's connection) the pulls and subscriptions it holds, so a peer that leaves is dropped in one
+call. Pure bookkeeping — no sockets — so every rule here is exercised directly by the shard and its tests.
+
+Outgoing messages leave through ``emit(peer, event)``; events are ``["pulled", rid, topic, message]`` (the answer to
+one pull) and ``["cast", sid, message]`` (a broadcast for one subscription).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Key = tuple[str, str]  # (user, topic): users never share a key, which is all the namespacing there is
+Emit = Callable[[bytes, list], None]
+
+
+@dataclass
+class _Queue:
+    messages: deque[str] = field(default_factory=deque)
+    waiters: OrderedDict[tuple[bytes, int], None] = field(default_factory=OrderedDict)  # (peer, rid), oldest first
+
+
+@dataclass
+class _Held:
+    """What one peer holds on this shard: its waiting pulls and its subscriptions, each by id."""
+
+    user: str
+    pulls: dict[int, Key] = field(default_factory=dict)
+    subscriptions: dict[int, Key] = field(default_factory=dict)
+
+
+class Topics:
+    def __init__(self, emit: Emit):
+        self._emit = emit
+        self._queues: dict[Key, _Queue] = {}
+        self._subscribers: dict[Key, dict[tuple[bytes, int], None]] = {}
+        self._held: dict[bytes, _Held] = {}
+
+    # -- push / pull: each message goes to exactly one puller, oldest message to the longest-waiting puller --
+
+    def push(self, key: Key, message: str) -> None:
+        """Hand ``message`` to the oldest waiting puller, else queue it."""
+        if not self._hand_to_waiter(key, message):
+            self._queues.setdefault(key, _Queue()).messages.append(message)
+
+    def requeue(self, key: Key, messages: list[str]) -> None:
+        """Messages that were pulled but not taken (oldest first) go back ahead of everything queued after them."""
+        rest = [m for m in messages if not self._hand_to_waiter(key, m)]
+        if rest:
+            self._queues.setdefault(key, _Queue()).messages.extendleft(reversed(rest))
+
+    def pull(self, peer: bytes, user: str, rid: int, key: Key) -> None:
+        queue = self._queues.get(key)
+        if queue is not None and queue.messages:
+            message = queue.messages.popleft()
+            self._forget_if_idle(key)
+            self._emit(peer, ["pulled", rid, key[1], message])
+            return
+        self._queues.setdefault(key, _Queue()).waiters[(peer, rid)] = None
+        self._held.setdefault(peer, _Held(user)).pulls[rid] = key
+
+    def cancel(self, peer: bytes, rid: int) -> None:
+        """Withdraw a waiting pull; a pull that was already answered is the client's to give back (``requeue``)."""
+        key = self._release_pull(peer, rid)
+        if key is not None:
+            del self._queues[key].waiters[(peer, rid)]
+            self._forget_if_idle(key)
+
+    # -- broadcast / subscribe: fan-out to the subscribers present when the broadcast arrives --
+
+    def subscribe(self, peer: bytes, user: str, sid: int, key: Key) -> None:
+        self._subscribers.setdefault(key, {})[(peer, sid)] = None
+        self._held.setdefault(peer, _Held(user)).subscriptions[sid] = key
+
+    def unsubscribe(self, peer: bytes, sid: int) -> None:
+        held = self._held.get(peer)
+        key = held.subscriptions.pop(sid, None) if held is not None else None
+        if key is None:
+            return
+        subscribers = self._subscribers[key]
+        del subscribers[(peer, sid)]
+        if not subscribers:
+            del self._subscribers[key]
+        self._forget_peer_if_idle(peer)
+
+    def broadcast(self, key: Key, message: str) -> None:
+        for peer, sid in self._subscribers.get(key, ()):
+            self._emit(peer, ["cast", sid, message])
+
+    # -- peers --
+
+    def drop(self, peer: bytes) -> None:
+        """Forget everything ``peer`` holds: its inferlet ended, or its connection is gone."""
+        held = self._held.get(peer)
+        if held is None:
+            return
+        for rid in list(held.pulls):
+            self.cancel(peer, rid)
+        for sid in list(held.subscriptions):
+            self.unsubscribe(peer, sid)
+
+    def stats(self, user: str | None = None) -> dict[str, int]:
+        """Counts of what the shard holds (for ``user`` only, if given): the evidence that nothing leaks."""
+        mine = (lambda key: True) if user is None else (lambda key: key[0] == user)
+        queues = [q for key, q in self._queues.items() if mine(key)]
+        return {
+            "sessions": sum(1 for held in self._held.values() if user is None or held.user == user),
+            "topics": len({key for key in (*self._queues, *self._subscribers) if mine(key)}),
+            "queued": sum(len(q.messages) for q in queues),
+            "waiters": sum(len(q.waiters) for q in queues),
+            "subscriptions": sum(len(s) for key, s in self._subscribers.items() if mine(key)),
+        }
+
+    # -- bookkeeping --
+
+    def _hand_to_waiter(self, key: Key, message: str) -> bool:
+        queue = self._queues.get(key)
+        if queue is None or not queue.waiters:
+            return False
+        (peer, rid), _ = queue.waiters.popitem(last=False)
+        self._release_pull(peer, rid)
+        self._forget_if_idle(key)
+        self._emit(peer, ["pulled", rid, key[1], message])
+        return True
+
+    def _release_pull(self, peer: bytes, rid: int) -> Key | None:
+        held = self._held.get(peer)
+        key = held.pulls.pop(rid, None) if held is not None else None
+        if key is not None:
+            self._forget_peer_if_idle(peer)
+        return key
+
+    def _forget_if_idle(self, key: Key) -> None:
+        queue = self._queues[key]
+        if not queue.messages and not queue.waiters:
+            del self._queues[key]
+
+    def _forget_peer_if_idle(self, peer: bytes) -> None:
+        held = self._held[peer]
+        if not held.pulls and not held.subscriptions:
+            del self._held[peer]

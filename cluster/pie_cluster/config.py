@@ -1,0 +1,107 @@
+"""``config.toml``: what a Pie cluster serves and how (models and replicas, HTTP, auth, launcher, bus, MCP).
+
+Shaped like Pie's own config (``[[model]]`` entries with a ``name``; the first is the default), with Ray-specific
+keys for placement. Everything has a default, so an empty file serves the embedded tiny model; auth is on unless
+the file (or ``pie start --no-auth``) turns it off explicitly::
+
+    [server]
+    host = "0.0.0.0"
+    port = 8080
+
+    [auth]
+    tokens = { "s3cret-alice" = "alice", "s3cret-bob" = "bob" }   # bearer token -> user
+
+    [[model]]
+    name = "default"
+    path = "/models/Qwen3-0.6B"       # a Hugging Face directory; omit for the embedded tiny model
+    tensor_parallel = 2
+    replicas = 2                      # data-parallel copies, placed by Ray (one TP group per node)
+    pages = 8192
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_ongoing_requests: int = 1024  # Serve's default of 5 collapses under concurrent event streams
+
+
+class AuthConfig(_Strict):
+    enabled: bool = True
+    tokens: dict[str, str] = Field(default_factory=dict)  # bearer token -> username
+
+
+class ModelConfigEntry(_Strict):
+    name: str = "default"
+    path: str | None = None  # HF model directory; None: the embedded tiny model
+    arch: Literal["llama", "qwen3"] = "llama"  # which embedded model, when path is None
+    tensor_parallel: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1)
+    pages: int = Field(4096, ge=1)
+    page_size: int = Field(16, ge=1)
+    cpus_per_rank: int = Field(1, ge=1)
+    use_gpu: bool | None = None  # None: GPUs when the cluster has them
+    max_batch_tokens: int = Field(2048, ge=1)
+    max_batch_requests: int = Field(256, ge=1)
+
+
+class LauncherConfig(_Strict):
+    event_buffer: int = Field(4096, ge=16)  # events kept per instance for late attach (oldest dropped)
+    keep_finished: int = Field(1024, ge=0)  # finished instances still listed and attachable
+    default_deadline_s: float | None = None
+
+
+class BusConfig(_Strict):
+    shards: int = Field(2, ge=1)
+
+
+class PieConfig(_Strict):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    model: list[ModelConfigEntry] = Field(default_factory=lambda: [ModelConfigEntry()])
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    mcp: dict[str, dict] = Field(default_factory=dict)  # [mcp.<name>] server declarations
+
+    @field_validator("model")
+    @classmethod
+    def _unique_names(cls, models: list[ModelConfigEntry]) -> list[ModelConfigEntry]:
+        if not models:
+            raise ValueError("at least one [[model]] is needed")
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"[[model]] names must be unique, got {names}")
+        return models
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> PieConfig:
+        """Read a config file (None: all defaults); errors name the file and the offending key."""
+        if path is None:
+            return cls()
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such config file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
+        try:
+            return cls.model_validate(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def check_auth(self) -> None:
+        if self.auth.enabled and not self.auth.tokens:
+            raise ValueError("auth is on but [auth.tokens] is empty: add tokens, or turn auth off explicitly")

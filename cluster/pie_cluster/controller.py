@@ -1,0 +1,157 @@
+"""The controller: brings up (and tears down) everything a Pie cluster runs on top of Ray.
+
+``pie start`` creates it as a detached named actor, so the services outlive the command: the model replicas of
+every ``[[model]]`` (each a tensor-parallel group placed by Ray), the message bus shards, one pooled inferlet host
+per node, and the launcher (named, so the HTTP app and Ray jobs find it). It also computes, per node, how an
+inferlet there reaches each model: over ipc to a replica on the same node when there is one, else over tcp.
+"""
+
+from __future__ import annotations
+
+import ray
+from inferlet.runtime import ModelEndpoint
+from pie_workers.engine.scheduler import BatchLimits
+from pie_workers.replica import Replica
+from pie_workers.runner import RunnerSettings
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pie_cluster.bus import start_bus
+from pie_cluster.config import ModelConfigEntry, PieConfig
+from pie_cluster.inferlet_host import InferletHost
+from pie_cluster.launcher import HostPool, Launcher
+
+CONTROLLER = "pie-controller"
+LAUNCHER = "pie-launcher"
+
+
+def _model_dir(entry: ModelConfigEntry) -> str:
+    if entry.path is not None:
+        return entry.path
+    from pie_workers.tiny_model import default_model_path
+
+    return str(default_model_path(entry.arch))
+
+
+class Controller:
+    def __init__(self, config: PieConfig):
+        self.config = config
+        self.replicas: dict[str, list[Replica]] = {}
+        for entry in config.model:
+            settings = RunnerSettings(num_pages=entry.pages, page_size=entry.page_size)
+            limits = BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests)
+            self.replicas[entry.name] = [
+                Replica(_model_dir(entry), entry.tensor_parallel, settings, entry.cpus_per_rank, entry.use_gpu, limits)
+                for _ in range(entry.replicas)
+            ]
+        self.bus = start_bus(shards=config.bus.shards, detached=False)
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        launcher_cls = ray.remote(Launcher).options(name=LAUNCHER, num_cpus=0, max_concurrency=100_000)
+        self.launcher = launcher_cls.remote(
+            config.launcher.event_buffer, config.launcher.keep_finished, config.launcher.default_deadline_s
+        )
+        host_cls = ray.remote(InferletHost)
+        self.hosts = {
+            node: host_cls.options(
+                num_cpus=0,
+                max_concurrency=100_000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(self.launcher)
+            for node in nodes
+        }
+        pool = HostPool(
+            hosts=self.hosts,
+            endpoints={node: self.endpoints(node) for node in nodes},
+            bus={node: self.bus.addresses(node) for node in nodes},
+            model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
+        )
+        ray.get(self.launcher.attach_pool.remote(pool, self.launcher))
+
+    def ready(self) -> bool:
+        return True
+
+    def endpoints(self, node_id: str) -> dict[str, ModelEndpoint]:
+        """How an inferlet on ``node_id`` reaches each model: a same-node replica over ipc, else one over tcp."""
+        out = {}
+        for name, replicas in self.replicas.items():
+            local = [r for r in replicas if r.info.node_id == node_id]
+            chosen = local[0] if local else replicas[hash(node_id) % len(replicas)]
+            info = chosen.info
+            out[name] = ModelEndpoint(
+                name=name,
+                address=chosen.addresses["ipc" if local else "tcp"],
+                model_dir=info.model_dir,
+                page_size=info.page_size,
+                vocab_size=info.vocab_size,
+                architecture=info.architecture,
+            )
+        return out
+
+    def status(self) -> dict:
+        """Replicas with their page use, batches and queue; the launcher's counts."""
+        replicas = []
+        for name, group in self.replicas.items():
+            stats = ray.get([r.leader.engine_stats.remote() for r in group])
+            for i, (replica, s) in enumerate(zip(group, stats, strict=True)):
+                info = replica.info
+                replicas.append(
+                    {
+                        "model": name,
+                        "replica": i,
+                        "node": info.node_id,
+                        "tensor_parallel": info.tensor_parallel_size,
+                        "device": info.device,
+                        "pages_used": s["total"] - s["free"] - s["cached"],
+                        "pages_cached": s["cached"],
+                        "pages_total": s["total"],
+                        "queued": s["queued"],
+                        "batches": s["batches"],
+                        "requests": s["requests"],
+                        "contexts": s["contexts"],
+                    }
+                )
+        return {
+            "replicas": replicas,
+            "launcher": ray.get(self.launcher.stats.remote()),
+            "nodes": len(self.hosts),
+            "bus": self.bus.stats(),
+        }
+
+    def nodes(self) -> list[str]:
+        return list(self.hosts)
+
+    def shutdown(self) -> None:
+        for actor in [self.launcher, *self.hosts.values()]:
+            ray.kill(actor)
+        self.bus.shutdown()
+        for group in self.replicas.values():
+            for replica in group:
+                replica.shutdown()
+
+
+def start_controller(config: PieConfig, detached: bool = True):
+    """Create the controller in the current namespace (or return the running one) once every service is up."""
+    options = {"name": CONTROLLER, "num_cpus": 0, "max_concurrency": 16, "get_if_exists": True}
+    if detached:
+        options["lifetime"] = "detached"
+    controller = ray.remote(Controller).options(**options).remote(config)
+    ray.get(controller.ready.remote())
+    return controller
+
+
+def find_controller():
+    """The running controller of this namespace; a clear error when Pie was not started."""
+    try:
+        return ray.get_actor(CONTROLLER)
+    except ValueError:
+        raise RuntimeError("no Pie cluster is running in this Ray namespace: start one with `pie start`") from None
+
+
+def stop_controller() -> bool:
+    """Shut every service down and remove the controller; False when none was running."""
+    try:
+        controller = ray.get_actor(CONTROLLER)
+    except ValueError:
+        return False
+    ray.get(controller.shutdown.remote())
+    ray.kill(controller)
+    return True

@@ -1,0 +1,135 @@
+"""Where inferlets run: an async Ray actor that hosts many inferlet instances as asyncio tasks.
+
+Each node gets one pooled host (launching there costs an actor call, not a process: hundreds of inferlets share
+one interpreter, each with its own runtime, stdout and session); a program that asks for isolation or its own
+``runtime_env`` gets a dedicated host of its own, killed when it ends. Everything an instance produces goes to the
+launcher as events, batched per event-loop turn into one actor call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+
+import ray
+from inferlet.runtime import ModelEndpoint
+
+from pie_cluster import stdio
+from pie_cluster.host import encode_return, run_inferlet
+from pie_cluster.programs import Program, ProgramError
+
+
+class _ClientSession:
+    """``inferlet.session`` for a hosted instance: events out through the host, inbound through the launcher."""
+
+    def __init__(self, host: InferletHost, instance_id: str):
+        self._host, self._id = host, instance_id
+
+    def send(self, text: str) -> None:
+        self._host.emit(self._id, "message", text)
+
+    def send_file(self, data: bytes) -> None:
+        self._host.emit(self._id, "file", data)
+
+    async def receive(self) -> str:
+        return await self._host.launcher.receive.remote(self._id, "message")
+
+    async def receive_file(self) -> bytes:
+        return await self._host.launcher.receive.remote(self._id, "file")
+
+
+class InferletHost:
+    def __init__(self, launcher):
+        self.launcher = launcher
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._abort_reasons: dict[str, str] = {}
+        self._outbox: list[tuple[str, str, str | bytes]] = []
+        stdio.install_router()
+
+    async def start(
+        self,
+        instance_id: str,
+        program: Program,
+        input: dict,
+        username: str,
+        endpoints: dict[str, ModelEndpoint],
+        bus: tuple[str, ...],
+        deadline_s: float | None,
+    ) -> None:
+        """Begin running the instance; returns at once (its events report how it goes)."""
+        task = asyncio.get_running_loop().create_task(
+            self._run(instance_id, program, input, username, endpoints, bus, deadline_s)
+        )
+        self._tasks[instance_id] = task
+
+    async def abort(self, instance_id: str, reason: str = "aborted") -> bool:
+        task = self._tasks.get(instance_id)
+        if task is None or task.done():
+            return False
+        self._abort_reasons[instance_id] = reason
+        task.cancel()
+        return True
+
+    async def running(self) -> int:
+        return len(self._tasks)
+
+    async def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    # -- one instance ------------------------------------------------------------------------------------------
+
+    async def _run(self, instance_id, program, input, username, endpoints, bus, deadline_s) -> None:
+        def output(stream: str, text: str) -> None:
+            self.emit(instance_id, stream, text)
+
+        try:
+            main = program.load_main()
+            async with asyncio.timeout(deadline_s) as deadline:
+                result = await run_inferlet(
+                    main,
+                    input,
+                    endpoints,
+                    username,
+                    instance_id=instance_id,
+                    bus=bus,
+                    io=_ClientSession(self, instance_id),
+                    output=output,
+                )
+            self.emit(instance_id, "return", encode_return(result))
+        except asyncio.CancelledError:
+            self.emit(instance_id, "error", self._abort_reasons.pop(instance_id, "aborted"))
+        except TimeoutError as e:
+            if deadline_s is not None and deadline.expired():
+                self.emit(instance_id, "error", f"deadline exceeded: the instance ran for more than {deadline_s:g} s")
+            else:
+                self.emit(instance_id, "error", _describe(e, program))
+        except ProgramError as e:
+            self.emit(instance_id, "error", str(e))
+        except Exception as e:
+            self.emit(instance_id, "error", _describe(e, program))
+        finally:
+            self._tasks.pop(instance_id, None)
+
+    def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
+        """Queue an event for this loop turn's batch; consecutive writes to one stream merge into one event."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        elif kind in ("stdout", "stderr") and self._outbox[-1][:2] == (instance_id, kind):
+            self._outbox[-1] = (instance_id, kind, self._outbox[-1][2] + value)
+            return
+        self._outbox.append((instance_id, kind, value))
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        self.launcher.emit.remote(batch)
+
+
+def _describe(error: BaseException, program: Program) -> str:
+    """``Type: message`` plus where in the program it was raised (the host's own frames are noise to the user)."""
+    where = [
+        f"{frame.filename.split('/', 1)[-1]} line {frame.lineno}, in {frame.name}"
+        for frame in traceback.extract_tb(error.__traceback__)
+        if frame.filename.startswith(f"<{program.label}>")
+    ]
+    text = f"{type(error).__name__}: {error}"
+    return f"{text} (at {where[-1]})" if where else text

@@ -1,0 +1,234 @@
+"""The launcher: one named actor that owns programs, instances and their event streams.
+
+Clients (the HTTP app, ``pie submit`` through Ray Jobs) call it with the authenticated user's name; every
+instance belongs to the user who launched it, and another user's instance is reported as not existing (the same
+answer as a wrong id, so ids cannot be probed). Instances run on inferlet hosts (``inferlet_host``): the pooled host
+of a node that serves the models (least busy first) or of the node asked for, or a dedicated host for programs that
+want isolation. Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import ray
+from inferlet.runtime import ModelEndpoint
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pie_cluster.events import EventLog
+from pie_cluster.inferlet_host import InferletHost
+from pie_cluster.programs import Program
+
+
+class NotFound(LookupError):
+    """No such instance or program for this user."""
+
+
+@dataclass
+class _Instance:
+    id: str
+    user: str
+    program: Program
+    input: dict
+    node_id: str
+    host: object
+    dedicated: bool
+    log: EventLog
+    created: float = field(default_factory=time.time)
+    ended: float | None = None
+    inbox: dict[str, asyncio.Queue] = field(
+        default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
+    )
+    waiting: set[asyncio.Future] = field(default_factory=set)
+
+    def summary(self) -> dict:
+        end = self.ended or time.time()
+        status = (
+            "running"
+            if self.log.terminal is None
+            else {"return": "finished", "error": "failed"}[self.log.terminal.kind]
+        )
+        return {
+            "id": self.id,
+            "program": self.program.label,
+            "status": status,
+            "node": self.node_id,
+            "input": self.input,
+            "created": self.created,
+            "elapsed_s": round(end - self.created, 3),
+        }
+
+
+@dataclass
+class HostPool:
+    """What the controller hands the launcher: a pooled host per node and each node's view of the models."""
+
+    hosts: dict[str, object]  # node id -> InferletHost actor
+    endpoints: dict[str, dict[str, ModelEndpoint]]  # node id -> model name -> endpoint (ipc on that node, else tcp)
+    bus: dict[str, tuple[str, ...]] = field(default_factory=dict)  # node id -> bus shard addresses from there
+    model_nodes: tuple[str, ...] = ()  # nodes that serve at least one replica: preferred for co-location
+
+
+class Launcher:
+    def __init__(self, event_capacity: int = 4096, keep_finished: int = 1024, default_deadline_s: float | None = None):
+        self._pool: HostPool | None = None
+        self._self = None
+        self._programs: dict[str, Program] = {}
+        self._instances: dict[str, _Instance] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._event_capacity = event_capacity
+        self._keep_finished = keep_finished
+        self._default_deadline_s = default_deadline_s
+        self.launched = 0
+
+    async def attach_pool(self, pool: HostPool, launcher_handle) -> None:
+        self._pool, self._self = pool, launcher_handle
+
+    # -- programs ------------------------------------------------------------------------------------------------
+
+    async def upload(self, user: str, filename: str, data: bytes) -> dict:
+        """Store a program (a .py file or a .zip with pie.toml); returns its id and name@version."""
+        program = Program.from_upload(filename, data)
+        self._programs.setdefault(program.id, program)
+        return {"program": program.id, "name": program.label, "isolated": program.isolated}
+
+    # -- instances -----------------------------------------------------------------------------------------------
+
+    async def launch(
+        self,
+        user: str,
+        program_id: str,
+        input: dict | None = None,
+        deadline_s: float | None = None,
+        node_id: str | None = None,
+    ) -> str:
+        if self._pool is None:
+            raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
+        program = self._programs.get(program_id)
+        if program is None:
+            raise NotFound(f"no program {program_id!r}; upload it first")
+        if input is not None and not isinstance(input, dict):
+            raise ValueError(f"an inferlet's input is a JSON object, got {type(input).__name__}")
+        if deadline_s is not None and deadline_s <= 0:
+            raise ValueError(f"deadline_s must be positive, got {deadline_s}")
+        node = self._choose_node(node_id)
+        instance_id = uuid.uuid4().hex
+        host, dedicated = self._pool.hosts[node], False
+        if program.isolated:
+            host, dedicated = self._dedicated_host(node, program), True
+        instance = _Instance(
+            instance_id, user, program, input or {}, node, host, dedicated, EventLog(self._event_capacity)
+        )
+        self._instances[instance_id] = instance
+        await host.start.remote(
+            instance_id,
+            program,
+            instance.input,
+            user,
+            self._pool.endpoints[node],
+            self._pool.bus.get(node, ()),
+            deadline_s if deadline_s is not None else self._default_deadline_s,
+        )
+        self.launched += 1
+        return instance_id
+
+    def _choose_node(self, node_id: str | None) -> str:
+        hosts = self._pool.hosts
+        if node_id is not None:
+            if node_id not in hosts:
+                raise ValueError(f"no inferlet host on node {node_id!r}; nodes: {', '.join(sorted(hosts))}")
+            return node_id
+        preferred = [n for n in self._pool.model_nodes if n in hosts] or list(hosts)
+        load = {n: 0 for n in preferred}
+        for inst in self._instances.values():
+            if inst.log.terminal is None and inst.node_id in load:
+                load[inst.node_id] += 1
+        return min(preferred, key=lambda n: load[n])
+
+    def _dedicated_host(self, node: str, program: Program):
+        options = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+        if program.runtime_env:
+            options["runtime_env"] = program.runtime_env
+        return ray.remote(InferletHost).options(**options).remote(self._self)
+
+    async def events(self, user: str, instance_id: str, since: int = 0, timeout: float = 10.0) -> dict:
+        """Events numbered ``since`` and later, waiting up to ``timeout`` s for one (a long poll)."""
+        instance = self._own(user, instance_id)
+        got = await instance.log.wait(since, min(max(timeout, 0.0), 60.0))
+        return {
+            "events": [e.as_wire() for e in got],
+            "next": got[-1].index + 1 if got else max(since, 0),
+            "done": instance.log.done and (not got or got[-1] is instance.log.terminal),
+        }
+
+    async def send(self, user: str, instance_id: str, message: str) -> None:
+        self._inbox(user, instance_id, "message").put_nowait(message)
+
+    async def send_file(self, user: str, instance_id: str, data: bytes) -> None:
+        self._inbox(user, instance_id, "file").put_nowait(bytes(data))
+
+    async def abort(self, user: str, instance_id: str) -> bool:
+        """Stop a running instance (its pages, subscriptions and sessions are released); False if it had ended."""
+        instance = self._own(user, instance_id)
+        if instance.log.done:
+            return False
+        return await instance.host.abort.remote(instance_id, "aborted by its user")
+
+    async def list(self, user: str) -> list[dict]:
+        return [i.summary() for i in self._instances.values() if i.user == user]
+
+    async def stats(self) -> dict:
+        running = sum(1 for i in self._instances.values() if i.log.terminal is None)
+        return {"launched": self.launched, "running": running, "programs": len(self._programs)}
+
+    # -- the host side -------------------------------------------------------------------------------------------
+
+    async def emit(self, batch: list[tuple[str, str, str | bytes]]) -> None:
+        for instance_id, kind, value in batch:
+            instance = self._instances.get(instance_id)
+            if instance is None or instance.log.done:
+                continue
+            instance.log.append(kind, value)
+            if instance.log.done:
+                self._ended(instance)
+
+    async def receive(self, instance_id: str, kind: str):
+        """An instance waits for what its client sends (called by its host, never by clients)."""
+        instance = self._instances.get(instance_id)
+        if instance is None or instance.log.done:
+            raise RuntimeError(f"instance {instance_id} has ended")
+        waiter = asyncio.ensure_future(instance.inbox[kind].get())
+        instance.waiting.add(waiter)
+        try:
+            return await waiter
+        finally:
+            instance.waiting.discard(waiter)
+
+    def _ended(self, instance: _Instance) -> None:
+        instance.ended = time.time()
+        for waiter in list(instance.waiting):
+            waiter.cancel()
+        if instance.dedicated:
+            ray.kill(instance.host)
+        self._finished[instance.id] = None
+        while len(self._finished) > self._keep_finished:
+            old, _ = self._finished.popitem(last=False)
+            self._instances.pop(old, None)
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+
+    def _own(self, user: str, instance_id: str) -> _Instance:
+        instance = self._instances.get(instance_id)
+        if instance is None or instance.user != user:
+            raise NotFound(f"no instance {instance_id!r}")
+        return instance
+
+    def _inbox(self, user: str, instance_id: str, kind: str) -> asyncio.Queue:
+        instance = self._own(user, instance_id)
+        if instance.log.done:
+            raise ValueError(f"instance {instance_id} has ended; it can no longer receive")
+        return instance.inbox[kind]

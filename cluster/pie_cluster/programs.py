@@ -1,0 +1,158 @@
+"""Inferlet programs: what users upload, how they are identified, and how a host turns one into ``main``.
+
+A program is either a single ``.py`` file (named after the file, version 0.0.0) or a directory/zip archive with a
+``pie.toml`` manifest::
+
+    [package]
+    name = "agent"          # identity: name@version
+    version = "0.1.0"
+    [inferlet]
+    entry = "main.py"       # defines `async def main(input)`; siblings are reached with relative imports
+    isolated = false        # true: run each instance as its own Ray task instead of on the shared host pool
+    [inferlet.runtime_env]  # Ray runtime_env for its own dependencies (implies isolated)
+    pip = ["rapidfuzz"]
+
+Programs are content-addressed: the id is a hash of the files, so uploading the same program twice is a no-op.
+Each instance gets a fresh copy of the entry module's globals; sibling modules are imported once per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import re
+import sys
+import tempfile
+import tomllib
+import types
+import zipfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "pie.toml"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_VERSION = re.compile(r"^\d+\.\d+\.\d+$")
+MAX_PROGRAM_BYTES = 64 << 20
+
+Main = Callable[[dict], Awaitable[Any]]
+
+
+class ProgramError(ValueError):
+    """The upload cannot be run as an inferlet; the message says what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class Program:
+    id: str
+    name: str
+    version: str
+    entry: str
+    files: dict[str, bytes] = field(repr=False)
+    isolated: bool = False
+    runtime_env: dict | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    # -- construction ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> Program:
+        """A ``.py`` file, or a directory holding ``pie.toml``."""
+        path = Path(path)
+        if path.is_dir():
+            files = {
+                str(p.relative_to(path)): p.read_bytes()
+                for p in sorted(path.rglob("*"))
+                if p.is_file() and "__pycache__" not in p.parts
+            }
+            return cls.from_files(files, source=str(path))
+        if not path.is_file():
+            raise ProgramError(f"{path}: no such program file or directory")
+        return cls.from_upload(path.name, path.read_bytes())
+
+    @classmethod
+    def from_upload(cls, filename: str, data: bytes) -> Program:
+        """What a client uploads: a ``.py`` source file or a ``.zip`` of a program directory."""
+        if len(data) > MAX_PROGRAM_BYTES:
+            raise ProgramError(f"{filename}: {len(data)} bytes is over the {MAX_PROGRAM_BYTES >> 20} MiB limit")
+        if filename.endswith(".py"):
+            name = re.sub(r"[^A-Za-z0-9_-]", "-", Path(filename).stem).strip("-") or "program"
+            return cls._build(name, "0.0.0", Path(filename).name, {Path(filename).name: data}, False, None)
+        if filename.endswith(".zip"):
+            try:
+                with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                    files = {n: archive.read(n) for n in archive.namelist() if not n.endswith("/")}
+            except zipfile.BadZipFile as e:
+                raise ProgramError(f"{filename}: not a valid zip archive ({e})") from None
+            return cls.from_files(files, source=filename)
+        raise ProgramError(f"{filename}: upload a .py file or a .zip of a directory with {MANIFEST}")
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], source: str) -> Program:
+        if MANIFEST not in files:
+            raise ProgramError(f"{source}: a program directory needs a {MANIFEST} manifest at its top level")
+        try:
+            manifest = tomllib.loads(files[MANIFEST].decode())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ProgramError(f"{source}/{MANIFEST}: {e}") from None
+        package, spec = manifest.get("package", {}), manifest.get("inferlet", {})
+        entry = spec.get("entry", "main.py")
+        if entry not in files:
+            raise ProgramError(f"{source}/{MANIFEST}: entry {entry!r} is not in the program")
+        runtime_env = spec.get("runtime_env") or None
+        isolated = bool(spec.get("isolated", False)) or runtime_env is not None
+        return cls._build(package.get("name", ""), package.get("version", ""), entry, files, isolated, runtime_env)
+
+    @classmethod
+    def _build(cls, name, version, entry, files, isolated, runtime_env) -> Program:
+        if not _NAME.match(str(name)):
+            raise ProgramError(f"program name {name!r} must match {_NAME.pattern}")
+        if not _VERSION.match(str(version)):
+            raise ProgramError(f"program version {version!r} must be MAJOR.MINOR.PATCH")
+        digest = hashlib.sha256()
+        for path in sorted(files):
+            digest.update(path.encode() + b"\0" + hashlib.sha256(files[path]).digest())
+        program = cls(digest.hexdigest()[:24], name, version, entry, dict(files), isolated, runtime_env)
+        program._compile()  # syntax errors surface at upload, not at the first launch
+        return program
+
+    # -- loading -------------------------------------------------------------------------------------------------
+
+    def _compile(self) -> types.CodeType:
+        try:
+            return compile(self.files[self.entry], f"<{self.label}>/{self.entry}", "exec")
+        except SyntaxError as e:
+            raise ProgramError(f"{self.label}: {self.entry} line {e.lineno}: {e.msg}") from None
+
+    def load_main(self) -> Main:
+        """A fresh instance of the entry module; returns its ``async def main(input)``."""
+        package = self._package()
+        module = types.ModuleType(f"{package}.{Path(self.entry).stem}" if package else f"inferlet_{self.id}")
+        module.__package__ = package
+        module.__file__ = f"<{self.label}>/{self.entry}"
+        exec(self._compile(), module.__dict__)
+        main = module.__dict__.get("main")
+        if main is None or not inspect.iscoroutinefunction(main):
+            raise ProgramError(f"{self.label}: {self.entry} must define `async def main(input)` at top level")
+        return main
+
+    def _package(self) -> str:
+        """Multi-file programs become a package in a per-program directory, so relative imports work."""
+        if len(self.files) == 1:
+            return ""
+        name = f"pie_program_{self.id}"
+        if name not in sys.modules:
+            root = Path(tempfile.gettempdir()) / "pie-programs" / self.id
+            for rel, data in self.files.items():
+                target = root / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+            package = types.ModuleType(name)
+            package.__path__ = [str(root)]
+            sys.modules[name] = package
+        return name

@@ -1,0 +1,297 @@
+"""Messaging between inferlets: queues (push/pull) and topics (broadcast/subscribe) on the cluster's message bus.
+
+    messaging.push(topic, message)          queue a message for exactly one puller
+    await messaging.pull(topic) -> str      wait for the next queued message
+    messaging.broadcast(topic, message)     deliver to every subscription open on the topic
+    messaging.subscribe(topic) -> Subscription
+        await sub.next() -> str | None      None once unsubscribed
+        async for message in sub: ...       every message until unsubscribe
+        sub.unsubscribe();  sub.dropped     messages lost to overflow
+
+Topics belong to the user running the inferlet: alice's "jobs" and bob's "jobs" never meet. Messages are strings.
+
+Delivery rules:
+
+* push/pull — every message is received by exactly one pull; a topic's messages are received in the order the bus
+  got them (one inferlet's pushes keep their order), and waiting pulls are served longest-waiting first. Queued
+  messages wait on the bus until pulled. A pull that is cancelled (its task cancelled, ``asyncio.wait_for`` timed
+  out, its inferlet ended) withdraws from the bus, or, if the bus had already answered it, gives the message back to
+  the front of the queue — the only case in which a later message may be received before an earlier one.
+* broadcast/subscribe — ``subscribe`` returns once the bus has registered the subscription, so every broadcast that
+  reaches the bus afterwards is delivered to it (nothing is kept for later subscribers). Overflow rule: a
+  subscription buffers at most ``SUBSCRIPTION_BUFFER`` unread messages; when another arrives, the *oldest* unread one
+  is dropped and counted in ``sub.dropped`` — a reader that falls behind skips ahead instead of stalling the bus or
+  missing what is newest.
+* ``push`` and ``broadcast`` return at once: operations are sent at the end of the current event-loop turn, many to
+  a frame, in call order. When the inferlet ends — by returning, raising or being cancelled — its pulls and
+  subscriptions are withdrawn from the bus.
+
+How it travels: ``runtime.current().bus`` holds one address per bus shard (ZeroMQ ROUTER sockets owned by named Ray
+actors; see ``pie_cluster.bus``); a topic lives on shard ``crc32(user, topic) % shards``. The inferlet opens one
+DEALER socket per shard it uses, served by its event loop; frames are msgpack lists of operations and events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+
+import msgpack
+import zmq
+
+from inferlet import runtime
+
+log = logging.getLogger(__name__)
+
+SUBSCRIPTION_BUFFER = 1024  # unread messages a subscription keeps; the oldest goes first when it overflows
+FRAME_OPS = 1024  # operations waiting to be sent that make the client send at once rather than at the turn's end
+CALL_TIMEOUT_S = 10.0  # how long subscribe waits for the bus to register it
+CLOSE_TIMEOUT_S = 2.0  # how long an ending inferlet waits for each shard to confirm its withdrawal
+
+
+class BusError(RuntimeError):
+    """The message bus cannot be reached (no bus configured, or a shard does not answer)."""
+
+
+def push(topic: str, message: str) -> None:
+    """Queue ``message`` on ``topic``; exactly one ``pull`` will receive it."""
+    _bus().send(_check(topic, message), ["push", topic, message])
+
+
+async def pull(topic: str) -> str:
+    """Wait for the next message queued on ``topic``."""
+    return await _bus().pull(_check(topic))
+
+
+def broadcast(topic: str, message: str) -> None:
+    """Deliver ``message`` to every subscription open on ``topic``."""
+    _bus().send(_check(topic, message), ["cast", topic, message])
+
+
+def subscribe(topic: str) -> Subscription:
+    """Open a subscription to ``topic``; it receives every broadcast that reaches the bus after this returns."""
+    return _bus().subscribe(_check(topic))
+
+
+class Subscription:
+    """Broadcasts on one topic, buffered in the inferlet: at most ``SUBSCRIPTION_BUFFER`` unread, the oldest dropped
+    first and counted in ``dropped``."""
+
+    def __init__(self, topic: str, on_unsubscribe: Callable[[Subscription], None]):
+        self.topic = topic
+        self.dropped = 0
+        self._unread: deque[str] = deque()
+        self._ready = asyncio.Event()  # set while there is something to read, or once the subscription is over
+        self._open = True
+        self._on_unsubscribe = on_unsubscribe
+
+    async def next(self) -> str | None:
+        """The next broadcast, waiting for it; ``None`` once unsubscribed."""
+        while self._open and not self._unread:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._unread.popleft() if self._open else None
+
+    def unsubscribe(self) -> None:
+        """Stop receiving; unread messages are discarded and ``next`` returns ``None`` from now on."""
+        if self._open:
+            self._end()
+            self._on_unsubscribe(self)
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> str:
+        message = await self.next()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+    def _deliver(self, message: str) -> None:
+        if len(self._unread) == SUBSCRIPTION_BUFFER:
+            self._unread.popleft()
+            self.dropped += 1
+        self._unread.append(message)
+        self._ready.set()
+
+    def _end(self) -> None:
+        self._open = False
+        self._unread.clear()
+        self._ready.set()
+
+
+class _Connection:
+    """One DEALER socket to one shard, read by the event loop; operations are batched until the turn ends."""
+
+    def __init__(self, address: str, identity: bytes, on_events: Callable[[_Connection, list], None]):
+        self._loop = asyncio.get_running_loop()
+        self._on_events = on_events
+        self._outbox: list[list] = []
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, identity)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(CALL_TIMEOUT_S * 1000))  # backpressure, but never hang for good
+        self._sock.setsockopt(zmq.LINGER, int(CLOSE_TIMEOUT_S * 1000))  # give back pulled messages after close
+        self._sock.connect(address)
+        self.address = address
+        self._loop.add_reader(self._sock.FD, self.drain)
+
+    def send(self, op: list) -> None:
+        self._outbox.append(op)
+        if len(self._outbox) >= FRAME_OPS:
+            self.flush()
+        elif len(self._outbox) == 1:
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        if self._sock.closed:  # a flush scheduled before the inferlet ended
+            return
+        if self._outbox:
+            frame, self._outbox = msgpack.packb(self._outbox), []
+            try:
+                self._sock.send(frame)  # blocks only while the shard is SNDHWM frames behind
+            except zmq.Again:
+                raise BusError(f"message bus shard {self.address} is not accepting messages") from None
+        self.drain()
+
+    def drain(self) -> None:
+        """Handle every frame that has arrived. ZeroMQ's FD is edge-triggered, so this runs after every send too."""
+        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._on_events(self, msgpack.unpackb(self._sock.recv(zmq.NOBLOCK)))
+
+    def wait_until(self, done: Callable[[], bool], timeout: float) -> None:
+        """Send what is queued and block the loop until ``done()`` (a synchronous call's answer has arrived)."""
+        self.flush()
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BusError(f"message bus shard {self.address} did not answer within {timeout:g} s")
+            if self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                self.drain()
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._sock.FD)
+        self._sock.close()
+
+
+class _Bus:
+    """One inferlet's side of the bus: its connections (one per shard it uses), pending pulls and subscriptions."""
+
+    def __init__(self, rt: runtime.Runtime):
+        self._addresses = rt.bus
+        self._user = rt.username
+        self._identity = f"{rt.instance_id}/{rt.session}/{rt.username}".encode()
+        self._connections: dict[int, _Connection] = {}
+        self._ids = itertools.count()
+        self._pulls: dict[int, asyncio.Future] = {}
+        self._subscriptions: dict[int, Subscription] = {}
+        self._answered: set[int] = set()
+        self._closed = False
+
+    def send(self, topic: str, op: list) -> None:
+        self._connection(topic).send(op)
+
+    async def pull(self, topic: str) -> str:
+        connection = self._connection(topic)
+        rid = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._pulls[rid] = answer
+        connection.send(["pull", topic, rid])
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            if self._pulls.pop(rid, None) is not None:  # still waiting on the bus: withdraw (an answer already
+                connection.send(["cancel", rid])  # on its way is given back when it arrives)
+            elif answer.done() and not answer.cancelled():  # answered in the same turn we were cancelled
+                connection.send(["requeue", topic, answer.result()])
+            raise
+
+    def subscribe(self, topic: str) -> Subscription:
+        connection = self._connection(topic)
+        sid = next(self._ids)
+        subscription = Subscription(topic, lambda s: self._unsubscribe(s, sid))
+        self._subscriptions[sid] = subscription
+        connection.send(["sub", topic, sid])
+        self._call(connection, sid)
+        return subscription
+
+    def close(self) -> None:
+        """Withdraw every pull and subscription from every shard; pulled messages nobody took go back."""
+        if self._closed:
+            return
+        self._closed = True
+        for answer in self._pulls.values():
+            answer.cancel()
+        self._pulls.clear()
+        for subscription in self._subscriptions.values():
+            subscription._end()
+        self._subscriptions.clear()
+        for connection in self._connections.values():
+            token = next(self._ids)
+            connection.send(["close", token])
+            try:
+                self._call(connection, token, CLOSE_TIMEOUT_S)
+                connection.flush()  # the messages given back while closing
+            except BusError as e:
+                log.warning("leaving the message bus: %s", e)
+            connection.close()
+        self._connections.clear()
+
+    # -- internals --
+
+    def _connection(self, topic: str) -> _Connection:
+        if self._closed:
+            raise BusError("this inferlet has ended: its message bus connection is closed")
+        shard = zlib.crc32(f"{self._user}\0{topic}".encode()) % len(self._addresses)
+        connection = self._connections.get(shard)
+        if connection is None:
+            connection = _Connection(self._addresses[shard], self._identity, self._on_events)
+            self._connections[shard] = connection
+        return connection
+
+    def _call(self, connection: _Connection, token: int, timeout: float = CALL_TIMEOUT_S) -> None:
+        connection.wait_until(lambda: token in self._answered, timeout)
+        self._answered.discard(token)
+
+    def _unsubscribe(self, subscription: Subscription, sid: int) -> None:
+        if self._subscriptions.pop(sid, None) is not None:
+            self._connection(subscription.topic).send(["unsub", sid])
+
+    def _on_events(self, connection: _Connection, events: list) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == "pulled":
+                _, rid, topic, message = event
+                answer = self._pulls.pop(rid, None)
+                if answer is not None and not answer.done():
+                    answer.set_result(message)
+                else:  # its pull was cancelled meanwhile: give the message back
+                    connection.send(["requeue", topic, message])
+            elif kind == "cast":
+                subscription = self._subscriptions.get(event[1])
+                if subscription is not None:
+                    subscription._deliver(event[2])
+            elif kind == "ok":
+                self._answered.add(event[1])
+
+
+def _bus() -> _Bus:
+    rt = runtime.current()
+    if rt.bus_client is None:
+        if not rt.bus:
+            raise BusError("no message bus is configured for this inferlet (its runtime has no bus addresses)")
+        rt.bus_client = _Bus(rt)
+    return rt.bus_client
+
+
+def _check(topic: str, message: str = "") -> str:
+    if not isinstance(topic, str) or not topic:
+        raise TypeError(f"a topic is a non-empty string, not {topic!r}")
+    if not isinstance(message, str):
+        raise TypeError(f"a message is a string, not {type(message).__name__} (encode it, e.g. with json.dumps)")
+    return topic

@@ -1,0 +1,295 @@
+"""The cluster services on a real two-node Ray cluster: controller, launcher, pooled and dedicated inferlet hosts,
+the message bus across nodes, and cleanup after inferlets that raise, hang or are aborted."""
+
+from __future__ import annotations
+
+import io
+import textwrap
+import time
+import zipfile
+
+import pytest
+import ray
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
+from pie_cluster.controller import start_controller
+from pie_cluster.launcher import NotFound
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    config = PieConfig(
+        auth=AuthConfig(enabled=False), model=[ModelConfigEntry(pages=256, cpus_per_rank=1, max_batch_tokens=512)]
+    )
+    controller = start_controller(config, detached=False)
+    yield controller
+    ray.get(controller.shutdown.remote())
+    ray.kill(controller)
+
+
+@pytest.fixture(scope="module")
+def launcher(cluster):
+    return ray.get_actor("pie-launcher")
+
+
+def upload(launcher, source: str, user: str = "alice", filename: str = "prog.py") -> str:
+    return ray.get(launcher.upload.remote(user, filename, textwrap.dedent(source).encode()))["program"]
+
+
+def run_to_end(launcher, instance_id: str, user: str = "alice", timeout: float = 120) -> list[list]:
+    """Every event of the instance, following the stream until its terminal event."""
+    events, since, deadline = [], 0, time.time() + timeout
+    while time.time() < deadline:
+        got = ray.get(launcher.events.remote(user, instance_id, since, 5.0))
+        events += got["events"]
+        since = got["next"]
+        if got["done"]:
+            return events
+    raise AssertionError(f"instance {instance_id} did not end in {timeout} s; events so far: {events}")
+
+
+def engine_stats(cluster) -> list[dict]:
+    return ray.get(cluster.status.remote())["replicas"]
+
+
+GREEDY = """
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    model = Model.load("default")
+    with Context(model) as ctx:
+        ctx.user(input["prompt"])
+        tokens = await ctx.generate(Sampler.argmax(), max_tokens=input["n"]).collect_tokens()
+    return {"tokens": tokens}
+"""
+
+
+def test_launch_runs_the_program_and_returns_what_pie_run_returns(cluster, launcher, served):
+    from pie_cluster.programs import Program
+
+    program = upload(launcher, GREEDY)
+    instance = ray.get(launcher.launch.remote("alice", program, {"prompt": "hello there", "n": 12}))
+    events = run_to_end(launcher, instance)
+    assert [e[1] for e in events] == ["return"]
+    main = Program.from_upload("prog.py", textwrap.dedent(GREEDY).encode()).load_main()
+    direct = served.run(main, {"prompt": "hello there", "n": 12})
+    import json
+
+    assert json.loads(events[0][2]) == direct and len(direct["tokens"]) == 12
+
+
+SESSION = """
+import sys
+from inferlet import session
+
+async def main(input):
+    print("hello from", input["who"])
+    print("to stderr", file=sys.stderr)
+    session.send({"asking": "name"})
+    name = await session.receive()
+    blob = await session.receive_file()
+    session.send_file(blob[::-1])
+    return f"hi {name} ({len(blob)} bytes)"
+"""
+
+
+def test_session_messages_files_and_output_stream_in_order(launcher):
+    instance = ray.get(launcher.launch.remote("alice", upload(launcher, SESSION), {"who": "bob"}))
+    first = ray.get(launcher.events.remote("alice", instance, 0, 30.0))
+    while len(first["events"]) < 3:  # stdout, stderr, message
+        more = ray.get(launcher.events.remote("alice", instance, first["next"], 30.0))
+        first = {"events": first["events"] + more["events"], "next": more["next"]}
+    ray.get(launcher.send.remote("alice", instance, "carol"))
+    ray.get(launcher.send_file.remote("alice", instance, b"\x00\x01\x02"))
+    events = run_to_end(launcher, instance)
+    kinds = [(k, v) for _, k, v in events]
+    assert kinds == [
+        ("stdout", "hello from bob\n"),
+        ("stderr", "to stderr\n"),
+        ("message", '{"asking": "name"}'),
+        ("file", b"\x02\x01\x00"),
+        ("return", "hi carol (3 bytes)"),
+    ]
+    assert [e[0] for e in events] == list(range(len(events)))  # numbered, so a client resumes where it left off
+
+
+LONG = """
+from inferlet import Context, Model, Sampler, messaging
+
+async def main(input):
+    sub = messaging.subscribe("news")
+    model = Model.load("default")
+    ctx = Context(model)
+    ctx.user("tell me a very long story")
+    if input.get("how") == "raise":
+        await ctx.flush()
+        raise RuntimeError("the inferlet gave up")
+    async for step in ctx.generate(Sampler.argmax(), max_tokens=100000, stop=[]):
+        await step.execute()
+"""
+
+
+@pytest.mark.parametrize("how", ["abort", "deadline", "raise"])
+def test_an_inferlet_that_is_aborted_times_out_or_raises_leaves_nothing_behind(cluster, launcher, how):
+    bus_before = ray.get(cluster.status.remote())["bus"]
+    program = upload(launcher, LONG)
+    deadline = 3.0 if how == "deadline" else None
+    instance = ray.get(launcher.launch.remote("alice", program, {"how": how}, deadline))
+    if how == "abort":
+        time.sleep(2.0)  # let it generate for a while
+        assert ray.get(launcher.abort.remote("alice", instance)) is True
+    events = run_to_end(launcher, instance)
+    kind, value = events[-1][1], events[-1][2]
+    assert kind == "error"
+    expected = {"abort": "aborted", "deadline": "deadline exceeded", "raise": "RuntimeError: the inferlet gave up"}
+    assert expected[how] in value
+    if how == "raise":
+        assert "line 11" in value  # where in the program it was raised
+    status = ray.get(cluster.status.remote())
+    (replica,) = status["replicas"]
+    assert replica["contexts"] == 0 and replica["pages_used"] == 0
+    assert status["bus"]["subscriptions"] == bus_before["subscriptions"]
+    assert ray.get(launcher.abort.remote("alice", instance)) is False  # already ended
+
+
+def test_other_users_cannot_see_attach_to_message_or_abort_an_instance(launcher):
+    program = upload(launcher, "async def main(input):\n    return 'mine'\n")
+    instance = ray.get(launcher.launch.remote("alice", program, {}))
+    run_to_end(launcher, instance)
+    assert instance in [i["id"] for i in ray.get(launcher.list.remote("alice"))]
+    assert instance not in [i["id"] for i in ray.get(launcher.list.remote("bob"))]
+    for call in (
+        launcher.events.remote("bob", instance, 0, 0.1),
+        launcher.abort.remote("bob", instance),
+        launcher.send.remote("bob", instance, "hi"),
+    ):
+        with pytest.raises(NotFound, match="no instance"):
+            ray.get(call)
+
+
+def test_bad_programs_and_launches_get_clear_errors(launcher):
+    from pie_cluster.programs import ProgramError
+
+    with pytest.raises(ProgramError, match="line 1"):
+        ray.get(launcher.upload.remote("alice", "bad.py", b"async def main(input) return 1\n"))
+    with pytest.raises(NotFound, match="upload it first"):
+        ray.get(launcher.launch.remote("alice", "no-such-program", {}))
+    program = upload(launcher, "def main(input):\n    return 1\n")
+    events = run_to_end(launcher, ray.get(launcher.launch.remote("alice", program, {})))
+    assert events[-1][1] == "error" and "async def main(input)" in events[-1][2]
+
+
+def zip_program(files: dict[str, str]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, textwrap.dedent(text))
+    return buf.getvalue()
+
+
+def test_an_isolated_directory_program_runs_in_its_own_process(launcher):
+    main = """
+    import os
+    from .helpers import shout
+
+    async def main(input):
+        return {"pid": os.getpid(), "text": shout(input["text"])}
+    """
+    manifest = """
+    [package]
+    name = "shouter"
+    version = "1.2.3"
+    [inferlet]
+    isolated = true
+    """
+    data = zip_program({"pie.toml": manifest, "main.py": main, "helpers.py": "def shout(s):\n    return s.upper()\n"})
+    uploaded = ray.get(launcher.upload.remote("alice", "shouter.zip", data))
+    assert uploaded["name"] == "shouter@1.2.3" and uploaded["isolated"]
+    pooled = upload(launcher, "import os\nasync def main(input):\n    return {'pid': os.getpid()}\n")
+    import json
+
+    isolated_pid = json.loads(
+        run_to_end(launcher, ray.get(launcher.launch.remote("alice", uploaded["program"], {"text": "hey"})))[-1][2]
+    )
+    pooled_pid = json.loads(run_to_end(launcher, ray.get(launcher.launch.remote("alice", pooled, {})))[-1][2])
+    assert isolated_pid["text"] == "HEY"
+    assert isolated_pid["pid"] != pooled_pid["pid"]
+
+
+PING = """
+from inferlet import messaging
+
+async def main(input):
+    me, other, rounds = input["me"], input["other"], input["rounds"]
+    seen = []
+    for i in range(rounds):
+        if me == "ping":
+            messaging.push(f"to-{other}", f"{me}-{i}")
+            seen.append(await messaging.pull(f"to-{me}"))
+        else:
+            seen.append(await messaging.pull(f"to-{me}"))
+            messaging.push(f"to-{other}", f"{me}-{i}")
+    return seen
+"""
+
+SWARM = """
+import asyncio
+from inferlet import messaging
+
+async def main(input):
+    me, n = input["me"], input["n"]
+    sub = messaging.subscribe("swarm")
+    messaging.push("ready", me)
+    await messaging.pull(f"go-{me}")
+    for i in range(input["per"]):
+        messaging.broadcast("swarm", f"{me}:{i}")
+    got = []
+    async for msg in sub:
+        got.append(msg)
+        if len(got) == n * input["per"]:
+            break
+    sub.unsubscribe()
+    return got
+"""
+
+
+def test_inferlets_on_different_nodes_play_ping_pong_and_swarm_over_the_bus(cluster, launcher):
+    import json
+
+    nodes = ray.get(cluster.nodes.remote())
+    assert len(nodes) == 2
+    program = upload(launcher, PING)
+    rounds = 50
+    ping = ray.get(
+        launcher.launch.remote("alice", program, {"me": "ping", "other": "pong", "rounds": rounds}, None, nodes[0])
+    )
+    pong = ray.get(
+        launcher.launch.remote("alice", program, {"me": "pong", "other": "ping", "rounds": rounds}, None, nodes[1])
+    )
+    assert json.loads(run_to_end(launcher, ping)[-1][2]) == [f"pong-{i}" for i in range(rounds)]
+    assert json.loads(run_to_end(launcher, pong)[-1][2]) == [f"ping-{i}" for i in range(rounds)]
+
+    swarm, n, per = upload(launcher, SWARM), 8, 5
+    ids = [
+        ray.get(launcher.launch.remote("bob", swarm, {"me": f"m{i}", "n": n, "per": per}, None, nodes[i % 2]))
+        for i in range(n)
+    ]
+    gate = upload(launcher, GATE)
+    ray.get(launcher.launch.remote("bob", gate, {"n": n}))  # releases the swarm once all have subscribed
+    results = [json.loads(run_to_end(launcher, i, "bob")[-1][2]) for i in ids]
+    everything = sorted(f"m{i}:{j}" for i in range(n) for j in range(per))
+    for got in results:
+        assert sorted(got) == everything  # each message exactly once, to every subscriber
+        for i in range(n):  # and each sender's messages in the order sent
+            mine = [m for m in got if m.startswith(f"m{i}:")]
+            assert mine == [f"m{i}:{j}" for j in range(per)]
+
+
+GATE = """
+from inferlet import messaging
+
+async def main(input):
+    ready = [await messaging.pull("ready") for _ in range(input["n"])]
+    for who in ready:
+        messaging.push(f"go-{who}", "go")
+    return sorted(ready)
+"""
