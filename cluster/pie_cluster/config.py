@@ -25,7 +25,10 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
+from inferlet.mcp import ServerSpec
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pie_cluster.mcp_servers import parse_mcp_servers
 
 
 class _Strict(BaseModel):
@@ -101,6 +104,15 @@ class PieConfig(_Strict):
             return cls.model_validate(data)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+    @field_validator("mcp")
+    @classmethod
+    def _mcp_tables(cls, tables: dict[str, dict]) -> dict[str, dict]:
+        parse_mcp_servers({"mcp": tables})  # errors name the [mcp.<name>] table
+        return tables
+
+    def mcp_specs(self) -> dict[str, ServerSpec]:
+        return {name: server.spec() for name, server in parse_mcp_servers({"mcp": self.mcp}).items()}
 
     def check_auth(self) -> None:
         if self.auth.enabled and not self.auth.tokens:

@@ -63,6 +63,7 @@ class Controller:
             endpoints={node: self.endpoints(node) for node in nodes},
             bus={node: self.bus.addresses(node) for node in nodes},
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
+            mcp_servers=config.mcp_specs(),
         )
         ray.get(self.launcher.attach_pool.remote(pool, self.launcher))
 

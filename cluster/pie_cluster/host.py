@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint, Runtime, SessionIO, install, uninstall
 
 from pie_cluster import stdio
@@ -35,14 +36,20 @@ async def run_inferlet(
     bus: Sequence[str] = (),
     io: SessionIO | None = None,
     output: Sink | None = None,
+    mcp_servers: Mapping[str, ServerSpec] | None = None,
 ) -> Any:
     """Await ``main(input)`` under its own runtime; whatever happens, release what it holds on every replica and
     on the message bus (``bus``: the shard addresses from ``pie_cluster.bus.Bus.addresses()``).
 
     ``io`` serves ``inferlet.session``; ``output`` receives what the inferlet prints, ``(stream, text)`` (None: the
-    process's own stdout/stderr)."""
+    process's own stdout/stderr); ``mcp_servers`` are the MCP servers ``inferlet.mcp`` may connect to."""
     runtime = Runtime(
-        username=username, instance_id=instance_id or uuid.uuid4().hex, endpoints=endpoints, bus=tuple(bus), io=io
+        username=username,
+        instance_id=instance_id or uuid.uuid4().hex,
+        endpoints=endpoints,
+        bus=tuple(bus),
+        io=io,
+        mcp_servers=dict(mcp_servers or {}),
     )
     token = install(runtime)
     captured = stdio.capture(output) if output is not None else None

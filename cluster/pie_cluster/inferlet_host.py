@@ -12,6 +12,7 @@ import asyncio
 import traceback
 
 import ray
+from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint
 
 from pie_cluster import stdio
@@ -54,11 +55,12 @@ class InferletHost:
         username: str,
         endpoints: dict[str, ModelEndpoint],
         bus: tuple[str, ...],
+        mcp_servers: dict[str, ServerSpec],
         deadline_s: float | None,
     ) -> None:
         """Begin running the instance; returns at once (its events report how it goes)."""
         task = asyncio.get_running_loop().create_task(
-            self._run(instance_id, program, input, username, endpoints, bus, deadline_s)
+            self._run(instance_id, program, input, username, endpoints, bus, mcp_servers, deadline_s)
         )
         self._tasks[instance_id] = task
 
@@ -78,7 +80,7 @@ class InferletHost:
 
     # -- one instance ------------------------------------------------------------------------------------------
 
-    async def _run(self, instance_id, program, input, username, endpoints, bus, deadline_s) -> None:
+    async def _run(self, instance_id, program, input, username, endpoints, bus, mcp_servers, deadline_s) -> None:
         def output(stream: str, text: str) -> None:
             self.emit(instance_id, stream, text)
 
@@ -94,6 +96,7 @@ class InferletHost:
                     bus=bus,
                     io=_ClientSession(self, instance_id),
                     output=output,
+                    mcp_servers=mcp_servers,
                 )
             self.emit(instance_id, "return", encode_return(result))
         except asyncio.CancelledError:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import ray
+from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -71,6 +72,7 @@ class HostPool:
     endpoints: dict[str, dict[str, ModelEndpoint]]  # node id -> model name -> endpoint (ipc on that node, else tcp)
     bus: dict[str, tuple[str, ...]] = field(default_factory=dict)  # node id -> bus shard addresses from there
     model_nodes: tuple[str, ...] = ()  # nodes that serve at least one replica: preferred for co-location
+    mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)  # name -> how inferlets reach it
 
 
 class Launcher:
@@ -131,6 +133,7 @@ class Launcher:
             user,
             self._pool.endpoints[node],
             self._pool.bus.get(node, ()),
+            self._pool.mcp_servers,
             deadline_s if deadline_s is not None else self._default_deadline_s,
         )
         self.launched += 1

@@ -1,6 +1,6 @@
 """The inferlet SDK: write ``async def main(input)`` against these and run it with ``pie run``."""
 
-from inferlet import chat, messaging, reasoning, runtime, session, tools
+from inferlet import chat, mcp, messaging, reasoning, runtime, session, tools
 from inferlet.context import Context
 from inferlet.forward import Forward, Output, ProbeHandle, SampleHandle
 from inferlet.generator import Generator, GenStep
@@ -25,6 +25,7 @@ __all__ = [
     "Sampler",
     "Tokenizer",
     "chat",
+    "mcp",
     "messaging",
     "reasoning",
     "runtime",

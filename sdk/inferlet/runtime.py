@@ -47,11 +47,16 @@ class Runtime:
     models_loaded: dict[str, Any] = field(default_factory=dict)
     bus: tuple[str, ...] = ()  # one address per message-bus shard (see inferlet.messaging); empty: no messaging
     bus_client: Any = None  # opened by inferlet.messaging on first use
+    mcp_servers: dict[str, Any] = field(default_factory=dict)  # name -> inferlet.mcp.ServerSpec, from config.toml
     io: SessionIO | None = None  # the launching client's side of inferlet.session; None: no client attached
 
     def close(self) -> None:
         """Release everything this inferlet still holds on every replica (contexts, pages) and withdraw its pulls
         and subscriptions from the message bus; snapshots and queued messages survive."""
+        if self.mcp_servers:  # MCP sessions it left open: their stdio servers are child processes of this one
+            from inferlet.mcp import close_sessions  # imported here: inferlet.mcp imports this module
+
+            close_sessions(self)
         try:
             for model in self.models_loaded.values():
                 model._close()
