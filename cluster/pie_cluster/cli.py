@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from pie_cluster import cli_client, cli_services
+
 app = typer.Typer(help="Pie on Ray: a programmable LLM serving cluster.", no_args_is_help=True)
 model_app = typer.Typer(help="Models: the embedded default and Hugging Face directories.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
@@ -86,6 +88,16 @@ def run(
         replica.shutdown()
     print(encode_return(result))
 
+
+_passthrough = {"allow_extra_args": True, "ignore_unknown_options": True}
+app.command(context_settings=_passthrough)(cli_client.submit)
+app.command("list")(cli_client.list_instances)
+app.command()(cli_client.attach)
+app.command()(cli_client.abort)
+app.command()(cli_services.start)
+app.command()(cli_services.stop)
+app.command()(cli_services.status)
+app.command("job-run", hidden=True)(cli_services.job_run)
 
 if __name__ == "__main__":
     app()

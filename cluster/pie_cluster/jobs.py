@@ -1,0 +1,90 @@
+"""``pie submit --jobs``: run an inferlet as a Ray job through the Jobs API, for batch work.
+
+The job's entrypoint is ``pie job-run``, which joins the cluster as a Ray driver, hands the program to the launcher
+directly (no HTTP, no bearer token: whoever may submit Ray jobs is trusted, and names the user), follows the
+instance's events into the job's log, and exits with the instance's outcome. The program's directory travels as
+the job's ``working_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+
+import ray
+from rich.console import Console
+
+from pie_cluster.client import package
+from pie_cluster.local_ray import NAMESPACE
+from pie_cluster.state import load_state
+
+err = Console(stderr=True)
+
+
+def submit_job(
+    program: Path, input: dict, dashboard: str | None, user: str | None, deadline: float | None, python: str
+) -> int:
+    """Submit, stream the job's log, and return 0 if the inferlet returned (1 otherwise)."""
+    import asyncio
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    dashboard = dashboard or os.environ.get("RAY_DASHBOARD_ADDRESS") or load_state().get("dashboard")
+    if not dashboard:
+        err.print("[red]error:[/red] no Ray dashboard address: pass --dashboard or run `pie start` first")
+        return 1
+    program = program.resolve()
+    working_dir, target = (program, ".") if program.is_dir() else (program.parent, program.name)
+    args = [python, "-m", "pie_cluster.cli", "job-run", target, "--input", json.dumps(input)]
+    args += ["--user", user or os.environ.get("USER", "local")]
+    if deadline is not None:
+        args += ["--deadline", str(deadline)]
+    client = JobSubmissionClient(dashboard if "://" in dashboard else f"http://{dashboard}")
+    deadline_s = time.monotonic() + 60
+    while True:  # a freshly started cluster's job agent may not be up yet ("No available agent ... try again")
+        try:
+            job = client.submit_job(entrypoint=shlex.join(args), runtime_env={"working_dir": str(working_dir)})
+            break
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline_s:
+                raise
+            time.sleep(1.0)
+    err.print(f"submitted Ray job {job}")
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(job):
+            print(chunk, end="", flush=True)
+
+    asyncio.run(tail())
+    while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        time.sleep(0.2)
+    return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+def job_run(program: str, input: dict, user: str, deadline: float | None) -> int:
+    """Inside the Ray job: launch through the launcher actor and print events as ``pie submit`` would."""
+    filename, data = package(program)  # read before joining Ray: the job starts in its working_dir
+    ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+    try:
+        launcher = ray.get_actor("pie-launcher")
+    except ValueError:
+        err.print("[red]error:[/red] no Pie cluster is running on this Ray cluster (run `pie start`)")
+        return 1
+    program_id = ray.get(launcher.upload.remote(user, filename, data))["program"]
+    instance = ray.get(launcher.launch.remote(user, program_id, input, deadline))
+    tag, since = f"[Instance {instance[:8]}]", 0
+    while True:
+        got = ray.get(launcher.events.remote(user, instance, since, 10.0))
+        for _, kind, value in got["events"]:
+            if kind == "return":
+                print(value, flush=True)
+                return 0
+            if kind == "error":
+                print(f"{tag} Error: {value}", flush=True)
+                return 1
+            text = f"<{len(value)} bytes>" if kind == "file" else value
+            print(f"{tag} {kind}: {text}".rstrip("\n"), flush=True)
+        since = got["next"]
