@@ -8,8 +8,9 @@ NAMESPACE = "pie"
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | None:
-    """Join ``address`` (or a running local cluster, or start an embedded one) in the ``pie`` namespace; returns
-    the Ray dashboard's address when this call connected and the cluster has one."""
+    """Join the cluster at ``address`` ("auto": the one running on this machine), or with no address start an
+    embedded one of our own (even when another cluster runs here), in the ``pie`` namespace; returns the Ray
+    dashboard's address when this call connected and the cluster has one."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -18,5 +19,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | N
         return None
     kwargs = {"namespace": NAMESPACE, "log_to_driver": False, "include_dashboard": False}
     if address is None:
-        kwargs["num_cpus"] = num_cpus
+        address, kwargs["num_cpus"] = "local", num_cpus
+    else:
+        kwargs.pop("include_dashboard")  # a running cluster already decided that
     return ray.init(address=address, **kwargs).dashboard_url or None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pie_workers.wire.batch import SlotKind, SlotOutput
 from pie_workers.wire.codec import output_from_wire, slot_to_wire
 
+from inferlet.adapter import Adapter, check_zo_seed
 from inferlet.sampler import Probe, Sampler
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class Forward:
         self._slots: list[tuple[int, object]] = []
         self._masks: list[list[int]] | None = None
         self._logit_mask: list[int] | None = None
+        self._adapter: Adapter | None = None
+        self._zo_seed: int | None = None
 
     def start_position(self) -> int:
         """Position the first auto-input token occupies: the context's ``seq_len`` when ``forward()`` was called."""
@@ -101,6 +104,19 @@ class Forward:
         self._logit_mask = list(brle)
         return self
 
+    def adapter(self, adapter: Adapter) -> Forward:
+        """Run this pass under a LoRA adapter (every input row)."""
+        if not isinstance(adapter, Adapter):
+            raise TypeError(f"adapter() needs an Adapter, got {type(adapter).__name__}")
+        self._adapter = adapter
+        return self
+
+    def zo_seed(self, seed: int) -> Forward:
+        """Perturb the adapter for this pass only, deterministically from ``seed`` (Evolution Strategies); a negative
+        seed gives the mirrored perturbation of its absolute value. KV written this way is never shared by prefix."""
+        self._zo_seed = check_zo_seed(seed)
+        return self
+
     def sample(self, indices: list[int], sampler: Sampler) -> SampleHandle:
         if not isinstance(sampler, Sampler):
             raise TypeError(f"sample() needs a Sampler, got {type(sampler).__name__}")
@@ -119,6 +135,9 @@ class Forward:
             raise ValueError("forward pass has no input tokens: call input() or input_at() first")
         ctx = self._ctx
         ctx._check_live()
+        if self._zo_seed is not None and self._adapter is None:
+            raise ValueError("zo_seed perturbs an adapter: call adapter() on this pass too")
+        adapter_id = None if self._adapter is None else self._adapter._id_for(ctx.model)
         slots, _, seq_len = await ctx.model.channel.call(
             "forward",
             ctx._id,
@@ -130,6 +149,8 @@ class Forward:
             [],  # drafts to verify: speculative decoding is not wired into the SDK yet
             [],
             0,
+            adapter_id,
+            self._zo_seed,
         )
         ctx._seq_len = seq_len
         return Output([output_from_wire(s) for s in slots])

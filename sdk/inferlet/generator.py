@@ -5,20 +5,29 @@ on its last row, folds the sampled token into the state, and decides whether to 
 token of the stop set (the chat template's end-of-turn tokens plus any you add; never replacing them), or
 ``accept``-ed tokens doing either. The token that ends a turn is not kept; ``ctx.seal()`` closes the turn.
 Probe indices count from the step's output row: 0 is the row that predicts the next token.
+
+Constraints (``constrain=``, ``.constrain()``, ``logit_mask=``) AND their masks into the one logit mask each step
+sends. Grammar constraints allow the template's end-of-turn tokens only where the grammar is complete, so with the
+default stop set generation ends there (the stop token is not kept). Whatever the stop set, a constraint that has
+terminated ends generation too: the step after it would have nothing to sample.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from inferlet import chat
+from inferlet.adapter import Adapter, check_zo_seed
+from inferlet.constraints import AnyJson, Constraint, ConstraintSet, JsonSchema, Schema
 from inferlet.forward import Forward, Output, ProbeHandle, SampleHandle
 from inferlet.sampler import Probe, Sampler
 
 if TYPE_CHECKING:
     from inferlet.context import Context
 
-_LATER = "lands with constrained generation, speculation and adapters (not in this build yet)"
+_LATER = "lands with speculation (not in this build yet)"
 
 
 class GenStep:
@@ -54,7 +63,7 @@ class Generator:
         *,
         max_tokens: int | None = None,
         stop: list[int] | None = None,
-        constrain=None,
+        constrain: Schema | Constraint | list[Schema | Constraint] | None = None,
         logit_mask: list[int] | None = None,
         speculator=None,
         system_speculation: bool = False,
@@ -65,14 +74,8 @@ class Generator:
     ):
         if speculator is not None and system_speculation:
             raise ValueError("speculator and system_speculation are mutually exclusive: pass one of them")
-        for name, value in (
-            ("constrain", constrain),
-            ("speculator", speculator),
-            ("adapter", adapter),
-            ("zo_seed", zo_seed),
-        ):
-            if value is not None:
-                raise NotImplementedError(f"Generator {name}= {_LATER}")
+        if speculator is not None:
+            raise NotImplementedError(f"Generator speculator= {_LATER}")
         if system_speculation:
             raise NotImplementedError(f"Generator system_speculation= {_LATER}")
         if not isinstance(sampler, Sampler):
@@ -83,8 +86,18 @@ class Generator:
         self._ctx = ctx
         self._sampler = sampler
         self._max_tokens = max_tokens
-        self._logit_mask = list(logit_mask) if logit_mask else None
+        self._constraints = ConstraintSet(ctx.model)
+        if logit_mask:
+            self._constraints.add_mask(logit_mask)
+        if constrain is not None:
+            self._constraints.add(constrain)
         self._horizon = horizon
+        self._adapter: Adapter | None = None
+        self._zo_seed: int | None = None
+        if adapter is not None:
+            self.adapter(adapter)
+        if zo_seed is not None:
+            self.zo_seed(zo_seed)
         if auto_flush:
             ctx.cue()
             self._stop = set(chat.stop_tokens(ctx.model)) | set(stop or [])
@@ -114,14 +127,22 @@ class Generator:
         self._horizon = n
         return self
 
-    def constrain(self, c) -> Generator:
-        raise NotImplementedError(f"Generator.constrain {_LATER}")
+    def constrain(self, c: Schema | Constraint | list[Schema | Constraint]) -> Generator:
+        """Add a constraint (or a list); it composes with those already attached and applies from the next step."""
+        self._constraints.add(c)
+        return self
 
-    def adapter(self, a) -> Generator:
-        raise NotImplementedError(f"Generator.adapter {_LATER}")
+    def adapter(self, a: Adapter) -> Generator:
+        """Apply a LoRA adapter on every step (the prompt's included, if it has not been flushed)."""
+        if not isinstance(a, Adapter):
+            raise TypeError(f"adapter() needs an Adapter, got {type(a).__name__}")
+        self._adapter = a
+        return self
 
     def zo_seed(self, seed: int) -> Generator:
-        raise NotImplementedError(f"Generator.zo_seed {_LATER}")
+        """Perturb the adapter by this Evolution Strategies seed on every step."""
+        self._zo_seed = check_zo_seed(seed)
+        return self
 
     def probe_each_step(self, idx: int, probe: Probe) -> ProbeHandle:
         """Attach a probe to every step; the handle is valid on each step's output."""
@@ -154,14 +175,19 @@ class Generator:
         if not pending:
             self._done = True
             return Output([])
+        mask = self._constraints.step_mask()
         fwd = Forward(ctx)
         fwd.input(pending)
+        if self._adapter is not None:
+            fwd.adapter(self._adapter)
+        if self._zo_seed is not None:
+            fwd.zo_seed(self._zo_seed)
         last = len(pending) - 1
         for idx, probe in step._every_step + step._probes:
             fwd.probe(last + idx, probe)
         auto: SampleHandle | None = None if step._cleared else fwd.sample([last], self._sampler)
-        if self._logit_mask:
-            fwd.mask(self._logit_mask)
+        if mask is not None:
+            fwd.mask(mask)
         ctx._buffer = []
         try:
             out = await fwd.execute()
@@ -174,13 +200,15 @@ class Generator:
         return out
 
     def accept(self, tokens: list[int]) -> list[int]:
-        """Register tokens chosen by hand (after ``clear_sampler``); returns what was kept after stop/max cuts."""
+        """Register tokens chosen by hand (after ``clear_sampler``); returns what was kept: tokens from the first one
+        a constraint forbids are dropped, then stop/max cuts apply."""
         return self._fold([int(t) for t in tokens])
 
     def _fold(self, tokens: list[int]) -> list[int]:
-        """Apply stop tokens and ``max_tokens``, count the survivors, and queue them for the next step."""
+        """Reconcile with the constraints, apply stop tokens and ``max_tokens``, count the survivors, and queue them
+        for the next step."""
         kept = []
-        for t in tokens:
+        for t in self._constraints.admit(tokens):
             if t in self._stop:
                 self._done = True
                 break
@@ -191,6 +219,8 @@ class Generator:
                 kept, self._done = kept[:room], True
         self._generated += len(kept)
         self._ctx._buffer += kept
+        if not self._done and self._constraints and self._constraints.terminated:
+            self._done = True
         return kept
 
     # -- collectors ----------------------------------------------------------------------------------------------
@@ -213,5 +243,17 @@ class Generator:
                 return event.text
         return "".join(parts)
 
-    async def collect_json(self, *, schema=None, parse=None):
-        raise NotImplementedError(f"Generator.collect_json {_LATER}")
+    async def collect_json(self, *, schema: str | dict | None = None, parse: Callable[[str], Any] | None = None) -> Any:
+        """Constrain to JSON (matching ``schema`` if given), drain, and return ``json.loads`` of the text, or
+        ``parse(text)``."""
+        self.constrain(JsonSchema(schema) if schema is not None else AnyJson())
+        text = await self.collect_text()
+        if parse is not None:
+            return parse(text)
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"collect_json: the output is not complete JSON ({e.msg}) after {self._generated} tokens "
+                f"(max_tokens={self._max_tokens}): {text[:200]!r}"
+            ) from None

@@ -4,6 +4,7 @@ The call syntax comes from the model's family (`Instruct.tool_call_format`): Qwe
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, Llama 3 replies with a bare
 `{"name": ..., "parameters": {...}}`. Calls are recognised on decoded text as soon as their JSON is complete, so the
 parser does not need to see the end-of-turn token (the Generator strips stop tokens before handing tokens out).
+`native_matcher` enforces the same syntax while generating.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from inferlet.grammar import Grammar, Matcher
 from inferlet.instruct import ModelLike
 from inferlet.tokenizer import TextStream
 
@@ -29,6 +31,39 @@ def answer_prefix(model: ModelLike, name: str, value: Any) -> list[int]:
     """Tokens of the turn that returns a tool's result; non-string values are JSON-encoded."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return model.instruct.answer(name, text)
+
+
+def native_matcher(model: ModelLike, schemas: Iterable[dict | str]) -> Matcher | None:
+    """A Matcher for tool calls in the model's native syntax, naming one of ``schemas`` with arguments matching its
+    ``parameters``; wrap it in ``GrammarConstraint`` to constrain a Generator.
+
+    Every family here has an enforceable syntax (Qwen-style tagged calls, newline-separated; Llama 3's single bare
+    object), so this returns a Matcher; None is reserved for models without one, as in Pie's API. The JSON is
+    compact, in schema property order, as the chat templates render calls.
+    """
+    fmt = model.instruct.tool_call_format
+    calls = [_call_schema(s, fmt.args_key) for s in schemas]
+    if not calls:
+        raise ValueError("native_matcher needs at least one tool schema")
+    schema = {"anyOf": calls}
+    if fmt.open:
+        grammar = Grammar._tagged_json(schema, f"{fmt.open}\n", f"\n{fmt.close}", "\n")
+    else:
+        grammar = Grammar.from_json_schema(schema)
+    return Matcher(grammar, model.tokenizer(), stop_tokens=model.instruct.stop_tokens())
+
+
+def _call_schema(tool: dict | str, args_key: str) -> dict:
+    """JSON Schema of one call to ``tool`` (an OpenAI-style ``{"type": "function", "function": ...}`` or bare)."""
+    spec = json.loads(tool) if isinstance(tool, str) else tool
+    spec = spec.get("function", spec)
+    if not isinstance(spec.get("name"), str):
+        raise ValueError(f"tool schema has no string 'name': {json.dumps(spec)[:200]}")
+    return {
+        "type": "object",
+        "properties": {"name": {"const": spec["name"]}, args_key: spec.get("parameters", {"type": "object"})},
+        "required": ["name", args_key],
+    }
 
 
 class Event:

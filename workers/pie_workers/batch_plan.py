@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,15 @@ class AttentionBucket:
 
 
 @dataclass
+class LoraGroup:
+    """The token rows of the requests that use one adapter under one zo seed (or none)."""
+
+    adapter: int
+    zo_seed: int | None
+    rows: torch.Tensor | None  # [n] token indices; None: every row of the batch
+
+
+@dataclass
 class BatchPlan:
     """Everything every tensor-parallel rank needs to run the forward (broadcast from the leader)."""
 
@@ -70,6 +80,7 @@ class BatchPlan:
     copy_dst: torch.Tensor  # [C]
     every_row_has_logits: bool = False  # logit_rows == arange(T): decode batches skip the row gather
     max_position: int = 0  # largest RoPE position in the batch (sizes the rotary table without a device sync)
+    lora_groups: list[LoraGroup] = field(default_factory=list)  # empty: no request uses an adapter
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +103,7 @@ class BatchPlan:
             move(self.copy_dst),
             self.every_row_has_logits,
             self.max_position,
+            [LoraGroup(g.adapter, g.zo_seed, None if g.rows is None else move(g.rows)) for g in self.lora_groups],
         )
 
 
@@ -115,7 +127,7 @@ class PlannedBatch:
     errors: dict[int, str]
 
 
-def _check_request(req: ForwardRequest, page_size: int, vocab: int) -> str | None:
+def _check_request(req: ForwardRequest, page_size: int, vocab: int, adapters: Collection[int]) -> str | None:
     """The first structural problem with a request, or None. Per-token checks (ids, positions, page ids) run
     vectorized over the whole batch in ``_check_elements``."""
     n_in, n_draft = len(req.token_ids), len(req.draft_tokens)
@@ -164,6 +176,10 @@ def _check_request(req: ForwardRequest, page_size: int, vocab: int) -> str | Non
         token_slots = [row for row, s in req.slots if s.kind.is_token]
         if not token_slots or token_slots[0] != n_in - 1:
             return "draft tokens need a token sampler on the last input row to verify them"
+    if req.adapter is not None and req.adapter not in adapters:
+        return f"adapter {req.adapter} does not exist on this replica"
+    if req.zo_seed is not None and req.adapter is None:
+        return "a zo seed perturbs an adapter: the request names none"
     return None
 
 
@@ -188,11 +204,14 @@ def _check_slot(slot: Slot, vocab: int) -> str | None:
     return None
 
 
-def plan_batch(batch: ForwardBatch, page_size: int, num_pages: int, vocab: int) -> PlannedBatch:
+def plan_batch(
+    batch: ForwardBatch, page_size: int, num_pages: int, vocab: int, adapters: Collection[int] = ()
+) -> PlannedBatch:
+    """``adapters``: the ids of the LoRA adapters the runner holds (requests naming another are rejected)."""
     _check_copies(batch.page_copies, num_pages)
     errors: dict[int, str] = {}
     for i, req in enumerate(batch.requests):
-        if problem := _check_request(req, page_size, vocab):
+        if problem := _check_request(req, page_size, vocab, adapters):
             errors[i] = problem
     ok = [i for i in range(len(batch.requests)) if i not in errors]
     reqs = [batch.requests[i] for i in ok]
@@ -231,6 +250,7 @@ def plan_batch(batch: ForwardBatch, page_size: int, num_pages: int, vocab: int) 
         copy_dst=copy_dst,
         every_row_has_logits=logit_rows == list(range(cols.tokens.size)),
         max_position=int(cols.positions.max()) if cols.positions.size else 0,
+        lora_groups=_lora_groups(reqs, cols.n_rows, tok_start),
     )
     return PlannedBatch(plan, sampling, errors)
 
@@ -356,6 +376,21 @@ def _sampling_plan(ok: list[int], reqs: list[ForwardRequest], n_in: np.ndarray, 
             rs.num_rows += len(req.draft_tokens)
         sampling.append(rs)
     return sampling, logit_rows
+
+
+def _lora_groups(reqs: list[ForwardRequest], n_rows: np.ndarray, tok_start: np.ndarray) -> list[LoraGroup]:
+    """Requests grouped by (adapter, zo seed); requests without an adapter belong to no group."""
+    members: dict[tuple[int, int | None], list[int]] = {}
+    for k, req in enumerate(reqs):
+        if req.adapter is not None:
+            members.setdefault((req.adapter, req.zo_seed), []).append(k)
+    groups = []
+    for (adapter, seed), ks in members.items():
+        rows = None
+        if len(ks) < len(reqs):
+            rows = torch.from_numpy(np.concatenate([np.arange(tok_start[k], tok_start[k] + n_rows[k]) for k in ks]))
+        groups.append(LoraGroup(adapter, seed, rows))
+    return groups
 
 
 def _check_copies(copies: list[tuple[int, int]], num_pages: int) -> None:

@@ -8,15 +8,18 @@ lineage are the replica engine's business.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from pie_workers import sampling
-from pie_workers.batch_plan import BatchError, PlannedBatch, RequestSampling, plan_batch
+from pie_workers.adapters import AdapterStore, LoraAdapter, LoraConfig
+from pie_workers.batch_plan import BatchError, BatchPlan, PlannedBatch, RequestSampling, plan_batch
 from pie_workers.config import ModelConfig
 from pie_workers.kv_pool import KVPool, page_bytes, pages_for_memory_fraction
+from pie_workers.layers.lora import ModuleWeights
 from pie_workers.loader import CheckpointReader
 from pie_workers.models.llama import LlamaModel
 from pie_workers.parallel import TensorParallel
@@ -35,6 +38,7 @@ class RunnerSettings:
     memory_fraction: float = 0.5
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on GPU
     device: str | None = None  # default: cuda if available
+    adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
 
 
 def _resolve_device_dtype(settings: RunnerSettings) -> tuple[torch.device, torch.dtype]:
@@ -54,6 +58,7 @@ class ModelRunner:
         show_progress: bool = False,
     ):
         self.cfg = ModelConfig.from_dir(model_dir)
+        self.model_dir = str(model_dir)
         self.settings, self.tp = settings, tp
         self.device, self.dtype = _resolve_device_dtype(settings)
         with CheckpointReader(model_dir) as reader:
@@ -72,6 +77,7 @@ class ModelRunner:
             num_pages = pages_for_memory_fraction(settings.memory_fraction, per_page, self.device)
             num_pages = tp.broadcast_object(num_pages)  # every rank must agree on the pool size
         self.kv = KVPool(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device)
+        self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
 
     @property
     def num_pages(self) -> int:
@@ -84,7 +90,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
         """Leader only. Malformed requests come back with ``error`` set; the others run normally."""
-        planned = plan_batch(batch, self.kv.page_size, self.kv.num_pages, self.cfg.vocab_size)
+        planned = plan_batch(batch, self.kv.page_size, self.kv.num_pages, self.cfg.vocab_size, self.adapters.ids())
         outputs = [RequestOutput() for _ in batch.requests]
         for i, msg in planned.errors.items():
             outputs[i].error = msg
@@ -94,22 +100,47 @@ class ModelRunner:
             return outputs
         plan = planned.plan.to(self.device)
         self.tp.broadcast_object(planned.plan)
-        logits = self.model(plan, self.kv)
+        logits = self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
         self._sample(planned, logits, outputs)
         return outputs
 
     @torch.inference_mode()
     def follow(self) -> None:
-        """Follower ranks: run every plan the leader broadcasts until it sends None."""
-        while (plan := self.tp.broadcast_object()) is not None:
-            plan = plan.to(self.device)
+        """Follower ranks: run every plan (and apply every adapter change) the leader broadcasts until it sends
+        None."""
+        while (message := self.tp.broadcast_object()) is not None:
+            if not isinstance(message, BatchPlan):
+                method, args = message
+                getattr(self.adapters, method)(*args)
+                continue
+            plan = message.to(self.device)
             if plan.num_tokens == 0:
                 self.kv.copy_pages(plan.copy_src, plan.copy_dst)
             else:
-                self.model(plan, self.kv)
+                self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
 
     def stop_followers(self) -> None:
         self.tp.broadcast_object(None)
+
+    # -- adapters (leader): each change is applied here first, so a bad one raises before any rank sees it ---------
+
+    def create_adapter(self, adapter_id: int, config: LoraConfig, sigma: float) -> None:
+        """A fresh adapter (PEFT's init: B = 0) from one seed every rank shares."""
+        self._on_every_rank("create", adapter_id, config, secrets.randbits(63), sigma)
+
+    def replace_adapter(self, adapter_id: int, config: LoraConfig, weights: ModuleWeights) -> None:
+        """New matrices and configuration (e.g. read from a PEFT directory) for an adapter; its zo sigma stays."""
+        self._on_every_rank("put", adapter_id, LoraAdapter(config, weights, self.adapters.get(adapter_id).sigma))
+
+    def fork_adapter(self, src: int, dst: int) -> None:
+        self._on_every_rank("fork", src, dst)
+
+    def drop_adapter(self, adapter_id: int) -> None:
+        self._on_every_rank("drop", adapter_id)
+
+    def _on_every_rank(self, method: str, *args) -> None:
+        getattr(self.adapters, method)(*args)
+        self.tp.broadcast_object((method, args))
 
     def _sample(self, planned: PlannedBatch, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
         """Evaluate every slot; with drafts, also sample each draft row with the verifying sampler."""

@@ -4,19 +4,27 @@ Every operation an inferlet can ask of a replica is a method ``op_<name>`` here.
 scheduler; the engine itself reserves the pages a forward needs, records lineage for what the forward wrote
 (inputs plus the drafts the model accepted — rejected drafts are rolled back here, so KV, ``seq_len`` and lineage
 always agree), commits every full page to the prefix trie, and returns surplus pages. A context belongs to the
-inferlet run (session) that made it; snapshots belong to the user.
+inferlet run (session) that made it; snapshots and LoRA adapters belong to the user.
+
+KV written under a custom attention mask or a zo seed is salted per context, so the prefix trie never shares it;
+KV written under an adapter is salted with the adapter's current weights, so only passes with the same adapter
+share it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
 from pie_workers.engine.channel import ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
 from pie_workers.engine.page_store import PageStore
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
+from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
@@ -33,6 +41,22 @@ class Session:
     contexts: set[int] = field(default_factory=set)
 
 
+@dataclass
+class NamedAdapter:
+    owner: str
+    name: str
+    salt: bytes  # KV written under these weights hashes with it; renewed whenever the weights change
+
+
+@dataclass(frozen=True)
+class PassBinding:
+    """What a forward runs under besides its tokens: the salt its KV is hashed with, the adapter and zo seed."""
+
+    salt: bytes = b""
+    adapter: int | None = None
+    zo_seed: int | None = None
+
+
 class ReplicaEngine:
     def __init__(self, runner: ModelRunner, limits: BatchLimits = BatchLimits()):
         self.runner = runner
@@ -44,6 +68,10 @@ class ReplicaEngine:
         self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
         self._locks: dict[int, asyncio.Lock] = {}
         self._salts: dict[int, bytes] = {}
+        self._adapters: dict[int, NamedAdapter] = {}
+        self._adapter_ids: dict[tuple[str, str], int] = {}  # (user, name) -> adapter id
+        self._next_adapter = 1
+        self._adapter_root = Path(runner.settings.adapter_dir) if runner.settings.adapter_dir else default_root()
         self._tasks: list[asyncio.Task] = []
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
 
@@ -179,20 +207,30 @@ class ReplicaEngine:
         drafts: list[int],
         draft_positions: list[int],
         hold: int = 0,
+        adapter: int | None = None,
+        zo_seed: int | None = None,
     ) -> list:
         """Run ``tokens`` (then ``drafts``) through the context; returns [slot outputs, verified walk, seq_len].
 
         Full pages are committed (shared through the prefix trie) right away, except pages touching the last
-        ``hold`` tokens: a Generator holds back accepted drafts it may still cut at a stop token.
+        ``hold`` tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``adapter`` (an id
+        from ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass.
         """
         async with self._locks[self._own(session, ctx)]:
             if len(tokens) != len(positions):
                 raise ValueError(f"{len(positions)} positions for {len(tokens)} input tokens")
             decoded = [(int(row), slot_from_wire(s)) for row, s in slots]
-            if attention_masks is not None:  # KV written under a custom mask must never be shared by prefix
+            adapter_salt = b"" if adapter is None else self._adapter(session, adapter).salt
+            if zo_seed is not None:
+                if adapter is None:
+                    raise ValueError("zo_seed perturbs an adapter: pass the adapter too")
+                if not isinstance(zo_seed, int) or not -(1 << 63) <= zo_seed < 1 << 63:
+                    raise ValueError(f"zo_seed must be a 64-bit integer, got {zo_seed!r}")
+            if attention_masks is not None or zo_seed is not None:  # such KV must never be shared by prefix
                 self._salts.setdefault(ctx, uuid.uuid4().bytes)
+            bind = PassBinding(self._salts.get(ctx, b"") + adapter_salt, adapter, zo_seed)
             if self.contexts.view(ctx).seq_len == 0 and attention_masks is None and not drafts:
-                tokens, positions, decoded = self._reuse_cached_prefix(ctx, tokens, positions, decoded)
+                tokens, positions, decoded = self._reuse_cached_prefix(ctx, tokens, positions, decoded, bind.salt)
             chunk = self.scheduler.limits.max_tokens
             start = 0
             while len(tokens) - start > chunk:  # chunked prefill: leading chunks carry no samplers
@@ -208,6 +246,7 @@ class ReplicaEngine:
                     [],
                     [],
                     0,
+                    bind,
                 )
                 start += chunk
             out = await self._forward_once(
@@ -220,20 +259,23 @@ class ReplicaEngine:
                 drafts,
                 draft_positions,
                 hold,
+                bind,
             )
             return [[output_to_wire(s) for s in out.slots], out.tokens, self.contexts.view(ctx).seq_len]
 
-    def _reuse_cached_prefix(self, ctx, tokens, positions, decoded):
+    def _reuse_cached_prefix(self, ctx, tokens, positions, decoded, salt: bytes):
         """A fresh context whose first pages match cached ones adopts them instead of recomputing them (prefix
         caching). Rows that carry samplers or probes, and the last token, are always computed."""
         first_row = min((row for row, _ in decoded), default=len(tokens))
         usable = min(first_row, len(tokens) - 1) // self.page_size * self.page_size
         if usable <= 0:
             return tokens, positions, decoded
-        reused = self.contexts.reuse_prefix(ctx, tokens[:usable], positions[:usable], self._salts.get(ctx, b""))
+        reused = self.contexts.reuse_prefix(ctx, tokens[:usable], positions[:usable], salt)
         return tokens[reused:], positions[reused:], [(row - reused, s) for row, s in decoded]
 
-    async def _forward_once(self, ctx, tokens, positions, slots, masks, logit_mask, drafts, draft_positions, hold):
+    async def _forward_once(
+        self, ctx, tokens, positions, slots, masks, logit_mask, drafts, draft_positions, hold, bind: PassBinding
+    ):
         view = self.contexts.view(ctx)
         need = -(-(view.seq_len + len(tokens) + len(drafts)) // self.page_size) - len(view.page_ids)
         if need > 0:
@@ -249,13 +291,13 @@ class ReplicaEngine:
             logit_mask=logit_mask or None,
             draft_tokens=drafts,
             draft_positions=draft_positions,
+            adapter=bind.adapter,
+            zo_seed=bind.zo_seed,
         )
         out = await self.scheduler.submit(request)
         if out.error is None:
             accepted = len(out.tokens) - 1 if drafts else 0
-            self.contexts.record(
-                ctx, tokens + drafts[:accepted], positions + draft_positions[:accepted], self._salts.get(ctx, b"")
-            )
+            self.contexts.record(ctx, tokens + drafts[:accepted], positions + draft_positions[:accepted], bind.salt)
             full = max(0, self.contexts.view(ctx).working_tokens - hold) // self.page_size
             if full:
                 self.contexts.commit(ctx, full)
@@ -270,3 +312,95 @@ class ReplicaEngine:
         spare = view.working_pages - (-(-view.working_tokens // self.page_size))
         if spare > 0:
             self.contexts.release_working(ctx, spare)
+
+    # -- LoRA adapters -----------------------------------------------------------------------------------------
+
+    async def op_adapter_create(
+        self,
+        session: Session,
+        name: str,
+        rank: int = 8,
+        alpha: float = 16.0,
+        targets: Sequence[str] = DEFAULT_TARGETS,
+        sigma: float = DEFAULT_SIGMA,
+    ) -> list:
+        """A fresh adapter under ``name`` in the user's namespace (PEFT's init: it changes nothing until trained or
+        loaded); returns what ``adapter_open`` returns."""
+        key = self._adapter_key(session, name)
+        if key in self._adapter_ids:
+            raise ValueError(f"adapter {name!r} already exists for user {session.username!r}: open it instead")
+        for label, value in (("LoRA alpha", alpha), ("zo sigma", sigma)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{label} must be a number, got {value!r}")
+        if not isinstance(targets, (list, tuple)):
+            raise ValueError(f"LoRA target modules must be a list of module names, got {targets!r}")
+        config = LoraConfig(rank, float(alpha), tuple(targets))
+        adapter_id = self._next_adapter
+        self.runner.create_adapter(adapter_id, config, float(sigma))
+        return self._register(adapter_id, key)
+
+    async def op_adapter_open(self, session: Session, name: str) -> list | None:
+        """[id, rank, alpha, target modules] of the user's adapter ``name``, or None."""
+        adapter_id = self._adapter_ids.get(self._adapter_key(session, name))
+        return None if adapter_id is None else self._describe(adapter_id)
+
+    async def op_adapter_fork(self, session: Session, adapter: int, new_name: str) -> list:
+        key = self._adapter_key(session, new_name)
+        if key in self._adapter_ids:
+            raise ValueError(f"adapter {new_name!r} already exists for user {session.username!r}")
+        self._adapter(session, adapter)
+        adapter_id = self._next_adapter
+        self.runner.fork_adapter(adapter, adapter_id)
+        return self._register(adapter_id, key)
+
+    async def op_adapter_save(self, session: Session, adapter: int, path: str | None = None) -> None:
+        """Write the adapter in PEFT's layout to ``path`` (default: its name) in the user's adapter directory. File
+        I/O runs off the event loop (an adapter's matrices are never changed in place, so this is a snapshot)."""
+        named = self._adapter(session, adapter)
+        path = named.name if path is None else path
+        directory = user_path(self._adapter_root, session.username, path)
+        try:
+            await asyncio.to_thread(write_adapter, self.runner.adapters.get(adapter), directory, self.runner.model_dir)
+        except OSError as e:
+            raise ValueError(f"cannot save adapter {named.name!r} to {path!r}: {e.strerror}") from None
+
+    async def op_adapter_load(self, session: Session, adapter: int, path: str) -> list:
+        """Replace the adapter's weights (and rank, alpha, targets) with the PEFT adapter at ``path``."""
+        named = self._adapter(session, adapter)
+        directory = user_path(self._adapter_root, session.username, path)
+        if not directory.is_dir():
+            raise ValueError(f"no adapter directory {path!r} in user {session.username!r}'s adapter directory")
+        try:
+            config, weights = await asyncio.to_thread(read_adapter, directory)
+        except OSError as e:
+            raise ValueError(f"cannot read adapter {path!r}: {e.strerror}") from None
+        self._adapter(session, adapter)  # still there after the read
+        self.runner.replace_adapter(adapter, config, weights)
+        named.salt = uuid.uuid4().bytes  # new weights: KV cached under the old ones no longer matches
+        return self._describe(adapter)
+
+    async def op_adapter_destroy(self, session: Session, adapter: int) -> None:
+        named = self._adapter(session, adapter)
+        self.runner.drop_adapter(adapter)
+        del self._adapters[adapter], self._adapter_ids[named.owner, named.name]
+
+    def _adapter_key(self, session: Session, name: str) -> tuple[str, str]:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
+        return session.username, name
+
+    def _adapter(self, session: Session, adapter: int) -> NamedAdapter:
+        named = self._adapters.get(adapter)
+        if named is None or named.owner != session.username:
+            raise ValueError(f"adapter {adapter!r} does not exist (it was destroyed, or belongs to another user)")
+        return named
+
+    def _register(self, adapter_id: int, key: tuple[str, str]) -> list:
+        self._next_adapter += 1
+        self._adapters[adapter_id] = NamedAdapter(key[0], key[1], uuid.uuid4().bytes)
+        self._adapter_ids[key] = adapter_id
+        return self._describe(adapter_id)
+
+    def _describe(self, adapter_id: int) -> list:
+        config = self.runner.adapters.get(adapter_id).config
+        return [adapter_id, config.rank, config.alpha, list(config.targets)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pie_workers.layers.lora import LoraSite
 from pie_workers.parallel import TensorParallel
 
 
@@ -29,8 +30,11 @@ class ColumnParallelLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(sum(self.parts), in_features), requires_grad=False)
         self.bias = torch.nn.Parameter(torch.zeros(sum(self.parts)), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora: LoraSite | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if lora is not None:
+            lora.add_(x, y)
+        return y
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -43,8 +47,12 @@ class RowParallelLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, end - start), requires_grad=False)
         self.bias = torch.nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, lora: LoraSite | None = None) -> torch.Tensor:
+        """A LoRA delta on this rank's input shard is a partial sum too: it joins the same all-reduce."""
+        y = F.linear(x, self.weight)
+        if lora is not None:
+            lora.add_(x, y)
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 

@@ -20,6 +20,7 @@ from pie_workers.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pie_workers.layers.lora import BatchLora, LoraSite
 from pie_workers.layers.norm import RMSNorm
 from pie_workers.layers.rope import RotaryEmbedding, apply_rotary
 from pie_workers.loader import CheckpointReader
@@ -49,9 +50,13 @@ class DecoderLayer(torch.nn.Module):
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
-    def forward(self, h, cos, sin, plan: BatchPlan, kv: KVPool) -> torch.Tensor:
+    def forward(self, h, cos, sin, plan: BatchPlan, kv: KVPool, lora: BatchLora | None) -> torch.Tensor:
         T, d = h.shape[0], self.head_dim
-        qkv = self.qkv_proj(self.input_layernorm(h))
+
+        def site(linear: str) -> LoraSite | None:
+            return lora.at(self.index, linear) if lora is not None else None
+
+        qkv = self.qkv_proj(self.input_layernorm(h), site("qkv_proj"))
         n_q, n_kv = self.local_heads, self.local_kv_heads
         if self.q_norm is None:  # rotate q and k together: they are adjacent in the fused projection
             qk = apply_rotary(qkv[:, : (n_q + n_kv) * d].view(T, n_q + n_kv, d), cos, sin)
@@ -62,9 +67,9 @@ class DecoderLayer(torch.nn.Module):
         v = qkv[:, (n_q + n_kv) * d :].view(T, n_kv, d)
         kv.write(self.index, plan.write_slots, k, v)
         attn = paged_attention(q, kv.k[self.index], kv.v[self.index], plan, self.window, self.scale)
-        h = h + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        h = h + self.o_proj(attn, site("o_proj"))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h), site("gate_up_proj")).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up, site("down_proj"))
 
 
 class LlamaModel(torch.nn.Module):
@@ -84,13 +89,15 @@ class LlamaModel(torch.nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
 
-    def forward(self, plan: BatchPlan, kv: KVPool) -> torch.Tensor | None:
-        """Runs every token of the plan; returns logits ``[N, vocab]`` of ``plan.logit_rows`` on the leader."""
+    def forward(self, plan: BatchPlan, kv: KVPool, lora: BatchLora | None = None) -> torch.Tensor | None:
+        """Runs every token of the plan; returns logits ``[N, vocab]`` of ``plan.logit_rows`` on the leader.
+
+        ``lora``: the adapters of the batch's requests, each on its own token rows."""
         kv.copy_pages(plan.copy_src, plan.copy_dst)
         h = self.embed_tokens(plan.token_ids)
         cos, sin = self.rotary.cos_sin(plan.positions, plan.max_position, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, plan, kv)
+            h = layer(h, cos, sin, plan, kv, lora)
         h = self.norm(h if plan.every_row_has_logits else h[plan.logit_rows])
         logits = self.lm_head(h)
         return None if logits is None else logits.float()

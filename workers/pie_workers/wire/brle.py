@@ -8,6 +8,8 @@ list means "no restriction" (see :func:`and_masks`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -105,3 +107,19 @@ def and_many(masks: Iterable[Sequence[int]]) -> list[int]:
     for m in masks:
         out = and_masks(out, m)
     return out
+
+
+def from_bitmask(words: np.ndarray, size: int) -> list[int]:
+    """Encode the first ``size`` bits of a packed bitmask: bit ``i`` is bit ``i % 32`` of 32-bit word ``i // 32``.
+
+    This is the layout grammar engines (xgrammar) fill per step, so a grammar mask becomes a BRLE in a few
+    vectorized passes instead of a Python loop over the vocabulary.
+    """
+    raw = np.ascontiguousarray(words, dtype="<i4").view(np.uint8)
+    return encode(np.unpackbits(raw, count=size, bitorder="little").view(bool))
+
+
+def allows(runs: Sequence[int], index: int) -> bool:
+    """Whether bit ``index`` of the mask is true (bits past the end are false)."""
+    run = bisect.bisect_right(list(itertools.accumulate(runs)), index)
+    return run < len(runs) and run % 2 == 1

@@ -1,0 +1,210 @@
+"""Constraints on what a Generator may produce, and how several of them compose into one logit mask per step.
+
+A ``Constraint`` is anything with ``step(accepted) -> BRLE``: it is told the tokens accepted since its last call
+(``[]`` on the first) and returns the mask for the next position (``[]`` = no restriction). A ``Schema`` is anything
+with ``build_constraint(model)``; the four declarative ones (``AnyJson``, ``JsonSchema``, ``Regex``, ``Ebnf``) and
+``Grammar`` build a ``GrammarConstraint``. A constraint may also expose ``is_terminated``: once true, the Generator
+stops (so it never samples from an all-false mask, which is what Pie's Generator does when the stop set lacks the
+grammar's stop token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from pie_workers.wire import brle
+
+from inferlet.grammar import Grammar, Matcher
+from inferlet.instruct import ModelLike
+
+
+@runtime_checkable
+class Constraint(Protocol):
+    def step(self, accepted: list[int]) -> list[int]:
+        """Advance past ``accepted``; return the BRLE mask of the tokens allowed next ([] = no restriction)."""
+        ...
+
+
+@runtime_checkable
+class Schema(Protocol):
+    def build_constraint(self, model: ModelLike) -> Constraint:
+        """A fresh constraint for this model (constraints are stateful: one per generation)."""
+        ...
+
+
+class GrammarConstraint:
+    """A ``Constraint`` that walks a grammar with a ``Matcher``.
+
+    The constructors bind the grammar to the model's tokenizer with the chat template's end-of-turn tokens as the
+    grammar's stop tokens: they are allowed exactly when the grammar is complete, so with the Generator's default
+    stop set the model ends its turn right where the grammar does.
+    """
+
+    def __init__(self, matcher: Matcher) -> None:
+        self.matcher = matcher
+
+    @staticmethod
+    def from_grammar(grammar: Grammar, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint(Matcher(grammar, model.tokenizer(), stop_tokens=model.instruct.stop_tokens()))
+
+    @staticmethod
+    def from_json_schema(schema: str | dict, model: ModelLike, *, any_whitespace: bool = False) -> GrammarConstraint:
+        return GrammarConstraint.from_grammar(Grammar.from_json_schema(schema, any_whitespace=any_whitespace), model)
+
+    @staticmethod
+    def json(model: ModelLike, *, any_whitespace: bool = False) -> GrammarConstraint:
+        return GrammarConstraint.from_grammar(Grammar.json(any_whitespace=any_whitespace), model)
+
+    @staticmethod
+    def from_regex(pattern: str, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint.from_grammar(Grammar.from_regex(pattern), model)
+
+    @staticmethod
+    def from_ebnf(source: str, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint.from_grammar(Grammar.from_ebnf(source), model)
+
+    def step(self, accepted: list[int]) -> list[int]:
+        if accepted:
+            self.matcher.accept_tokens(accepted)
+        return self.matcher.next_token_logit_mask()
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated
+
+
+@dataclass(frozen=True)
+class AnyJson:
+    """Any JSON value (compact unless ``any_whitespace``)."""
+
+    any_whitespace: bool = False
+
+    def build_constraint(self, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint.json(model, any_whitespace=self.any_whitespace)
+
+
+@dataclass(frozen=True)
+class JsonSchema:
+    """JSON conforming to a JSON Schema (text or dict; compact unless ``any_whitespace``)."""
+
+    schema: str | dict
+    any_whitespace: bool = False
+
+    def build_constraint(self, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint.from_json_schema(self.schema, model, any_whitespace=self.any_whitespace)
+
+
+@dataclass(frozen=True)
+class Regex:
+    """Text matching the whole regular expression."""
+
+    pattern: str
+
+    def build_constraint(self, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint.from_regex(self.pattern, model)
+
+
+@dataclass(frozen=True)
+class Ebnf:
+    """Text in the language of an EBNF grammar (Lark syntax, or GBNF with ``root ::= ...``)."""
+
+    source: str
+
+    def build_constraint(self, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint.from_ebnf(self.source, model)
+
+
+class _FixedMask:
+    """A static logit mask as a constraint, so ``logit_mask=`` composes like any other."""
+
+    def __init__(self, mask: list[int]) -> None:
+        brle.validate(mask, "logit_mask")
+        self._mask = list(mask)
+
+    def step(self, accepted: list[int]) -> list[int]:
+        return self._mask
+
+
+class ConstraintSet:
+    """The constraints on one generation, composed: one AND-ed mask per step, and which tokens they admit.
+
+    Constraints are stepped lazily, once per position, with the tokens admitted since: the mask a step sends is
+    computed when the step (or a termination check) needs it. ``admit`` reconciles tokens with the constraints: it
+    keeps the longest prefix that the composed mask allows token by token (a multi-token accept, e.g. verified
+    drafts, is cut where a constraint would refuse), so a constraint is only ever stepped with tokens it allowed.
+    """
+
+    def __init__(self, model: ModelLike) -> None:
+        self._model = model
+        self._items: list[Constraint] = []
+        self._masks: list[list[int]] = []  # each constraint's mask for the next position
+        self._pending: list[int] = []  # admitted since the constraints were last stepped
+        self._composed: list[int] | None = None
+        self._fresh = True  # _composed matches _masks
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def add(self, c: Schema | Constraint | list[Schema | Constraint]) -> None:
+        """Attach a constraint, a schema (built for the model now, so bad input fails here), or a list of them."""
+        if isinstance(c, (list, tuple)):
+            for one in c:
+                self.add(one)
+            return
+        if isinstance(c, Schema):
+            c = c.build_constraint(self._model)
+        if not isinstance(c, Constraint):
+            raise TypeError(
+                f"constrain= takes a Schema (build_constraint(model)) or a Constraint (step(accepted)), "
+                f"got {type(c).__name__}"
+            )
+        self._advance()  # older constraints catch up first: the new one starts here, with step([])
+        self._masks.append(list(c.step([])))
+        self._items.append(c)
+        self._fresh = False
+
+    def add_mask(self, mask: list[int]) -> None:
+        """Attach a static BRLE logit mask."""
+        self.add(_FixedMask(mask))
+
+    def mask(self) -> list[int] | None:
+        """The AND of every constraint's mask for the next position; None when nothing restricts it."""
+        self._advance()
+        if not self._fresh:
+            restricting = [m for m in self._masks if m]
+            self._composed = brle.and_many(restricting) if restricting else None
+            self._fresh = True
+        return self._composed
+
+    def step_mask(self) -> list[int] | None:
+        """The mask to send with the next forward pass; raises if the constraints leave no token to sample."""
+        mask = self.mask()
+        if mask is not None and not any(mask[1::2]):
+            raise ValueError("the attached constraints allow no token at this step (their masks AND to nothing)")
+        return mask
+
+    def admit(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of ``tokens`` the constraints allow, which they will be stepped with."""
+        if not self._items:
+            return tokens
+        kept: list[int] = []
+        for t in tokens:
+            mask = self.mask()
+            if mask is not None and not brle.allows(mask, t):
+                break
+            kept.append(t)
+            self._pending.append(t)
+        return kept
+
+    @property
+    def terminated(self) -> bool:
+        """Whether a constraint has ended (a grammar accepted its stop token)."""
+        self._advance()
+        return any(getattr(c, "is_terminated", False) for c in self._items)
+
+    def _advance(self) -> None:
+        if self._pending:
+            accepted, self._pending = self._pending, []
+            self._masks = [list(c.step(accepted)) for c in self._items]
+            self._fresh = False
