@@ -40,10 +40,10 @@ def ray_cluster():
     The head has the dashboard (the Jobs API needs it); the second node carries a ``second_node`` resource so a
     test can pin work there. Tests that do not care see one pool of 8 CPUs.
     """
+    import socket
+
     import ray
     from ray.cluster_utils import Cluster
-
-    import socket
 
     with socket.socket() as s:  # a free dashboard port: parallel test sessions must not collide on 8265
         s.bind(("127.0.0.1", 0))
