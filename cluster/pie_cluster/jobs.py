@@ -43,7 +43,7 @@ def submit_job(
     if deadline is not None:
         args += ["--deadline", str(deadline)]
     client = JobSubmissionClient(dashboard if "://" in dashboard else f"http://{dashboard}")
-    deadline_s = time.monotonic() + 60
+    deadline_s = time.monotonic() + 180
     while True:  # a freshly started cluster's job agent may not be up yet ("No available agent ... try again")
         try:
             job = client.submit_job(entrypoint=shlex.join(args), runtime_env={"working_dir": str(working_dir)})
