@@ -8,11 +8,13 @@ and leaves it running (``pie attach`` picks it up again, replaying buffered even
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -37,6 +39,16 @@ def connect(url: str | None, token: str | None) -> PieClient:
         err.print("[red]error:[/red] no cluster endpoint: pass --url, set PIE_URL, or run `pie start`")
         raise typer.Exit(1)
     return PieClient(url, token or os.environ.get("PIE_TOKEN") or state.get("token"))
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """The endpoint's refusal, printed as an error with exit code 1 (every client command reports them alike)."""
+    try:
+        yield
+    except PieClientError as e:
+        err.print(f"[red]error:[/red] {e}", markup=False)
+        raise typer.Exit(1) from None
 
 
 def follow(client: PieClient, instance_id: str, since: int = 0) -> int:
@@ -113,7 +125,7 @@ def submit(
 
         raise typer.Exit(submit_job(program, data, dashboard, user, deadline, job_python))
     client = connect(url, token)
-    try:
+    with _refusals():
         uploaded = client.upload(program)
         instance_id = client.launch(uploaded["program"], data, deadline)
         err.print(f"launched {uploaded['name']} as instance {instance_id}")
@@ -121,19 +133,13 @@ def submit(
             print(instance_id)
             return
         code = follow(client, instance_id)
-    except PieClientError as e:
-        err.print(f"[red]error:[/red] {e}", markup=False)
-        raise typer.Exit(1) from None
     raise typer.Exit(code)
 
 
 def list_instances(url: UrlOption = None, token: TokenOption = None) -> None:
     """Your instances on the cluster (running, and recently finished)."""
-    try:
+    with _refusals():
         instances = connect(url, token).list()
-    except PieClientError as e:
-        err.print(f"[red]error:[/red] {e}", markup=False)
-        raise typer.Exit(1) from None
     table = Table(title=f"{len(instances)} instance(s)")
     for column in ("id", "program", "status", "elapsed (s)", "input"):
         table.add_column(column, no_wrap=column != "input")  # ids stay whole: they are what attach/abort take
@@ -152,13 +158,10 @@ def attach(
 ) -> None:
     """Follow an instance, replaying the events it buffered while nobody watched."""
     client = connect(url, token)
-    try:
+    with _refusals():
         instance_id = client.resolve(prefix)
         err.print(f"attached to instance {instance_id}")
         code = follow(client, instance_id)
-    except PieClientError as e:
-        err.print(f"[red]error:[/red] {e}", markup=False)
-        raise typer.Exit(1) from None
     raise typer.Exit(code)
 
 
@@ -169,10 +172,7 @@ def abort(
 ) -> None:
     """Stop one of your instances; what it held (pages, subscriptions) is released."""
     client = connect(url, token)
-    try:
+    with _refusals():
         instance_id = client.resolve(prefix)
         stopped = client.abort(instance_id)
-    except PieClientError as e:
-        err.print(f"[red]error:[/red] {e}", markup=False)
-        raise typer.Exit(1) from None
     err.print(f"instance {instance_id}: " + ("abort sent" if stopped else "had already ended"))

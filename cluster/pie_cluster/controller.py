@@ -65,7 +65,7 @@ class Controller:
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
             mcp_servers=config.mcp_specs(),
         )
-        ray.get(self.launcher.attach_pool.remote(pool, self.launcher))
+        ray.get(self.launcher.attach_pool.remote(pool))
 
     def ready(self) -> bool:
         return True

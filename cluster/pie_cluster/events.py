@@ -67,7 +67,3 @@ class EventLog:
             except TimeoutError:
                 break
         return got
-
-    @property
-    def next_index(self) -> int:
-        return self._next

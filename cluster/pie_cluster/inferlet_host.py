@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import traceback
 
-import ray
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint
 
@@ -71,12 +70,6 @@ class InferletHost:
         self._abort_reasons[instance_id] = reason
         task.cancel()
         return True
-
-    async def running(self) -> int:
-        return len(self._tasks)
-
-    async def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
 
     # -- one instance ------------------------------------------------------------------------------------------
 

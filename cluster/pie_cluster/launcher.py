@@ -78,7 +78,6 @@ class HostPool:
 class Launcher:
     def __init__(self, event_capacity: int = 4096, keep_finished: int = 1024, default_deadline_s: float | None = None):
         self._pool: HostPool | None = None
-        self._self = None
         self._programs: dict[str, Program] = {}
         self._instances: dict[str, _Instance] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -87,8 +86,8 @@ class Launcher:
         self._default_deadline_s = default_deadline_s
         self.launched = 0
 
-    async def attach_pool(self, pool: HostPool, launcher_handle) -> None:
-        self._pool, self._self = pool, launcher_handle
+    async def attach_pool(self, pool: HostPool) -> None:
+        self._pool = pool
 
     # -- programs ------------------------------------------------------------------------------------------------
 
@@ -156,7 +155,7 @@ class Launcher:
         options = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
         if program.runtime_env:
             options["runtime_env"] = program.runtime_env
-        return ray.remote(InferletHost).options(**options).remote(self._self)
+        return ray.remote(InferletHost).options(**options).remote(ray.get_runtime_context().current_actor)
 
     async def events(self, user: str, instance_id: str, since: int = 0, timeout: float = 10.0) -> dict:
         """Events numbered ``since`` and later, waiting up to ``timeout`` s for one (a long poll)."""

@@ -18,6 +18,7 @@ Each instance gets a fresh copy of the entry module's globals; sibling modules a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import io
@@ -38,6 +39,15 @@ _VERSION = re.compile(r"^\d+\.\d+\.\d+$")
 MAX_PROGRAM_BYTES = 64 << 20
 
 Main = Callable[[dict], Awaitable[Any]]
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(program_id: str, label: str, entry: str, source: bytes) -> types.CodeType:
+    """The entry module's code, compiled once per process (launching an instance only executes it)."""
+    try:
+        return compile(source, f"<{label}>/{entry}", "exec")
+    except SyntaxError as e:
+        raise ProgramError(f"{label}: {entry} line {e.lineno}: {e.msg}") from None
 
 
 class ProgramError(ValueError):
@@ -124,10 +134,7 @@ class Program:
     # -- loading -------------------------------------------------------------------------------------------------
 
     def _compile(self) -> types.CodeType:
-        try:
-            return compile(self.files[self.entry], f"<{self.label}>/{self.entry}", "exec")
-        except SyntaxError as e:
-            raise ProgramError(f"{self.label}: {self.entry} line {e.lineno}: {e.msg}") from None
+        return _compiled(self.id, self.label, self.entry, self.files[self.entry])
 
     def load_main(self) -> Main:
         """A fresh instance of the entry module; returns its ``async def main(input)``."""
