@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -21,9 +22,16 @@ PIE = [sys.executable, "-m", "pie_cluster.cli"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port in 20000-29999: above Ray's worker ports (10002-19999) and below the ephemeral range Ray's own
+    processes keep binding (a port taken from there can be gone again by the time Serve binds it)."""
+    for port in random.Random().sample(range(20000, 30000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999")
 
 
 @pytest.fixture(scope="module")
