@@ -8,6 +8,9 @@ constraints: one inferlet decodes greedily in two contexts, alternating step for
     overhead per token (SDK mask work, the mask on the wire, the replica applying it) even on a busy machine. The
     SDK's share is also timed alone by replaying the output through the constraint calls the Generator makes.
     Goal: < 0.1 ms/token.
+speculation: greedy decoding of a repetitive prompt without drafts, with the runtime's n-gram drafter
+    (``system_speculation``), and with an oracle speculator proposing the true continuation (the ceiling for
+    ``--draft`` tokens per pass). Runs alternate by mode; tokens per forward pass and the median time per token.
 Sections share one replica.
 """
 
@@ -103,13 +106,90 @@ def constraints_section(endpoints, args, console: Console) -> None:
     console.print(f"{run['tokens']} tokens per document; medians over steps; overhead: median of paired differences")
 
 
-SECTIONS: dict[str, Callable] = {"constraints": constraints_section}
+REPETITIVE = "Repeat after me: the cat sat on the mat. " * 6
+
+
+class TrueContinuation:
+    """A speculator that knows the answer: the ceiling of what drafting can save."""
+
+    def __init__(self, ctx: Context, truth: list[int], k: int) -> None:
+        self.ctx, self.truth, self.k, self.done = ctx, truth, k, 0
+
+    def draft(self) -> tuple[list[int], list[int]]:
+        tokens = self.truth[self.done : self.done + self.k]
+        first = self.ctx.seq_len + len(self.ctx.buffer())
+        return tokens, list(range(first, first + len(tokens)))
+
+    def accept(self, tokens: list[int]) -> None:
+        self.done += len(tokens)
+
+    def rollback(self, n: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.done = 0
+
+
+async def speculative_run(input: dict) -> dict:
+    """One greedy generation in the given mode: its tokens, forward passes and seconds (prompt prefilled first)."""
+    with Context(Model.load("default")) as ctx:
+        ctx.user(REPETITIVE)
+        ctx.cue()
+        await ctx.flush()
+        options: dict = {"max_tokens": input["tokens"], "auto_flush": False}
+        if input["mode"] == "system":
+            options["system_speculation"] = True
+        elif input["mode"] == "oracle":
+            options["speculator"] = TrueContinuation(ctx, input["truth"], input["draft"])
+        g = ctx.generate(Sampler.argmax(), **options)
+        tokens, passes = [], 0
+        start = time.perf_counter()
+        async for step in g:
+            tokens += (await step.execute()).tokens
+            passes += 1
+        return {"tokens": tokens, "passes": passes, "seconds": time.perf_counter() - start}
+
+
+def speculation_section(endpoints, args, console: Console) -> None:
+    def run(mode: str, truth: list[int] | None = None) -> dict:
+        input = {"mode": mode, "tokens": args.spec_tokens, "draft": args.draft, "truth": truth}
+        return asyncio.run(run_inferlet(speculative_run, input, endpoints, "bench"))
+
+    truth = run("none")["tokens"]
+    runs: dict[str, list[dict]] = {"none": [], "system": [], "oracle": []}
+    for _ in range(args.repeats):
+        for mode in runs:
+            result = run(mode, truth)
+            assert result["tokens"] == truth, f"{mode} changed the output"
+            runs[mode].append(result)
+    base = statistics.median(r["seconds"] for r in runs["none"]) / len(truth)
+    table = Table(title=f"Speculation: greedy, {len(truth)} tokens of a repetitive prompt, tiny Llama")
+    for col in ("drafts", "forward passes", "tokens / pass", "ms / token", "speedup"):
+        table.add_column(col, justify="right")
+    names = {"none": "none", "system": "system n-gram", "oracle": f"oracle ({args.draft}/pass)"}
+    for mode, results in runs.items():
+        per_token = statistics.median(r["seconds"] for r in results) / len(truth)
+        passes = results[0]["passes"]
+        table.add_row(
+            names[mode],
+            str(passes),
+            f"{len(truth) / passes:.2f}",
+            f"{1000 * per_token:.2f}",
+            f"{base / per_token:.2f}x",
+        )
+    console.print(table)
+    console.print("every mode produced exactly the tokens of the run without drafts; times are medians over runs")
+
+
+SECTIONS: dict[str, Callable] = {"constraints": constraints_section, "speculation": speculation_section}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=12, help="objects in the generated JSON array")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--spec-tokens", type=int, default=128, help="tokens generated per speculation run")
+    ap.add_argument("--draft", type=int, default=4, help="oracle drafts per pass")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from: {', '.join(SECTIONS)}")
     args = ap.parse_args()
     init_ray(num_cpus=4)

@@ -1,6 +1,6 @@
 """The inferlet SDK: write ``async def main(input)`` against these and run it with ``pie run``."""
 
-from inferlet import chat, mcp, messaging, reasoning, runtime, session, tools
+from inferlet import chat, mcp, messaging, reasoning, runtime, session, spec, tools
 from inferlet.adapter import Adapter
 from inferlet.constraints import AnyJson, Constraint, Ebnf, GrammarConstraint, JsonSchema, Regex, Schema
 from inferlet.context import Context
@@ -43,5 +43,6 @@ __all__ = [
     "reasoning",
     "runtime",
     "session",
+    "spec",
     "tools",
 ]

@@ -5,7 +5,9 @@ A ``Constraint`` is anything with ``step(accepted) -> BRLE``: it is told the tok
 with ``build_constraint(model)``; the four declarative ones (``AnyJson``, ``JsonSchema``, ``Regex``, ``Ebnf``) and
 ``Grammar`` build a ``GrammarConstraint``. A constraint may also expose ``is_terminated``: once true, the Generator
 stops (so it never samples from an all-false mask, which is what Pie's Generator does when the stop set lacks the
-grammar's stop token).
+grammar's stop token). A constraint with ``rollback(n)`` (undo its last n accepted tokens) works with speculation:
+each draft is verified under the mask the constraint gives after the drafts before it. Without it, a constrained
+Generator drafts nothing.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class GrammarConstraint:
             self.matcher.accept_tokens(accepted)
         return self.matcher.next_token_logit_mask()
 
+    def rollback(self, n: int) -> None:
+        self.matcher.rollback(n)
+
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated
@@ -124,6 +129,9 @@ class _FixedMask:
 
     def step(self, accepted: list[int]) -> list[int]:
         return self._mask
+
+    def rollback(self, n: int) -> None:
+        pass  # stateless
 
 
 class ConstraintSet:
@@ -196,6 +204,34 @@ class ConstraintSet:
             kept.append(t)
             self._pending.append(t)
         return kept
+
+    def lookahead(self, drafts: list[int]) -> tuple[list[int], list[list[int]] | None]:
+        """For speculation: the longest prefix of ``drafts`` the constraints allow in sequence, and the mask each
+        kept draft's verification row needs (the composed mask after that draft; ``[]`` = unrestricted, also where
+        it would allow nothing — whatever is sampled there is cut by ``admit``). The constraints end as they began.
+        Without constraints: ``(drafts, None)``; with one that cannot roll back: no drafts."""
+        if not self._items or not drafts:
+            return drafts, None
+        if not all(callable(getattr(c, "rollback", None)) for c in self._items):
+            return [], None
+        self._advance()
+        saved = self._masks, self._composed, self._fresh
+        kept: list[int] = []
+        row_masks: list[list[int]] = []
+        try:
+            for t in drafts:
+                mask = self.mask()
+                if mask is not None and not brle.allows(mask, t):
+                    break
+                self._masks, self._fresh = [list(c.step([t])) for c in self._items], False
+                kept.append(t)
+                after = self.mask()
+                row_masks.append(after if after is not None and any(after[1::2]) else [])
+        finally:
+            for c in self._items:
+                c.rollback(len(kept))
+            self._masks, self._composed, self._fresh = saved
+        return kept, row_masks
 
     @property
     def terminated(self) -> bool:

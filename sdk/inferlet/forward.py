@@ -76,6 +76,13 @@ class Forward:
         self._logit_mask: list[int] | None = None
         self._adapter: Adapter | None = None
         self._zo_seed: int | None = None
+        # Speculation, set by the Generator: drafts verified after the inputs, and n-gram drafts asked back.
+        self._drafts: list[int] = []
+        self._draft_positions: list[int] = []
+        self._draft_masks: list[list[int]] | None = None
+        self._draft_budget = 0
+        self._walk: list[int] = []  # the verified walk: accepted drafts, then the sampler's next token
+        self._next_drafts: list[int] = []
 
     def start_position(self) -> int:
         """Position the first auto-input token occupies: the context's ``seq_len`` when ``forward()`` was called."""
@@ -138,7 +145,7 @@ class Forward:
         if self._zo_seed is not None and self._adapter is None:
             raise ValueError("zo_seed perturbs an adapter: call adapter() on this pass too")
         adapter_id = None if self._adapter is None else self._adapter._id_for(ctx.model)
-        slots, _, seq_len = await ctx.model.channel.call(
+        slots, self._walk, seq_len, self._next_drafts = await ctx.model.channel.call(
             "forward",
             ctx._id,
             self._tokens,
@@ -146,11 +153,13 @@ class Forward:
             [[row, slot_to_wire(s)] for row, s in self._slots],
             self._masks,
             self._logit_mask,
-            [],  # drafts to verify: speculative decoding is not wired into the SDK yet
-            [],
-            0,
+            self._drafts,
+            self._draft_positions,
+            len(self._drafts),  # accepted drafts may still be cut at a stop token: keep their pages uncommitted
             adapter_id,
             self._zo_seed,
+            self._draft_masks,
+            self._draft_budget,
         )
         ctx._seq_len = seq_len
         return Output([output_from_wire(s) for s in slots])

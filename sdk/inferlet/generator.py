@@ -10,6 +10,13 @@ Constraints (``constrain=``, ``.constrain()``, ``logit_mask=``) AND their masks 
 sends. Grammar constraints allow the template's end-of-turn tokens only where the grammar is complete, so with the
 default stop set generation ends there (the stop token is not kept). Whatever the stop set, a constraint that has
 terminated ends generation too: the step after it would have nothing to sample.
+
+Speculation (``speculator=`` or ``system_speculation=True``) sends drafts with each step; the replica verifies them in
+the same pass and writes the accepted ones' KV, so a step may produce several tokens. Tokens are exactly those of
+generation without drafts: drafts are cut to what ``max_tokens`` leaves room for and to what the constraints allow,
+and each draft is verified under the constraints' mask after the drafts before it. When a stop token or
+``max_tokens`` cuts inside the accepted drafts, the tokens past the cut are truncated from the KV again, so KV,
+``seq_len`` and the buffer end exactly as a run without drafts leaves them.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ from inferlet.adapter import Adapter, check_zo_seed
 from inferlet.constraints import AnyJson, Constraint, ConstraintSet, JsonSchema, Schema
 from inferlet.forward import Forward, Output, ProbeHandle, SampleHandle
 from inferlet.sampler import Probe, Sampler
+from inferlet.spec import Speculator
 
 if TYPE_CHECKING:
     from inferlet.context import Context
 
-_LATER = "lands with speculation (not in this build yet)"
+SYSTEM_DRAFTS = 4  # n-gram drafts asked of the replica per step with system_speculation
 
 
 class GenStep:
@@ -74,10 +82,11 @@ class Generator:
     ):
         if speculator is not None and system_speculation:
             raise ValueError("speculator and system_speculation are mutually exclusive: pass one of them")
-        if speculator is not None:
-            raise NotImplementedError(f"Generator speculator= {_LATER}")
-        if system_speculation:
-            raise NotImplementedError(f"Generator system_speculation= {_LATER}")
+        if speculator is not None and not isinstance(speculator, Speculator):
+            raise TypeError(
+                f"speculator= needs draft/accept/rollback/reset methods (inferlet.spec.Speculator), "
+                f"got {type(speculator).__name__}"
+            )
         if not isinstance(sampler, Sampler):
             raise TypeError(f"generate() needs a Sampler, got {type(sampler).__name__}")
         if max_tokens is not None and max_tokens < 0:
@@ -106,6 +115,9 @@ class Generator:
         self._step_probes: list[tuple[int, Probe]] = []
         self._generated = 0
         self._done = False
+        self._speculator: Speculator | None = speculator
+        self._system_speculation = system_speculation
+        self._system_drafts: list[int] = []  # the replica's n-gram drafts for the next step
 
     # -- builder -------------------------------------------------------------------------------------------------
 
@@ -188,6 +200,9 @@ class Generator:
         auto: SampleHandle | None = None if step._cleared else fwd.sample([last], self._sampler)
         if mask is not None:
             fwd.mask(mask)
+        proposed = self._draft(fwd) if auto is not None else 0
+        if self._system_speculation and auto is not None:
+            fwd._draft_budget = SYSTEM_DRAFTS
         ctx._buffer = []
         try:
             out = await fwd.execute()
@@ -196,21 +211,53 @@ class Generator:
             raise
         out.auto_sampler = auto
         if auto is not None:
-            out.tokens = self._fold([out.token(auto)])
+            self._system_drafts = fwd._next_drafts
+            walk = fwd._walk if fwd._drafts else [out.token(auto)]
+            out.tokens, surplus = self._fold(walk, in_kv=len(walk) - 1)
+            if surplus:  # a stop or max_tokens cut inside the accepted drafts: their KV goes too
+                ctx._seq_len = await ctx.model.channel.call("truncate", ctx._id, surplus)
+            if self._speculator is not None:
+                self._speculator.accept(out.tokens)
+                if proposed > len(walk) - 1:
+                    self._speculator.rollback(proposed - (len(walk) - 1))
         return out
+
+    def _draft(self, fwd: Forward) -> int:
+        """Attach this step's drafts to ``fwd``; returns how many the speculator proposed (0 for the system's)."""
+        first = fwd._positions[-1] + 1
+        if self._speculator is not None:
+            drafts, positions = _checked_proposal(self._speculator.draft(), first)
+            proposed = len(drafts)
+        else:
+            drafts, proposed = self._system_drafts, 0
+        if self._max_tokens is not None:  # every step yields one token past its accepted drafts
+            drafts = drafts[: max(0, self._max_tokens - self._generated - 1)]
+        drafts, fwd._draft_masks = self._constraints.lookahead(drafts)
+        fwd._drafts, fwd._draft_positions = drafts, list(range(first, first + len(drafts)))
+        return proposed
 
     def accept(self, tokens: list[int]) -> list[int]:
         """Register tokens chosen by hand (after ``clear_sampler``); returns what was kept: tokens from the first one
         a constraint forbids are dropped, then stop/max cuts apply."""
-        return self._fold([int(t) for t in tokens])
+        kept, _ = self._fold([int(t) for t in tokens])
+        self._system_drafts = []  # they guessed what follows the sampled token, not these
+        if self._speculator is not None:
+            self._speculator.accept(kept)
+        return kept
 
-    def _fold(self, tokens: list[int]) -> list[int]:
-        """Reconcile with the constraints, apply stop tokens and ``max_tokens``, count the survivors, and queue them
-        for the next step."""
-        kept = []
+    def _fold(self, tokens: list[int], in_kv: int = 0) -> tuple[list[int], int]:
+        """Reconcile with the constraints, apply stop tokens and ``max_tokens``, and count the survivors.
+
+        The first ``in_kv`` tokens (accepted drafts) already have KV. Afterwards KV and buffer are what a run without
+        drafts leaves: every survivor is in the KV but the last, which is queued as the next step's input — unless
+        a stop token ended generation, whose step flushed them all. Returns the survivors and how many in-KV tokens
+        must be truncated for that.
+        """
+        kept: list[int] = []
+        stopped = False
         for t in self._constraints.admit(tokens):
             if t in self._stop:
-                self._done = True
+                self._done = stopped = True
                 break
             kept.append(t)
         if self._max_tokens is not None:
@@ -218,10 +265,11 @@ class Generator:
             if len(kept) >= room:
                 kept, self._done = kept[:room], True
         self._generated += len(kept)
-        self._ctx._buffer += kept
+        stays = max(0, min(len(kept) if stopped else len(kept) - 1, in_kv))
+        self._ctx._buffer += kept[stays:]
         if not self._done and self._constraints and self._constraints.terminated:
             self._done = True
-        return kept
+        return kept, in_kv - stays
 
     # -- collectors ----------------------------------------------------------------------------------------------
 
@@ -257,3 +305,23 @@ class Generator:
                 f"collect_json: the output is not complete JSON ({e.msg}) after {self._generated} tokens "
                 f"(max_tokens={self._max_tokens}): {text[:200]!r}"
             ) from None
+
+
+def _checked_proposal(proposal, first: int) -> tuple[list[int], list[int]]:
+    """A speculator's ``draft()`` result as (tokens, positions), which must continue the context at ``first``."""
+    try:
+        tokens, positions = proposal
+        tokens, positions = [int(t) for t in tokens], [int(p) for p in positions]
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"Speculator.draft() must return (tokens, positions), two lists of ints; got {proposal!r:.120}"
+        ) from None
+    if len(tokens) != len(positions):
+        raise ValueError(f"Speculator.draft() returned {len(tokens)} tokens but {len(positions)} positions")
+    expected = list(range(first, first + len(tokens)))
+    if positions != expected:
+        raise ValueError(
+            f"Speculator.draft() returned positions {positions[:8]} but drafts must continue the context in order "
+            f"right after the step's input: {expected[:8]}"
+        )
+    return tokens, positions

@@ -171,6 +171,10 @@ class Matcher:
             np.bitwise_and(self._words, self._allowed, out=self._words)
         return brle.from_bitmask(self._words, self._vocab)
 
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (speculation verifies drafts ahead of the accepted text)."""
+        self._matcher.rollback(n)
+
     @property
     def is_terminated(self) -> bool:
         """True once a stop token was accepted with the grammar complete."""

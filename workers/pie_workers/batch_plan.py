@@ -117,6 +117,7 @@ class RequestSampling:
     first_row: int  # rows are contiguous per request: its slots', then its drafts'
     num_rows: int
     draft_tokens: list[int] = field(default_factory=list)  # drafts' rows follow the slots' rows
+    draft_masks: list[list[int]] | None = None  # one per draft row; None: logit_mask covers them too
     verify_slot: int = -1  # index into slots of the verifying sampler
 
 
@@ -161,17 +162,27 @@ def _check_request(req: ForwardRequest, page_size: int, vocab: int, adapters: Co
                 return f"attention mask row {i} attends to nothing"
     if req.logit_mask:
         try:
-            brle.validate(req.logit_mask, "logit mask")
+            covered = int(brle.validate(req.logit_mask, "logit mask").sum())
         except brle.BrleError as e:
             return str(e)
-        if brle.length(req.logit_mask) > vocab:
-            return f"malformed logit mask: covers {brle.length(req.logit_mask)} tokens, vocabulary has {vocab}"
+        if covered > vocab:
+            return f"malformed logit mask: covers {covered} tokens, vocabulary has {vocab}"
     for row, slot in req.slots:
         if not 0 <= row < n_in:
             return f"sampler/probe row {row} is outside the request's {n_in} input rows"
         problem = _check_slot(slot, vocab)
         if problem:
             return problem
+    if req.draft_masks is not None:
+        if len(req.draft_masks) != n_draft:
+            return f"{len(req.draft_masks)} draft masks for {n_draft} draft tokens"
+        for i, mask in enumerate(req.draft_masks):
+            try:
+                covered = int(brle.validate(mask, f"draft mask {i}").sum())
+            except brle.BrleError as e:
+                return str(e)
+            if covered > vocab:
+                return f"malformed draft mask {i}: covers {covered} tokens, vocabulary has {vocab}"
     if n_draft:
         token_slots = [row for row, s in req.slots if s.kind.is_token]
         if not token_slots or token_slots[0] != n_in - 1:
@@ -372,6 +383,7 @@ def _sampling_plan(ok: list[int], reqs: list[ForwardRequest], n_in: np.ndarray, 
         if req.draft_tokens:
             rs.verify_slot = next(n for n, s in enumerate(slots) if s.kind.is_token)
             rs.draft_tokens = list(req.draft_tokens)
+            rs.draft_masks = req.draft_masks
             logit_rows += range(start + int(n_in[k]), start + int(n_in[k]) + len(req.draft_tokens))
             rs.num_rows += len(req.draft_tokens)
         sampling.append(rs)

@@ -145,10 +145,11 @@ class ModelRunner:
     def _sample(self, planned: PlannedBatch, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
         """Evaluate every slot; with drafts, also sample each draft row with the verifying sampler."""
         plans = planned.sampling
-        masked = [rs for rs in plans if rs.logit_mask]
+        masked = [rs for rs in plans if rs.logit_mask or rs.draft_masks]
         for rs in masked:
-            allowed = torch.from_numpy(brle.decode(rs.logit_mask, logits.shape[-1])).to(logits.device)
-            logits[rs.first_row : rs.first_row + rs.num_rows].masked_fill_(~allowed, float("-inf"))
+            for first, count, mask in _mask_spans(rs):
+                allowed = torch.from_numpy(brle.decode(mask, logits.shape[-1])).to(logits.device)
+                logits[first : first + count].masked_fill_(~allowed, float("-inf"))
         slots = _per_position_seeds(planned, [s for rs in plans for s in _row_slots(rs)])
         dead = {rs.index for rs in masked if sampling.check_rows_samplable(_rows_of(logits, rs), _row_slots(rs))}
         if dead:
@@ -185,6 +186,16 @@ def _per_position_seeds(planned: PlannedBatch, slots: list[Slot]) -> list[Slot]:
 def _row_slots(rs: RequestSampling) -> list:
     """The slot evaluated on each of the request's logit rows."""
     return rs.slots + [rs.slots[rs.verify_slot]] * len(rs.draft_tokens) if rs.draft_tokens else rs.slots
+
+
+def _mask_spans(rs: RequestSampling) -> list[tuple[int, int, list[int]]]:
+    """(first row, row count, mask) for each masked run of the request's logit rows: ``logit_mask`` over all of
+    them, or over the slot rows only when each draft row brings its own mask."""
+    if rs.draft_masks is None:
+        return [(rs.first_row, rs.num_rows, rs.logit_mask)] if rs.logit_mask else []
+    n_slots = len(rs.slots)
+    spans = [(rs.first_row, n_slots, rs.logit_mask)] if rs.logit_mask else []
+    return spans + [(rs.first_row + n_slots + i, 1, mask) for i, mask in enumerate(rs.draft_masks) if mask]
 
 
 def _rows_of(logits: torch.Tensor, rs: RequestSampling) -> torch.Tensor:

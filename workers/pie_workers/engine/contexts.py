@@ -284,6 +284,15 @@ class ContextTable:
             raise ContextError(f"no snapshot named {name!r} for user {owner!r}")
         return self._view(snap)
 
+    def tokens(self, ctx: int) -> list[int]:
+        """Every token whose KV the context holds, in order: the committed chain's, then the working ones."""
+        c = self._get(ctx)
+        pages, node = [], c.tail
+        while node is not None:
+            pages.append(node.tokens)
+            node = node.parent
+        return [t for page in reversed(pages) for t in page] + [t for t, _, _ in c.lineage]
+
     def lineage(self, ctx: int) -> list[tuple[int, int]]:
         """(token, position) of every working token: what replays the working KV after a suspension."""
         return [(t, p) for t, p, _ in self._get(ctx).lineage]

@@ -49,10 +49,14 @@ def page_key(parent_key: bytes, tokens: Sequence[int], positions: Sequence[int],
 
 
 class Node:
-    """One committed page. Its key, page, parent and position are fixed; only the bookkeeping fields change."""
+    """One committed page. Its key, page, tokens, parent and position are fixed; only the bookkeeping fields change.
+
+    The tokens are kept so a context's whole text can be read back (the n-gram drafter searches it).
+    """
 
     __slots__ = (
         "key",
+        "tokens",
         "page_id",
         "parent",
         "children",
@@ -64,8 +68,8 @@ class Node:
         "_chain",
     )
 
-    def __init__(self, key: bytes, page_id: int, parent: Node | None, max_position: int):
-        self.key, self.page_id, self.parent = key, page_id, parent
+    def __init__(self, key: bytes, page_id: int, parent: Node | None, tokens: tuple[int, ...], max_position: int):
+        self.key, self.page_id, self.parent, self.tokens = key, page_id, parent, tokens
         self.children: dict[bytes, Node] = {}
         self.refs = 0
         self.last_used = 0
@@ -173,7 +177,7 @@ class PageStore:
             self._free.append(page_id)
             self.retain(node)
             return node, False
-        node = Node(key, page_id, parent, max(positions))
+        node = Node(key, page_id, parent, tuple(tokens), max(positions))
         if parent is not None:
             self._ref(parent)
         siblings[key] = node

@@ -22,6 +22,7 @@ from pathlib import Path
 from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
 from pie_workers.engine.channel import ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
+from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import PageStore
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
@@ -63,6 +64,7 @@ class ReplicaEngine:
         self.page_size = runner.page_size
         self.store = PageStore(runner.num_pages, runner.page_size)
         self.contexts = ContextTable(self.store)
+        self.drafter = NgramDrafter()
         self.scheduler = BatchScheduler(self._execute, limits)
         self.channel = ChannelServer(self._handle)
         self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
@@ -128,6 +130,7 @@ class ReplicaEngine:
         session.contexts.discard(ctx)
         self._locks.pop(ctx, None)
         self._salts.pop(ctx, None)
+        self.drafter.forget(ctx)
 
     async def op_close(self, session: Session) -> int:
         """The inferlet ended: release every context it still holds (snapshots survive)."""
@@ -176,6 +179,7 @@ class ReplicaEngine:
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
         async with self._locks[self._own(session, ctx)]:
             self.contexts.truncate(ctx, n)
+            self.drafter.forget(ctx)
             self._trim(ctx)
             return self.contexts.view(ctx).seq_len
 
@@ -209,12 +213,17 @@ class ReplicaEngine:
         hold: int = 0,
         adapter: int | None = None,
         zo_seed: int | None = None,
+        draft_masks: list[list[int]] | None = None,
+        draft_budget: int = 0,
     ) -> list:
-        """Run ``tokens`` (then ``drafts``) through the context; returns [slot outputs, verified walk, seq_len].
+        """Run ``tokens`` (then ``drafts``) through the context; returns [slot outputs, verified walk, seq_len,
+        next drafts].
 
         Full pages are committed (shared through the prefix trie) right away, except pages touching the last
-        ``hold`` tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``adapter`` (an id
-        from ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass.
+        ``hold`` tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``draft_masks``
+        gives each draft row its own logit mask (a grammar's, after that draft). ``adapter`` (an id from
+        ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass. With a
+        ``draft_budget``, up to that many n-gram drafts for the next step come back (``system_speculation``).
         """
         async with self._locks[self._own(session, ctx)]:
             if len(tokens) != len(positions):
@@ -245,6 +254,7 @@ class ReplicaEngine:
                     None,
                     [],
                     [],
+                    None,
                     0,
                     bind,
                 )
@@ -258,10 +268,21 @@ class ReplicaEngine:
                 logit_mask,
                 drafts,
                 draft_positions,
+                draft_masks,
                 hold,
                 bind,
             )
-            return [[output_to_wire(s) for s in out.slots], out.tokens, self.contexts.view(ctx).seq_len]
+            seq_len = self.contexts.view(ctx).seq_len
+            next_drafts = self._next_drafts(ctx, out, seq_len, draft_budget) if draft_budget > 0 else []
+            return [[output_to_wire(s) for s in out.slots], out.tokens, seq_len, next_drafts]
+
+    def _next_drafts(self, ctx: int, out: RequestOutput, seq_len: int, budget: int) -> list[int]:
+        """N-gram drafts to follow the token this pass sampled (the end of the verified walk, else the first token
+        slot's)."""
+        sampled = out.tokens[-1:] or [s.token for s in out.slots if s.token is not None][:1]
+        if not sampled:
+            return []
+        return self.drafter.draft(ctx, lambda: self.contexts.tokens(ctx), seq_len, sampled[0], budget)
 
     def _reuse_cached_prefix(self, ctx, tokens, positions, decoded, salt: bytes):
         """A fresh context whose first pages match cached ones adopts them instead of recomputing them (prefix
@@ -274,7 +295,18 @@ class ReplicaEngine:
         return tokens[reused:], positions[reused:], [(row - reused, s) for row, s in decoded]
 
     async def _forward_once(
-        self, ctx, tokens, positions, slots, masks, logit_mask, drafts, draft_positions, hold, bind: PassBinding
+        self,
+        ctx,
+        tokens,
+        positions,
+        slots,
+        masks,
+        logit_mask,
+        drafts,
+        draft_positions,
+        draft_masks,
+        hold,
+        bind: PassBinding,
     ):
         view = self.contexts.view(ctx)
         need = -(-(view.seq_len + len(tokens) + len(drafts)) // self.page_size) - len(view.page_ids)
@@ -291,13 +323,16 @@ class ReplicaEngine:
             logit_mask=logit_mask or None,
             draft_tokens=drafts,
             draft_positions=draft_positions,
+            draft_masks=draft_masks,
             adapter=bind.adapter,
             zo_seed=bind.zo_seed,
         )
         out = await self.scheduler.submit(request)
         if out.error is None:
             accepted = len(out.tokens) - 1 if drafts else 0
-            self.contexts.record(ctx, tokens + drafts[:accepted], positions + draft_positions[:accepted], bind.salt)
+            written = tokens + drafts[:accepted]
+            self.contexts.record(ctx, written, positions + draft_positions[:accepted], bind.salt)
+            self.drafter.observe(ctx, written)
             full = max(0, self.contexts.view(ctx).working_tokens - hold) // self.page_size
             if full:
                 self.contexts.commit(ctx, full)

@@ -69,7 +69,9 @@ class ForwardRequest:
     ``page_ids`` must cover ``kv_len + len(token_ids) + len(draft_tokens)`` slots. ``attention_masks`` holds one BRLE
     per input row (then per draft row, or drafts default to causal) over the request's KV slots
     ``[0, kv_len + n_inputs + n_drafts)``; None means causal. ``slots`` pairs input-row indices with samplers/probes;
-    outputs come back in the same order. With drafts, the first token sampler verifies them. ``adapter`` names a LoRA
+    outputs come back in the same order. With drafts, the first token sampler verifies them. ``logit_mask`` applies
+    to every sampled row unless ``draft_masks`` gives each draft row its own (a grammar's mask after that draft;
+    ``[]`` = unrestricted) — the slot rows keep ``logit_mask``. ``adapter`` names a LoRA
     adapter the runner holds, applied to every row of this request; ``zo_seed`` perturbs that adapter for this pass
     only (Evolution Strategies: a negative seed gives the mirrored perturbation of its absolute value).
     """
@@ -83,6 +85,7 @@ class ForwardRequest:
     logit_mask: list[int] | None = None
     draft_tokens: list[int] = field(default_factory=list)
     draft_positions: list[int] = field(default_factory=list)
+    draft_masks: list[list[int]] | None = None
     adapter: int | None = None
     zo_seed: int | None = None
 
