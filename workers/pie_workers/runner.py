@@ -145,11 +145,12 @@ class ModelRunner:
     def _sample(self, planned: PlannedBatch, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
         """Evaluate every slot; with drafts, also sample each draft row with the verifying sampler."""
         plans = planned.sampling
-        masked = [rs for rs in plans if rs.logit_mask or rs.draft_masks]
+        masked = [rs for rs in plans if rs.logit_mask is not None or rs.draft_masks]
         for rs in masked:
             for first, count, mask in _mask_spans(rs):
-                allowed = torch.from_numpy(brle.decode(mask, logits.shape[-1])).to(logits.device)
-                logits[first : first + count].masked_fill_(~allowed, float("-inf"))
+                logits[first : first + count] += torch.from_numpy(brle.penalties(mask, logits.shape[-1])).to(
+                    logits.device
+                )
         slots = _per_position_seeds(planned, [s for rs in plans for s in _row_slots(rs)])
         dead = {rs.index for rs in masked if sampling.check_rows_samplable(_rows_of(logits, rs), _row_slots(rs))}
         if dead:
@@ -192,10 +193,10 @@ def _mask_spans(rs: RequestSampling) -> list[tuple[int, int, list[int]]]:
     """(first row, row count, mask) for each masked run of the request's logit rows: ``logit_mask`` over all of
     them, or over the slot rows only when each draft row brings its own mask."""
     if rs.draft_masks is None:
-        return [(rs.first_row, rs.num_rows, rs.logit_mask)] if rs.logit_mask else []
+        return [(rs.first_row, rs.num_rows, rs.logit_mask)] if rs.logit_mask is not None else []
     n_slots = len(rs.slots)
-    spans = [(rs.first_row, n_slots, rs.logit_mask)] if rs.logit_mask else []
-    return spans + [(rs.first_row + n_slots + i, 1, mask) for i, mask in enumerate(rs.draft_masks) if mask]
+    spans = [(rs.first_row, n_slots, rs.logit_mask)] if rs.logit_mask is not None else []
+    return spans + [(rs.first_row + n_slots + i, 1, mask) for i, mask in enumerate(rs.draft_masks) if len(mask)]
 
 
 def _rows_of(logits: torch.Tensor, rs: RequestSampling) -> torch.Tensor:

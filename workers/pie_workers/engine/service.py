@@ -27,6 +27,7 @@ from pie_workers.engine.page_store import PageStore
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
+from pie_workers.wire import brle
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
 
@@ -308,6 +309,10 @@ class ReplicaEngine:
         hold,
         bind: PassBinding,
     ):
+        # masks become int64 arrays once, before any page moves: the plan's checks and the runner's decode are cheap
+        logit_mask = brle.validate(logit_mask, "logit mask") if logit_mask else None
+        if draft_masks is not None:
+            draft_masks = [brle.validate(m, f"draft mask {i}") for i, m in enumerate(draft_masks)]
         view = self.contexts.view(ctx)
         need = -(-(view.seq_len + len(tokens) + len(drafts)) // self.page_size) - len(view.page_ids)
         if need > 0:
@@ -320,7 +325,7 @@ class ReplicaEngine:
             kv_len=view.seq_len,
             slots=slots,
             attention_masks=masks,
-            logit_mask=logit_mask or None,
+            logit_mask=logit_mask,
             draft_tokens=drafts,
             draft_positions=draft_positions,
             draft_masks=draft_masks,

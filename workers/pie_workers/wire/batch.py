@@ -7,6 +7,7 @@ keeps no state between batches: everything it needs is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -82,10 +83,10 @@ class ForwardRequest:
     kv_len: int
     slots: list[tuple[int, Slot]] = field(default_factory=list)
     attention_masks: list[list[int]] | None = None
-    logit_mask: list[int] | None = None
+    logit_mask: Sequence[int] | None = None  # a BRLE list, or its int64 array
     draft_tokens: list[int] = field(default_factory=list)
     draft_positions: list[int] = field(default_factory=list)
-    draft_masks: list[list[int]] | None = None
+    draft_masks: Sequence[Sequence[int]] | None = None
     adapter: int | None = None
     zo_seed: int | None = None
 

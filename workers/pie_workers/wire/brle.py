@@ -57,6 +57,18 @@ def decode(runs: Sequence[int], size: int | None = None) -> np.ndarray:
     return out
 
 
+def penalties(runs: Sequence[int], size: int) -> np.ndarray:
+    """The mask as float32 additive logit penalties over ``size`` tokens: 0 where true, -inf elsewhere (one add
+    applies it; cheaper than building and inverting a boolean mask)."""
+    lengths = validate(runs)
+    values = np.full(len(lengths), -np.inf, dtype=np.float32)
+    values[1::2] = 0.0
+    out = np.repeat(values, lengths)
+    if out.size >= size:
+        return out[:size]
+    return np.concatenate((out, np.full(size - out.size, -np.inf, dtype=np.float32)))
+
+
 def decode_rows(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
     """Decode many BRLE rows into a ``[len(rows), width]`` bool matrix in one vectorized pass.
 
