@@ -6,6 +6,10 @@ runs it. Lifetime and snapshot operations are synchronous round trips to the rep
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from inferlet.forward import Forward
 from inferlet.model import Model
 from inferlet.sampler import Sampler
@@ -18,6 +22,7 @@ class Context:
         self._seq_len = _seq_len
         self._buffer: list[int] = list(_buffer or [])
         self._released = False
+        self._bid: float | None = None  # explicit bid; None: Generators bid for it
 
     # -- lifetime --------------------------------------------------------------------------------------------------
 
@@ -121,6 +126,32 @@ class Context:
         """Drop the last ``n`` tokens of the KV cache (only tokens not yet committed: the rollback primitive)."""
         self._check_live()
         self._seq_len = self._model.channel.call_sync("truncate", self._id, int(n))
+
+    # -- memory market -----------------------------------------------------------------------------------------------
+
+    def set_bid(self, bid: float | None) -> None:
+        """Offer ``bid`` credits per page per tick to keep this context's pages when memory is short (higher bids
+        stay resident, lower ones are suspended and recomputed later). It holds until changed; while set, Generators
+        do not rebid. ``None`` hands bidding back to Generators."""
+        self._check_live()
+        if bid is not None:
+            bid = float(bid)
+            if not (bid >= 0.0 and math.isfinite(bid)):
+                raise ValueError(f"set_bid: a bid is a finite number of credits >= 0, got {bid!r}")
+        self._model.channel.call_sync("set_bid", self._id, bid)
+        self._bid = bid
+
+    @contextmanager
+    def idle(self) -> Iterator[Context]:
+        """Bid 0 for the scope (the first to be suspended when memory is short), then restore the previous bid.
+        Passes still run inside it."""
+        previous = self._bid
+        self.set_bid(0.0)
+        try:
+            yield self
+        finally:
+            if not self._released:
+                self.set_bid(previous)
 
     # -- passes --------------------------------------------------------------------------------------------------
 

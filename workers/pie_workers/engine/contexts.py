@@ -287,11 +287,37 @@ class ContextTable:
     def tokens(self, ctx: int) -> list[int]:
         """Every token whose KV the context holds, in order: the committed chain's, then the working ones."""
         c = self._get(ctx)
-        pages, node = [], c.tail
-        while node is not None:
-            pages.append(node.tokens)
-            node = node.parent
-        return [t for page in reversed(pages) for t in page] + [t for t, _, _ in c.lineage]
+        return [t for node in self._chain_nodes(c) for t in node.tokens] + [t for t, _, _ in c.lineage]
+
+    def recomputable(self, ctx: int) -> bool:
+        """Whether plain causal forward passes over the context's tokens rebuild its KV exactly: nothing in it was
+        written under a salt (custom attention mask, adapter, zo seed)."""
+        return self._recomputable(self._get(ctx))
+
+    def text(self, ctx: int) -> tuple[list[tuple[int, int]], int]:
+        """(token, position) of every token of the context, and how many of them are committed."""
+        return self._text(self._get(ctx))
+
+    def snapshot_text(self, owner: str, name: str) -> tuple[list[tuple[int, int]], int] | None:
+        """Like ``text`` for a snapshot; None if it is absent or its KV could not be recomputed."""
+        snap = self._snapshots.get((owner, name))
+        return None if snap is None or not self._recomputable(snap) else self._text(snap)
+
+    def holds_pages(self, ctx: int) -> bool:
+        c = self._get(ctx)
+        return bool(c.working) or c.tail is not None
+
+    def evict(self, ctx: int) -> tuple[list[tuple[int, int]], int]:
+        """Give up every page of the context, keeping what recomputes it: (token, position) of each of its tokens,
+        and how many of them were committed. The context stays, empty, until refilled (``reuse_prefix``, forward)."""
+        c = self._get(ctx)
+        text, committed = self._text(c)
+        self._drop(c)
+        c.tail, c.working, c.lineage = None, [], []
+        return text, committed
+
+    def ids(self) -> list[int]:
+        return list(self._contexts)
 
     def lineage(self, ctx: int) -> list[tuple[int, int]]:
         """(token, position) of every working token: what replays the working KV after a suspension."""
@@ -349,6 +375,22 @@ class ContextTable:
             working_tokens=len(h.lineage),
             page_size=self.page_size,
         )
+
+    def _text(self, h: _Holding) -> tuple[list[tuple[int, int]], int]:
+        text = [(t, p) for n in self._chain_nodes(h) for t, p in zip(n.tokens, n.positions, strict=True)]
+        committed = len(text)
+        return text + [(t, p) for t, p, _ in h.lineage], committed
+
+    def _recomputable(self, h: _Holding) -> bool:
+        return not any(s for _, _, s in h.lineage) and not any(n.salt for n in self._chain_nodes(h))
+
+    @staticmethod
+    def _chain_nodes(h: _Holding) -> list[Node]:
+        nodes, node = [], h.tail
+        while node is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

@@ -49,14 +49,17 @@ def page_key(parent_key: bytes, tokens: Sequence[int], positions: Sequence[int],
 
 
 class Node:
-    """One committed page. Its key, page, tokens, parent and position are fixed; only the bookkeeping fields change.
+    """One committed page. Its key, page, content, parent and position are fixed; only the bookkeeping fields change.
 
-    The tokens are kept so a context's whole text can be read back (the n-gram drafter searches it).
+    The content (tokens, positions, salt) is kept so a context's whole text can be read back: the n-gram drafter
+    searches it, and a suspended context is recomputed from it.
     """
 
     __slots__ = (
         "key",
         "tokens",
+        "positions",
+        "salt",
         "page_id",
         "parent",
         "children",
@@ -68,8 +71,12 @@ class Node:
         "_chain",
     )
 
-    def __init__(self, key: bytes, page_id: int, parent: Node | None, tokens: tuple[int, ...], max_position: int):
-        self.key, self.page_id, self.parent, self.tokens = key, page_id, parent, tokens
+    def __init__(
+        self, key: bytes, page_id: int, parent: Node | None, tokens: tuple[int, ...], positions: tuple[int, ...], salt
+    ):
+        self.key, self.page_id, self.parent = key, page_id, parent
+        self.tokens, self.positions, self.salt = tokens, positions, salt
+        max_position = max(positions)
         self.children: dict[bytes, Node] = {}
         self.refs = 0
         self.last_used = 0
@@ -177,7 +184,14 @@ class PageStore:
             self._free.append(page_id)
             self.retain(node)
             return node, False
-        node = Node(key, page_id, parent, tuple(tokens), max(positions))
+        node = Node(
+            key,
+            page_id,
+            parent,
+            tuple(tokens),
+            tuple(positions),
+            salt.encode() if isinstance(salt, str) else bytes(salt),
+        )
         if parent is not None:
             self._ref(parent)
         siblings[key] = node
@@ -248,6 +262,11 @@ class PageStore:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    @property
+    def available(self) -> int:
+        """Pages an allocation can have now: free ones plus evictable cache."""
+        return len(self._free) + self._num_nodes - self._num_pinned
 
     def free_page_ids(self) -> list[int]:
         return list(self._free)

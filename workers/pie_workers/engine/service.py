@@ -9,6 +9,9 @@ inferlet run (session) that made it; snapshots and LoRA adapters belong to the u
 KV written under a custom attention mask or a zo seed is salted per context, so the prefix trie never shares it;
 KV written under an adapter is salted with the adapter's current weights, so only passes with the same adapter
 share it.
+
+When the pool runs short, ``Residency`` decides by bid who keeps pages; every operation on a suspended context first
+restores it (recomputing its KV), so inferlets never see a suspension except as a slower step.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
 from pie_workers.engine.channel import ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
 from pie_workers.engine.ngram import NgramDrafter
-from pie_workers.engine.page_store import PageStore
+from pie_workers.engine.page_store import OutOfPages, PageStore
+from pie_workers.engine.residency import Residency, default_bid
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
@@ -66,6 +70,12 @@ class ReplicaEngine:
         self.store = PageStore(runner.num_pages, runner.page_size)
         self.contexts = ContextTable(self.store)
         self.drafter = NgramDrafter()
+        self.residency = Residency(
+            self.contexts,
+            busy=lambda ctx: ctx in self._locks and self._locks[ctx].locked(),
+            clock=lambda: self.scheduler.batches_fired,
+        )
+        self.accounts: dict[str, dict] = {}  # the market's latest view of each inferlet instance here
         self.scheduler = BatchScheduler(self._execute, limits)
         self.channel = ChannelServer(self._handle)
         self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
@@ -105,11 +115,15 @@ class ReplicaEngine:
         method = self._ops.get(op)
         if method is None:
             raise ValueError(f"unknown replica operation {op!r}")
-        return await method(session, *args)
+        try:
+            return await method(session, *args)
+        finally:
+            self.residency.wake()  # pages may have been freed
 
     def _own(self, session: Session, ctx: int) -> int:
         if ctx not in session.contexts:
             raise ContextError(f"context {ctx} does not exist or was released")
+        self.residency.touch(ctx)
         return ctx
 
     def _adopt(self, session: Session, ctx: int) -> int:
@@ -132,6 +146,7 @@ class ReplicaEngine:
         self._locks.pop(ctx, None)
         self._salts.pop(ctx, None)
         self.drafter.forget(ctx)
+        self.residency.forget(ctx)
 
     async def op_close(self, session: Session) -> int:
         """The inferlet ended: release every context it still holds (snapshots survive)."""
@@ -143,29 +158,64 @@ class ReplicaEngine:
         return n
 
     async def op_fork(self, session: Session, ctx: int) -> list[int]:
-        child, copies = self.contexts.fork(self._own(session, ctx))
+        """A child sharing the context's pages. When memory is short the child is born suspended (it holds no
+        pages and is recomputed on its first pass), so a fork never waits."""
+        async with self._locks[self._own(session, ctx)]:
+            suspended = self.residency.suspended.get(ctx)
+            if suspended is None and self.residency.try_now(ctx, self.contexts.view(ctx).working_pages):
+                child, copies = self.contexts.fork(ctx)
+            else:
+                if suspended is None and not self.contexts.recomputable(ctx):
+                    raise OutOfPages(self.contexts.view(ctx).working_pages, self.store.available, self.store.num_pages)
+                text = (suspended.text, suspended.committed) if suspended else self.contexts.text(ctx)
+                child, copies = self.contexts.create(session.username, session.key), []
+                self.residency.add_suspended(child, *text)
         self._adopt(session, child)
         if ctx in self._salts:
             self._salts[child] = self._salts[ctx]
+        self.residency.inherit(child, ctx)
         await self._run_copies(copies)
-        return [child, self.contexts.view(child).seq_len]
+        return [child, self._seq_len(child)]
 
     async def op_save(self, session: Session, ctx: int, name: str) -> None:
-        await self._run_copies(self.contexts.save(self._own(session, ctx), name))
+        async with self._locks[self._own(session, ctx)]:
+            await self._resident_now(ctx)
+            copies = self.contexts.save(ctx, name)
+        await self._run_copies(copies)
 
     async def op_snapshot(self, session: Session, ctx: int) -> str:
-        name, copies = self.contexts.snapshot(self._own(session, ctx))
+        async with self._locks[self._own(session, ctx)]:
+            await self._resident_now(ctx)
+            name, copies = self.contexts.snapshot(ctx)
         await self._run_copies(copies)
         return name
 
+    async def _resident_now(self, ctx: int) -> None:
+        """For a snapshot: the context resident with room for copies of its working pages, without waiting in line
+        (the inferlet is blocked on this call); OutOfPages if memory is too short for that now."""
+        suspended = self.residency.suspended.get(ctx)
+        pages = suspended.pages if suspended else self.contexts.view(ctx).working_pages
+        if not self.residency.try_now(ctx, pages + (suspended.pages if suspended else 0)):
+            raise OutOfPages(pages, self.store.available, self.store.num_pages)
+        await self._ensure_resident(ctx)
+
     async def op_open(self, session: Session, name: str) -> list[int] | None:
-        opened = self.contexts.open(session.username, name, session.key)
-        if opened is None:
+        """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short."""
+        try:
+            pages = self.contexts.view_snapshot(session.username, name).working_pages
+        except ContextError:
             return None
-        ctx, copies = opened
+        if self.residency.try_now(None, pages):
+            ctx, copies = self.contexts.open(session.username, name, session.key)
+        else:
+            text = self.contexts.snapshot_text(session.username, name)
+            if text is None:
+                raise OutOfPages(pages, self.store.available, self.store.num_pages)
+            ctx, copies = self.contexts.create(session.username, session.key), []
+            self.residency.add_suspended(ctx, *text)
         self._adopt(session, ctx)
         await self._run_copies(copies)
-        return [ctx, self.contexts.view(ctx).seq_len]
+        return [ctx, self._seq_len(ctx)]
 
     async def op_take(self, session: Session, name: str) -> list[int] | None:
         ctx = self.contexts.take(session.username, name, session.key)
@@ -179,10 +229,13 @@ class ReplicaEngine:
 
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
         async with self._locks[self._own(session, ctx)]:
-            self.contexts.truncate(ctx, n)
             self.drafter.forget(ctx)
-            self._trim(ctx)
-            return self.contexts.view(ctx).seq_len
+            if ctx in self.residency.suspended:  # no need to recompute what is cut
+                self.residency.truncate(ctx, n)
+            else:
+                self.contexts.truncate(ctx, n)
+                self._trim(ctx)
+            return self._seq_len(ctx)
 
     async def op_stats(self, session: Session) -> dict:
         s = self.store.stats()
@@ -194,6 +247,9 @@ class ReplicaEngine:
             "total": s.total,
             "contexts": self.contexts.stats().contexts,
             "queued": self.scheduler.queued,
+            "suspended": len(self.residency.suspended),
+            "suspensions": self.residency.suspensions,
+            "waiting": self.residency.waiting,
             "batches": self.scheduler.batches_fired,
             "requests": self.scheduler.requests_served,
         }
@@ -216,6 +272,7 @@ class ReplicaEngine:
         zo_seed: int | None = None,
         draft_masks: list[list[int]] | None = None,
         draft_budget: int = 0,
+        bid_shape: list[float] | None = None,
     ) -> list:
         """Run ``tokens`` (then ``drafts``) through the context; returns [slot outputs, verified walk, seq_len,
         next drafts].
@@ -225,10 +282,14 @@ class ReplicaEngine:
         gives each draft row its own logit mask (a grammar's, after that draft). ``adapter`` (an id from
         ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass. With a
         ``draft_budget``, up to that many n-gram drafts for the next step come back (``system_speculation``).
+        ``bid_shape`` ([expected tokens left, cv²], from a Generator) refreshes the context's default bid.
         """
         async with self._locks[self._own(session, ctx)]:
             if len(tokens) != len(positions):
                 raise ValueError(f"{len(positions)} positions for {len(tokens)} input tokens")
+            if bid_shape is not None:
+                self._rebid(session, ctx, *bid_shape)
+            await self._ensure_resident(ctx, len(tokens) + len(drafts))
             decoded = [(int(row), slot_from_wire(s)) for row, s in slots]
             adapter_salt = b"" if adapter is None else self._adapter(session, adapter).salt
             if zo_seed is not None:
@@ -308,16 +369,14 @@ class ReplicaEngine:
         draft_masks,
         hold,
         bind: PassBinding,
+        trim: bool = True,
     ):
         # masks become int64 arrays once, before any page moves: the plan's checks and the runner's decode are cheap
         logit_mask = brle.validate(logit_mask, "logit mask") if logit_mask else None
         if draft_masks is not None:
             draft_masks = [brle.validate(m, f"draft mask {i}") for i, m in enumerate(draft_masks)]
+        await self._reserve(ctx, len(tokens) + len(drafts))
         view = self.contexts.view(ctx)
-        need = -(-(view.seq_len + len(tokens) + len(drafts)) // self.page_size) - len(view.page_ids)
-        if need > 0:
-            self.contexts.reserve(ctx, need)
-            view = self.contexts.view(ctx)
         request = ForwardRequest(
             token_ids=tokens,
             positions=positions,
@@ -341,10 +400,87 @@ class ReplicaEngine:
             full = max(0, self.contexts.view(ctx).working_tokens - hold) // self.page_size
             if full:
                 self.contexts.commit(ctx, full)
-        self._trim(ctx)
+        if trim or out.error is not None:
+            self._trim(ctx)
         if out.error is not None:
             raise ValueError(out.error)
         return out
+
+    # -- residency ---------------------------------------------------------------------------------------------
+
+    async def op_set_bid(self, session: Session, ctx: int, bid: float | None) -> None:
+        """Credits per page per tick this context offers to keep its pages when memory is short (None: back to
+        the default bid)."""
+        self.residency.set_bid(self._own(session, ctx), bid)
+
+    def _rebid(self, session: Session, ctx: int, expected: float, cv2: float) -> None:
+        account = self.accounts.get(session.instance, {})
+        view = self.contexts.view(ctx)
+        pages = view.committed_pages + view.working_pages
+        self.residency.default[ctx] = default_bid(
+            account.get("balance", 0.0),
+            account.get("dividend", 0.0),
+            pages,
+            float(expected),
+            float(cv2),
+            self.page_size,
+        )
+
+    def _seq_len(self, ctx: int) -> int:
+        suspended = self.residency.suspended.get(ctx)
+        return len(suspended.text) if suspended else self.contexts.view(ctx).seq_len
+
+    def _pages_for(self, ctx: int, new_tokens: int) -> int:
+        """Working pages ``ctx`` still has to reserve to take ``new_tokens`` more tokens."""
+        view = self.contexts.view(ctx)
+        return -(-(view.seq_len + new_tokens) // self.page_size) - len(view.page_ids)
+
+    async def _reserve(self, ctx: int, new_tokens: int) -> None:
+        """Reserve the pages a pass needs. When the pool is short, or a higher bidder waits, the context suspends
+        itself (if it can be recomputed) and comes back through the line, so it never waits while holding pages
+        that those ahead of it need."""
+        need = self._pages_for(ctx, new_tokens)
+        if need <= 0:
+            return
+        if self.residency.try_now(ctx, need):
+            self.contexts.reserve(ctx, need)
+        elif self.residency.suspend(ctx):
+            await self._ensure_resident(ctx, new_tokens)
+        else:
+            await self.residency.wait_for(ctx, lambda: self._pages_for(ctx, new_tokens))
+            self.contexts.reserve(ctx, self._pages_for(ctx, new_tokens))
+
+    async def _ensure_resident(self, ctx: int, new_tokens: int = 0) -> None:
+        """Bring a suspended context back: wait in line for its pages (plus room for ``new_tokens``), adopt the
+        prefix pages still cached, and recompute the rest of its KV; committed and working tokens end as before."""
+        suspended = self.residency.suspended.get(ctx)
+        if suspended is None:
+            return
+        text, committed = suspended.text, suspended.committed
+        pages = -(-(len(text) + new_tokens) // self.page_size)
+        await self.residency.wait_for(ctx, lambda: pages)
+        del self.residency.suspended[ctx]
+        self.drafter.forget(ctx)
+        tokens, positions = [t for t, _ in text], [p for _, p in text]
+        reused = self.contexts.reuse_prefix(ctx, tokens[:committed], positions[:committed]) if committed else 0
+        self.contexts.reserve(ctx, pages - len(self.contexts.view(ctx).page_ids))
+        chunk = self.scheduler.limits.max_tokens
+        for start in range(reused, len(tokens), chunk):
+            end = min(start + chunk, len(tokens))
+            await self._forward_once(
+                ctx,
+                tokens[start:end],
+                positions[start:end],
+                [],
+                None,
+                None,
+                [],
+                [],
+                None,
+                len(text) - committed,
+                PassBinding(),
+                trim=False,
+            )
 
     def _trim(self, ctx: int) -> None:
         """Give back working pages that hold no tokens (after a rejected draft, a failed pass, or a truncate)."""

@@ -1,0 +1,145 @@
+"""Memory contention on a replica with few pages: bids decide who stays resident; nobody loses tokens or pages.
+
+Every workload here needs more pages than the replica has (24 pages of 16 tokens), so contexts are suspended and
+recomputed while their inferlets run. The reference for each inferlet's tokens is the same inferlet run alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from inferlet import Context, Model, Sampler
+
+PAGES = 24
+MEMORY = [100 + i % 50 for i in range(320)]  # a 320-token text
+
+
+@pytest.fixture(scope="module")
+def scarce(ray_session, tiny_llama):
+    from pie_cluster.host import endpoints_for
+    from pie_workers.engine.scheduler import BatchLimits
+    from pie_workers.replica import Replica
+    from pie_workers.runner import RunnerSettings
+    from sdk_host import Served
+
+    replica = Replica(tiny_llama, 1, RunnerSettings(num_pages=PAGES), cpus_per_rank=1, engine=BatchLimits())
+    yield Served(replica, endpoints_for("default", replica))
+    replica.shutdown()
+
+
+async def chat(input):
+    """A greedy reply to the prompt; optionally bidding explicitly, after a delay, stamped with when it ended."""
+    await asyncio.sleep(input.get("delay", 0.0))
+    with Context(Model.load("default")) as ctx:
+        if "bid" in input:
+            ctx.set_bid(input["bid"])
+        ctx.user(input["prompt"])
+        tokens = await ctx.generate(Sampler.argmax(), max_tokens=input["n"]).collect_tokens()
+        return {"tokens": tokens, "ended": time.monotonic()}
+
+
+def prompts(k: int) -> list[str]:
+    return [f"Story {i}: once upon a time a tiny model counted {i} sheep and then" for i in range(k)]
+
+
+def solo(served, inputs: list[dict]) -> list[list[int]]:
+    return [served.run(chat, dict(i, delay=0.0))["tokens"] for i in inputs]
+
+
+def together(served, inputs: list[dict]) -> list[dict]:
+    results = served.run_many([(chat, i) for i in inputs])
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_concurrent_generations_finish_with_the_tokens_they_get_alone(scarce):
+    inputs = [{"prompt": p, "n": 80} for p in prompts(6)]
+    before = scarce.stats()["suspensions"]
+    results = together(scarce, inputs)
+    assert [r["tokens"] for r in results] == solo(scarce, inputs)
+    stats = scarce.stats()
+    assert stats["suspensions"] > before, "the workload needed more pages than the replica has"
+    assert stats["working"] == 0 and stats["contexts"] == 0 and stats["suspended"] == 0 and stats["waiting"] == 0
+
+
+def test_a_burst_of_inferlets_all_finish(scarce):
+    inputs = [{"prompt": p, "n": 48} for p in prompts(10)]
+    results = together(scarce, inputs)
+    assert [r["tokens"] for r in results] == solo(scarce, inputs)
+
+
+def test_high_fanout_forks_under_contention(scarce):
+    async def fanout(input):
+        with Context(Model.load("default")) as parent:
+            parent.user("A shared prefix that every branch keeps: the quick brown fox jumps over the lazy dog.")
+            await parent.flush()
+            branches = []
+            for i in range(8):
+                child = parent.fork()
+                child.append(Model.load("default").tokenizer().encode(f" Branch {i}:"))
+                branches.append(child)
+            outs = await asyncio.gather(
+                *(b.generate(Sampler.argmax(), max_tokens=40, auto_flush=False).collect_tokens() for b in branches)
+            )
+            for b in branches:
+                b.release()
+            return outs
+
+    async def one_branch(input):
+        with Context(Model.load("default")) as ctx:
+            ctx.user("A shared prefix that every branch keeps: the quick brown fox jumps over the lazy dog.")
+            await ctx.flush()
+            ctx.append(Model.load("default").tokenizer().encode(f" Branch {input['i']}:"))
+            return await ctx.generate(Sampler.argmax(), max_tokens=40, auto_flush=False).collect_tokens()
+
+    outs = scarce.run(fanout)
+    assert outs == [scarce.run(one_branch, {"i": i}) for i in range(8)]
+    assert scarce.stats()["working"] == 0
+
+
+@pytest.mark.parametrize("bid", [100.0, 0.5], ids=["outbids", "underbids"])
+def test_memory_goes_to_the_highest_bidder(scarce, bid):
+    """Four long generations at bid 1 fill the replica; a latecomer outbidding them finishes before all of them,
+    one underbidding them after all of them (it never gets memory while they want it)."""
+    low = [{"prompt": p, "n": 150, "bid": 1.0} for p in prompts(4)]
+    late = {"prompt": "The latecomer's story begins", "n": 48, "bid": bid, "delay": 0.5}
+    *lows, top = together(scarce, [*low, late])
+    if bid > 1.0:
+        assert all(top["ended"] < r["ended"] for r in lows)
+    else:
+        assert all(top["ended"] > r["ended"] for r in lows)
+    assert top["tokens"] == solo(scarce, [late])[0]
+
+
+def test_idle_yields_pages_to_a_bidder(scarce):
+    async def holder_and_bidder(input):
+        model = Model.load("default")
+        with Context(model) as holder, Context(model) as bidder:
+            holder.set_bid(5.0)
+            holder.append(MEMORY)  # 20 of the 24 pages
+            await holder.flush()
+            bidder.set_bid(1.0)
+            bidder.user(input["prompt"])
+            with holder.idle():
+                out = await bidder.generate(Sampler.argmax(), max_tokens=80).collect_tokens()
+            holder.cue()
+            after = await holder.generate(Sampler.argmax(), max_tokens=8).collect_tokens()
+            return out, after
+
+    async def holder_alone(input):
+        with Context(Model.load("default")) as holder:
+            holder.append(MEMORY)
+            await holder.flush()
+            holder.cue()
+            return await holder.generate(Sampler.argmax(), max_tokens=8).collect_tokens()
+
+    before = scarce.stats()["suspensions"]
+    prompt = "While the holder idles, the bidder writes"
+    out, after = scarce.run(holder_and_bidder, {"prompt": prompt})
+    assert scarce.stats()["suspensions"] > before, "the idle holder gave its pages up"
+    assert out == solo(scarce, [{"prompt": prompt, "n": 80}])[0]
+    assert after == scarce.run(holder_alone), "the holder came back intact"

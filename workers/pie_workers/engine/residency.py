@@ -1,0 +1,187 @@
+"""Who keeps KV pages when a replica's pool runs short: bids, suspension, and the order of restores.
+
+Every context bids credits per page per tick: its explicit bid (``set_bid``) if it has one, else the default bid
+its Generator's expected remaining length implies (``default_bid``), else 0.
+Allocation stays local and immediate while the pool has room and nobody is waiting. When it does not:
+
+* A requester that is first in line (no waiter outranks it) suspends idle contexts bidding less than it does, and
+  those bidding the same that have not been used for ``IDLE_BATCHES`` batches, lowest bid and least recently used
+  first, until what it needs is available. (Equal bids displace only the idle: contexts generating side by side
+  do not evict each other every step, yet one that finished its work but was not released blocks nobody.)
+* Otherwise it waits in line, ordered by bid (highest first, first come first served among equals), after
+  suspending itself if it holds pages, so a waiter never sits on memory someone ahead of it needs.
+* A suspended context gives up all its pages and keeps its text; its next operation waits in the same line and
+  recomputes the KV (prefix pages still cached are adopted instead). Nothing is lost; tokens come out the same.
+
+The ordering property: a context is suspended only to make room for one bidding more per page (or as much, once it
+has been idle), or by its own choice when it has to wait. So it can be suspended while a lower per-page bidder stays
+resident only when that bidder had an operation in flight (a pass is never cut short) or its KV cannot be recomputed
+(written under a custom attention mask, an adapter or a zo seed: such contexts are never suspended). Snapshots are
+never suspended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pie_workers.engine.contexts import ContextTable
+from pie_workers.engine.page_store import OutOfPages
+
+IDLE_BATCHES = 4  # batches without an operation after which a context counts as idle
+
+
+@dataclass
+class Suspended:
+    text: list[tuple[int, int]]  # (token, position) of every token the context held
+    committed: int  # how many of them were committed (page-aligned)
+    pages: int  # pages they need back
+
+
+@dataclass(order=True)
+class _Waiter:
+    rank: tuple[float, int]  # (-bid, arrival): the line's order
+    event: asyncio.Event = field(compare=False, default_factory=asyncio.Event)
+
+
+class Residency:
+    def __init__(self, contexts: ContextTable, busy: Callable[[int], bool], clock: Callable[[], int]) -> None:
+        self.contexts = contexts
+        self.store = contexts.store
+        self._busy = busy  # ctx -> an operation on it is in flight, so it cannot be suspended now
+        self.explicit: dict[int, float] = {}
+        self.default: dict[int, float] = {}
+        self.suspended: dict[int, Suspended] = {}
+        self._line: list[_Waiter] = []
+        self._arrivals = itertools.count()
+        self.suspensions = 0
+        self._last_use: dict[int, int] = {}
+        self._clock = clock  # batches fired so far
+
+    def touch(self, ctx: int) -> None:
+        """An operation used ``ctx`` now."""
+        self._last_use[ctx] = self._clock()
+
+    def bid(self, ctx: int | None) -> float:
+        explicit = self.explicit.get(ctx)
+        return self.default.get(ctx, 0.0) if explicit is None else explicit
+
+    def set_bid(self, ctx: int, bid: float | None) -> None:
+        """An explicit bid, or None to go back to the default bid."""
+        if bid is None:
+            self.explicit.pop(ctx, None)
+            return
+        bid = float(bid)
+        if not (bid >= 0.0 and math.isfinite(bid)):
+            raise ValueError(f"a bid is a finite number of credits per page >= 0, got {bid!r}")
+        self.explicit[ctx] = bid
+
+    def inherit(self, child: int, parent: int) -> None:
+        for bids in (self.explicit, self.default):
+            if parent in bids:
+                bids[child] = bids[parent]
+
+    def forget(self, ctx: int) -> None:
+        self.explicit.pop(ctx, None)
+        self.default.pop(ctx, None)
+        self.suspended.pop(ctx, None)
+        self._last_use.pop(ctx, None)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._line)
+
+    def suspend(self, ctx: int) -> bool:
+        """Give up the context's pages, keeping its text; False if its KV could not be recomputed."""
+        if ctx in self.suspended or not self.contexts.recomputable(ctx):
+            return False
+        self.add_suspended(ctx, *self.contexts.evict(ctx))
+        self.suspensions += 1
+        return True
+
+    def add_suspended(self, ctx: int, text: list[tuple[int, int]], committed: int) -> None:
+        """Record ``ctx`` (holding no pages) as suspended with this text, to be recomputed on its next pass."""
+        self.suspended[ctx] = Suspended(list(text), committed, -(-len(text) // self.store.page_size))
+
+    def truncate(self, ctx: int, n: int) -> None:
+        """Truncate a suspended context's text (only its uncommitted tokens, as for a resident one)."""
+        s = self.suspended[ctx]
+        if not 0 <= n <= len(s.text) - s.committed:
+            raise ValueError(
+                f"cannot truncate {n} tokens from context {ctx}: only {len(s.text) - s.committed} of its tokens are "
+                "uncommitted (committed pages cannot be truncated)"
+            )
+        del s.text[len(s.text) - n :]
+        s.pages = -(-len(s.text) // self.store.page_size)
+
+    def try_now(self, ctx: int | None, pages: int) -> bool:
+        """Whether ``ctx`` may reserve ``pages`` right away: no waiter bids as much, and the pool has (or suspending
+        lower bidders makes) the room."""
+        if self._line and -self._line[0].rank[0] >= self.bid(ctx):
+            return False
+        self._make_room(ctx, pages)
+        return self.store.available >= pages
+
+    async def wait_for(self, ctx: int | None, pages: Callable[[], int]) -> None:
+        """Return once ``pages()`` pages are available to ``ctx`` and no waiter outranks it; suspends lower bidders
+        on the way. The caller reserves them before its next await."""
+        if pages() > self.store.num_pages:
+            raise OutOfPages(pages(), self.store.available, self.store.num_pages)
+        me = _Waiter((-self.bid(ctx), next(self._arrivals)))
+        self._insert(me)
+        try:
+            while True:
+                if self._line[0] is me:
+                    self._make_room(ctx, pages())
+                    if self.store.available >= pages():
+                        return
+                me.event.clear()
+                await me.event.wait()
+        finally:
+            self._line.remove(me)
+            self.wake()
+
+    def wake(self) -> None:
+        """Pages or the line changed: let the first waiter look again."""
+        if self._line:
+            self._line[0].event.set()
+
+    def _insert(self, waiter: _Waiter) -> None:
+        self._line.append(waiter)
+        self._line.sort()
+        self.wake()
+
+    def _make_room(self, requester: int | None, pages: int) -> None:
+        if self.store.available >= pages:
+            return
+        bid, idle_since = self.bid(requester), self._clock() - IDLE_BATCHES
+        victims = [
+            c
+            for c in self.contexts.ids()
+            if c != requester
+            and c not in self.suspended
+            and (self.bid(c) < bid or (self.bid(c) == bid and self._last_use.get(c, -1) <= idle_since))
+            and not self._busy(c)
+            and self.contexts.holds_pages(c)
+        ]
+        victims.sort(key=lambda c: (self.bid(c), self._last_use.get(c, -1)))
+        for victim in victims:
+            if self.store.available >= pages:
+                return
+            self.suspend(victim)
+
+
+def default_bid(balance: float, dividend: float, pages: float, expected: float, cv2: float, page_size: int) -> float:
+    """The bid that spends a balance evenly over a generation's expected remaining length (Pie's formula).
+
+    Paying rent r per page per tick for n more tokens costs r·(p·n + n²/(2s)) on p pages now, while the balance B
+    and n ticks of dividend d come in: r = (B + n·d) / S. Taking the expectation over n (mean μ, squared
+    coefficient of variation cv²) gives r = (B/μ + d) / (p + μ(1 + cv²)/(2s)).
+    """
+    mu = max(expected, 1.0)
+    den = pages + mu * (1.0 + cv2) / (2.0 * page_size)
+    num = balance / mu + dividend
+    return num / den if den > 0 else num
