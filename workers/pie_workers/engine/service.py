@@ -459,7 +459,8 @@ class ReplicaEngine:
         text, committed = suspended.text, suspended.committed
         pages = -(-(len(text) + new_tokens) // self.page_size)
         await self.residency.wait_for(ctx, lambda: pages)
-        del self.residency.suspended[ctx]
+        if self.residency.suspended.pop(ctx, None) is None:
+            raise ContextError(f"context {ctx} was released while it waited for memory")
         self.drafter.forget(ctx)
         tokens, positions = [t for t, _ in text], [p for _, p in text]
         reused = self.contexts.reuse_prefix(ctx, tokens[:committed], positions[:committed]) if committed else 0
