@@ -11,7 +11,6 @@ import time
 
 import pytest
 from inferlet import Context, Model, Sampler
-from pie_workers.engine.residency import default_bid
 
 PAGES = 24
 MEMORY = [100 + i % 50 for i in range(320)]  # a 320-token text
@@ -144,12 +143,6 @@ def test_idle_yields_pages_to_a_bidder(scarce):
     assert scarce.stats()["suspensions"] > before, "the idle holder gave its pages up"
     assert out == solo(scarce, [{"prompt": prompt, "n": 80}])[0]
     assert after == scarce.run(holder_alone), "the holder came back intact"
-
-
-@pytest.mark.parametrize(("expected", "cv2", "bid"), [(4096, 1.0, 1000 / 4096 / 65), (32, 0.0, 25.0), (16, 1.0, 50.0)])
-def test_default_bid_matches_pies_formula(expected, cv2, bid):
-    """Pie's numbers: balance 1000, no dividend, 1 page of 64 tokens."""
-    assert default_bid(1000.0, 0.0, 1, expected, cv2, 64) == pytest.approx(bid)
 
 
 def test_a_bad_bid_is_refused_in_the_inferlet(scarce):

@@ -22,7 +22,7 @@ class Context:
         self._seq_len = _seq_len
         self._buffer: list[int] = list(_buffer or [])
         self._released = False
-        self._bid: float | None = None  # explicit bid; None: Generators bid for it
+        self._bid = 0.0  # credits per page offered to keep this context resident
 
     # -- lifetime --------------------------------------------------------------------------------------------------
 
@@ -129,15 +129,13 @@ class Context:
 
     # -- memory market -----------------------------------------------------------------------------------------------
 
-    def set_bid(self, bid: float | None) -> None:
+    def set_bid(self, bid: float) -> None:
         """Offer ``bid`` credits per page per tick to keep this context's pages when memory is short (higher bids
-        stay resident, lower ones are suspended and recomputed later). It holds until changed; while set, Generators
-        do not rebid. ``None`` hands bidding back to Generators."""
+        stay resident, lower ones are suspended and recomputed later). It holds until changed; the default is 0."""
         self._check_live()
-        if bid is not None:
-            bid = float(bid)
-            if not (bid >= 0.0 and math.isfinite(bid)):
-                raise ValueError(f"set_bid: a bid is a finite number of credits >= 0, got {bid!r}")
+        bid = float(bid)
+        if not (bid >= 0.0 and math.isfinite(bid)):
+            raise ValueError(f"set_bid: a bid is a finite number of credits >= 0, got {bid!r}")
         self._model.channel.call_sync("set_bid", self._id, bid)
         self._bid = bid
 

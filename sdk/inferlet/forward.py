@@ -81,7 +81,6 @@ class Forward:
         self._draft_positions: list[int] = []
         self._draft_masks: list[list[int]] | None = None
         self._draft_budget = 0
-        self._bid_shape: list[float] | None = None  # a Generator's [expected tokens left, their cv²] for its bid
         self._walk: list[int] = []  # the verified walk: accepted drafts, then the sampler's next token
         self._next_drafts: list[int] = []
 
@@ -161,7 +160,6 @@ class Forward:
             self._zo_seed,
             self._draft_masks,
             self._draft_budget,
-            self._bid_shape,
         )
         ctx._seq_len = seq_len
         return Output([output_from_wire(s) for s in slots])

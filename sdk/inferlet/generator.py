@@ -203,8 +203,6 @@ class Generator:
         proposed = self._draft(fwd) if auto is not None else 0
         if self._system_speculation and auto is not None:
             fwd._draft_budget = SYSTEM_DRAFTS
-        if ctx._bid is None:
-            fwd._bid_shape = self._bid_shape()
         ctx._buffer = []
         try:
             out = await fwd.execute()
@@ -223,16 +221,6 @@ class Generator:
                 if proposed > len(walk) - 1:
                     self._speculator.rollback(proposed - (len(walk) - 1))
         return out
-
-    def _bid_shape(self) -> list[float]:
-        """How many more tokens this generation expects, and how uncertain that is (cv²): the replica turns it into
-        the context's default bid. An explicit horizon is taken as exact; max_tokens as an upper bound; with
-        neither, the expected remainder is what was generated so far (the Lindy rule), at least 64."""
-        if self._horizon is not None:
-            return [max(self._horizon - self._generated, 1), 0.0]
-        if self._max_tokens is not None:
-            return [max(self._max_tokens - self._generated, 1), 1.0]
-        return [max(self._generated, 64), 1.0]
 
     def _draft(self, fwd: Forward) -> int:
         """Attach this step's drafts to ``fwd``; returns how many the speculator proposed (0 for the system's)."""

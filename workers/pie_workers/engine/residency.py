@@ -1,7 +1,6 @@
 """Who keeps KV pages when a replica's pool runs short: bids, suspension, and the order of restores.
 
-Every context bids credits per page per tick: its explicit bid (``set_bid``) if it has one, else the default bid
-its Generator's expected remaining length implies (``default_bid``), else 0.
+Every context bids credits per page per tick (``set_bid``; 0 until its inferlet says otherwise).
 Allocation stays local and immediate while the pool has room and nobody is waiting. When it does not:
 
 * A requester that is first in line (no waiter outranks it) suspends idle contexts bidding less than it does, and
@@ -52,8 +51,7 @@ class Residency:
         self.contexts = contexts
         self.store = contexts.store
         self._busy = busy  # ctx -> an operation on it is in flight, so it cannot be suspended now
-        self.explicit: dict[int, float] = {}
-        self.default: dict[int, float] = {}
+        self.bids: dict[int, float] = {}
         self.suspended: dict[int, Suspended] = {}
         self._line: list[_Waiter] = []
         self._arrivals = itertools.count()
@@ -66,27 +64,20 @@ class Residency:
         self._last_use[ctx] = self._clock()
 
     def bid(self, ctx: int | None) -> float:
-        explicit = self.explicit.get(ctx)
-        return self.default.get(ctx, 0.0) if explicit is None else explicit
+        return self.bids.get(ctx, 0.0)
 
-    def set_bid(self, ctx: int, bid: float | None) -> None:
-        """An explicit bid, or None to go back to the default bid."""
-        if bid is None:
-            self.explicit.pop(ctx, None)
-            return
+    def set_bid(self, ctx: int, bid: float) -> None:
         bid = float(bid)
         if not (bid >= 0.0 and math.isfinite(bid)):
             raise ValueError(f"a bid is a finite number of credits per page >= 0, got {bid!r}")
-        self.explicit[ctx] = bid
+        self.bids[ctx] = bid
 
     def inherit(self, child: int, parent: int) -> None:
-        for bids in (self.explicit, self.default):
-            if parent in bids:
-                bids[child] = bids[parent]
+        if parent in self.bids:
+            self.bids[child] = self.bids[parent]
 
     def forget(self, ctx: int) -> None:
-        self.explicit.pop(ctx, None)
-        self.default.pop(ctx, None)
+        self.bids.pop(ctx, None)
         self.suspended.pop(ctx, None)
         self._last_use.pop(ctx, None)
 
@@ -172,16 +163,3 @@ class Residency:
             if self.store.available >= pages:
                 return
             self.suspend(victim)
-
-
-def default_bid(balance: float, dividend: float, pages: float, expected: float, cv2: float, page_size: int) -> float:
-    """The bid that spends a balance evenly over a generation's expected remaining length (Pie's formula).
-
-    Paying rent r per page per tick for n more tokens costs r·(p·n + n²/(2s)) on p pages now, while the balance B
-    and n ticks of dividend d come in: r = (B + n·d) / S. Taking the expectation over n (mean μ, squared
-    coefficient of variation cv²) gives r = (B/μ + d) / (p + μ(1 + cv²)/(2s)).
-    """
-    mu = max(expected, 1.0)
-    den = pages + mu * (1.0 + cv2) / (2.0 * page_size)
-    num = balance / mu + dividend
-    return num / den if den > 0 else num

@@ -27,7 +27,7 @@ from pie_workers.engine.channel import ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
 from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import OutOfPages, PageStore
-from pie_workers.engine.residency import Residency, default_bid
+from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
@@ -75,7 +75,6 @@ class ReplicaEngine:
             busy=lambda ctx: ctx in self._locks and self._locks[ctx].locked(),
             clock=lambda: self.scheduler.batches_fired,
         )
-        self.accounts: dict[str, dict] = {}  # the market's latest view of each inferlet instance here
         self.scheduler = BatchScheduler(self._execute, limits)
         self.channel = ChannelServer(self._handle)
         self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
@@ -194,8 +193,11 @@ class ReplicaEngine:
         """For a snapshot: the context resident with room for copies of its working pages, without waiting in line
         (the inferlet is blocked on this call); OutOfPages if memory is too short for that now."""
         suspended = self.residency.suspended.get(ctx)
-        pages = suspended.pages if suspended else self.contexts.view(ctx).working_pages
-        if not self.residency.try_now(ctx, pages + (suspended.pages if suspended else 0)):
+        if suspended is None:
+            pages = self.contexts.view(ctx).working_pages  # the snapshot's copies
+        else:  # its whole text back, then copies of its uncommitted part
+            pages = suspended.pages + -(-(len(suspended.text) - suspended.committed) // self.page_size)
+        if not self.residency.try_now(ctx, pages):
             raise OutOfPages(pages, self.store.available, self.store.num_pages)
         await self._ensure_resident(ctx)
 
@@ -272,7 +274,6 @@ class ReplicaEngine:
         zo_seed: int | None = None,
         draft_masks: list[list[int]] | None = None,
         draft_budget: int = 0,
-        bid_shape: list[float] | None = None,
     ) -> list:
         """Run ``tokens`` (then ``drafts``) through the context; returns [slot outputs, verified walk, seq_len,
         next drafts].
@@ -282,13 +283,10 @@ class ReplicaEngine:
         gives each draft row its own logit mask (a grammar's, after that draft). ``adapter`` (an id from
         ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass. With a
         ``draft_budget``, up to that many n-gram drafts for the next step come back (``system_speculation``).
-        ``bid_shape`` ([expected tokens left, cv²], from a Generator) refreshes the context's default bid.
         """
         async with self._locks[self._own(session, ctx)]:
             if len(tokens) != len(positions):
                 raise ValueError(f"{len(positions)} positions for {len(tokens)} input tokens")
-            if bid_shape is not None:
-                self._rebid(session, ctx, *bid_shape)
             await self._ensure_resident(ctx, len(tokens) + len(drafts))
             decoded = [(int(row), slot_from_wire(s)) for row, s in slots]
             adapter_salt = b"" if adapter is None else self._adapter(session, adapter).salt
@@ -408,23 +406,9 @@ class ReplicaEngine:
 
     # -- residency ---------------------------------------------------------------------------------------------
 
-    async def op_set_bid(self, session: Session, ctx: int, bid: float | None) -> None:
-        """Credits per page per tick this context offers to keep its pages when memory is short (None: back to
-        the default bid)."""
+    async def op_set_bid(self, session: Session, ctx: int, bid: float) -> None:
+        """Credits per page per tick this context offers to keep its pages when memory is short."""
         self.residency.set_bid(self._own(session, ctx), bid)
-
-    def _rebid(self, session: Session, ctx: int, expected: float, cv2: float) -> None:
-        account = self.accounts.get(session.instance, {})
-        view = self.contexts.view(ctx)
-        pages = view.committed_pages + view.working_pages
-        self.residency.default[ctx] = default_bid(
-            account.get("balance", 0.0),
-            account.get("dividend", 0.0),
-            pages,
-            float(expected),
-            float(cv2),
-            self.page_size,
-        )
 
     def _seq_len(self, ctx: int) -> int:
         suspended = self.residency.suspended.get(ctx)
