@@ -30,8 +30,7 @@ def scarce(ray_session, tiny_llama):
 
 
 async def chat(input):
-    """A greedy reply to the prompt; optionally bidding explicitly, after a delay, stamped with when it ended."""
-    await asyncio.sleep(input.get("delay", 0.0))
+    """A greedy reply to the prompt, optionally bidding explicitly, stamped with when it ended."""
     with Context(Model.load("default")) as ctx:
         if "bid" in input:
             ctx.set_bid(input["bid"])
@@ -45,7 +44,7 @@ def prompts(k: int) -> list[str]:
 
 
 def solo(served, inputs: list[dict]) -> list[list[int]]:
-    return [served.run(chat, dict(i, delay=0.0))["tokens"] for i in inputs]
+    return [served.run(chat, i)["tokens"] for i in inputs]
 
 
 def together(served, inputs: list[dict]) -> list[dict]:
@@ -101,18 +100,57 @@ def test_high_fanout_forks_under_contention(scarce):
     assert scarce.stats()["working"] == 0
 
 
+_readers_started: set[int] = set()  # readers that have generated a token (all inferlets of a run share a process)
+
+
+def long_text(seed: int) -> list[int]:
+    """300 tokens (19 pages) no other reader shares, so prefix caching cannot pack two readers into one pool."""
+    return [100 + (i * 7 + seed * 13) % 50 for i in range(300)]
+
+
+async def reader(input):
+    """Continues its own long text greedily at bid 1: two of them need twice the pool, one alone nearly all of it."""
+    with Context(Model.load("default")) as ctx:
+        ctx.set_bid(1.0)
+        ctx.append(long_text(input["seed"]))
+        tokens = []
+        async for step in ctx.generate(Sampler.argmax(), max_tokens=60):
+            tokens += (await step.execute()).tokens
+            _readers_started.add(input["seed"])
+        return {"tokens": tokens, "ended": time.monotonic()}
+
+
+async def latecomer(input):
+    """Starts once both readers have begun, then generates 80 tokens (6 pages: more than a lone reader leaves)."""
+    for _ in range(6000):
+        if len(_readers_started) == 2:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the readers never started")
+    return await chat(input)
+
+
 @pytest.mark.parametrize("bid", [100.0, 0.5], ids=["outbids", "underbids"])
 def test_memory_goes_to_the_highest_bidder(scarce, bid):
-    """Four long generations at bid 1 fill the replica; a latecomer outbidding them finishes before all of them,
-    one underbidding them after all of them (it never gets memory while they want it)."""
-    low = [{"prompt": p, "n": 150, "bid": 1.0} for p in prompts(4)]
-    late = {"prompt": "The latecomer's story begins", "n": 48, "bid": bid, "delay": 0.5}
-    *lows, top = together(scarce, [*low, late])
+    """Two readers at bid 1 each need most of the pool until they end. A latecomer outbidding them takes memory at
+    once and finishes before both; one underbidding them never gets the room it needs while either wants it, so it
+    finishes after both."""
+    _readers_started.clear()
+    late = {"prompt": "The latecomer's story begins", "n": 80, "bid": bid}
+    results = scarce.run_many([(reader, {"seed": 0}), (reader, {"seed": 1}), (latecomer, late)])
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    *readers, top = results
     if bid > 1.0:
-        assert all(top["ended"] < r["ended"] for r in lows)
+        assert all(top["ended"] < r["ended"] for r in readers)
     else:
-        assert all(top["ended"] > r["ended"] for r in lows)
+        assert all(top["ended"] > r["ended"] for r in readers)
     assert top["tokens"] == solo(scarce, [late])[0]
+    assert [r["tokens"] for r in readers] == [scarce.run(reader, {"seed": i})["tokens"] for i in range(2)]
+    stats = scarce.stats()
+    assert stats["working"] == 0 and stats["suspended"] == 0 and stats["waiting"] == 0
 
 
 def test_idle_yields_pages_to_a_bidder(scarce):

@@ -35,7 +35,6 @@ class _AsyncLink:
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop a send: the replica applies backpressure
         self._sock.connect(address)
-        self._send_now = zmq.Socket.shadow(self._sock.underlying)  # plain non-blocking send, no future per frame
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._outbox: list[list] = []
@@ -53,7 +52,9 @@ class _AsyncLink:
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
-        self._send_now.send(msgpack.packb(batch), zmq.NOBLOCK)
+        # the asyncio socket's own send: after it, it re-checks ZeroMQ's edge-triggered descriptor for replies that
+        # arrived meanwhile (a send on a raw shadow socket skips that, and the reader can then sleep forever)
+        self._sock.send(msgpack.packb(batch), zmq.NOBLOCK)
 
     async def _read(self) -> None:
         while True:

@@ -34,7 +34,6 @@ class ChannelServer:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a reply is never dropped for want of queue room
-        self._send_now = zmq.Socket.shadow(self._sock.underlying)
         self._tasks: set[asyncio.Task] = set()
         self._outbox: dict[bytes, list] = {}
         self.addresses: dict[str, str] = {}
@@ -75,9 +74,11 @@ class ChannelServer:
         self._outbox.setdefault(peer, []).append(reply)
 
     def _flush(self) -> None:
+        """Sends through the asyncio socket, never a raw shadow of it: ZeroMQ's descriptor is edge-triggered, and
+        only the asyncio socket re-checks for replies that arrived during a send (else the reader sleeps forever)."""
         outbox, self._outbox = self._outbox, {}
         for peer, replies in outbox.items():
-            self._send_now.send_multipart([peer, msgpack.packb(replies)], zmq.NOBLOCK)
+            self._sock.send_multipart([peer, msgpack.packb(replies)], zmq.NOBLOCK)
 
     def close(self) -> None:
         self._sock.close(linger=0)
