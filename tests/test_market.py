@@ -54,7 +54,7 @@ def balance(market, process):
 def test_uncontended_device_charges_no_rent():
     market = market_with(p=BUDGET_160_TOKENS)
     decision = settle_one(market, 100, [("p", 2.0, 5, True)])
-    assert decision == {"device": "gpu0", "price": 0.0, "suspend": [], "restore": [], "waiting": []}
+    assert decision == {"device": "gpu0", "price": 0.0, "suspend": [], "restore": [], "waiting": [], "caps": {"p": 2.0}}
     assert market.account("p")["rent"] == 0 and balance(market, "p") == 10
 
 
@@ -114,6 +114,13 @@ def test_a_process_that_cannot_pay_loses_its_place_and_conservation_holds():
     assert market.ledger().held == 1001 * MICRO
 
 
+def test_caps_tell_the_replica_what_each_process_can_afford():
+    market = market_with(rich=1000, broke=0)
+    decision = settle_one(market, 4, [("rich", 1.0, 4, True), ("broke", 9.0, 4, False), ("stranger", 5.0, 2, False)])
+    assert decision["caps"] == {"rich": 1000 / 4, "broke": 0.0, "stranger": 0.0}
+    assert decision["waiting"] == [2, 3] and decision["price"] == 0.0  # capped bids of 0: nobody pays for them
+
+
 def test_shared_prefix_rent_is_split_shapley_fairly():
     """Pie's example: A and B share a 4-page prefix; A adds 3 pages of its own, B 2. Their effective pages are 5 and
     4, and the rent of the 9 physical pages is paid exactly once."""
@@ -130,7 +137,14 @@ def test_backfill_admits_a_smaller_lower_bidder_who_pays_its_own_bid():
     market = market_with(s=1000, a=1000, b=1000)
     decision = settle_one(market, 10, [("s", 3.0, 5, False), ("a", 2.0, 6, True), ("b", 1.0, 4, True)])
     # s fits (5 of 10); a (6) does not fit in the 5 left; b (4) does.
-    assert decision == {"device": "gpu0", "price": 2.0, "suspend": [2], "restore": [1], "waiting": []}
+    assert {k: v for k, v in decision.items() if k != "caps"} == {
+        "device": "gpu0",
+        "price": 2.0,
+        "suspend": [2],
+        "restore": [1],
+        "waiting": [],
+    }
+    assert decision["caps"] == {"s": 1000 / 5, "a": 1000 / 6, "b": 1000 / 4}
     assert market.account("s")["rent"] == 2.0 * 5 and market.account("b")["rent"] == 1.0 * 4
 
 
@@ -143,6 +157,7 @@ def test_suspended_contexts_come_back_highest_bid_first():
         "suspend": [],
         "restore": [2, 3, 1],
         "waiting": [],
+        "caps": {"p": 1000 / 9},
     }
     assert settle_one(market, 6, rows) == {
         "device": "gpu0",
@@ -150,6 +165,7 @@ def test_suspended_contexts_come_back_highest_bid_first():
         "suspend": [],
         "restore": [2, 3],
         "waiting": [1],
+        "caps": {"p": 1000 / 9},
     }
 
 
@@ -266,7 +282,14 @@ def test_the_market_actor_settles_numpy_reports(ray_session):
         rows = report(4, [("p", 2.0, 4, True), ("q", 1.0, 4, False)])
         arrays = {k: np.asarray(v) if isinstance(v, list) and k != "processes" else v for k, v in rows.items()}
         [decision] = ray.get(market.settle.remote([arrays]))
-        assert decision == {"device": "gpu0", "price": 1.0, "suspend": [], "restore": [], "waiting": [2]}
+        assert decision == {
+            "device": "gpu0",
+            "price": 1.0,
+            "suspend": [],
+            "restore": [],
+            "waiting": [2],
+            "caps": {"p": 1000 / 4, "q": 1000 / 4},
+        }
         same = get_or_create_market(namespace="pie-test")
         assert ray.get(same.account.remote("p"))["balance"] == 1000 - 4 + 2
         assert ray.get(same.ledger.remote()).balanced

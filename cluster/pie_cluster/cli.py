@@ -49,6 +49,9 @@ def run(
     pages: Annotated[int, typer.Option(help="KV pool size in pages")] = 4096,
     stdout: Annotated[bool, typer.Option("--stdout", help="relay what the inferlet prints")] = False,
     user: Annotated[str, typer.Option(help="username the inferlet runs as")] = "local",
+    token_budget: Annotated[
+        int | None, typer.Option(min=0, help="tokens it may spend: its market endowment (default 64 credits)")
+    ] = None,
 ) -> None:
     """Run one inferlet on an embedded local Ray and print its return value. Arguments after `--` become its input
     (`--key value` -> {"key": value}, kebab-case to snake_case, numbers and true/false parsed, bare words under
@@ -63,6 +66,7 @@ def run(
     from pie_cluster.arguments import fold_arguments
     from pie_cluster.host import encode_return, endpoints_for, load_program, run_inferlet
     from pie_cluster.local_ray import init_ray
+    from pie_cluster.market import get_or_create_market
 
     try:
         main = load_program(program)
@@ -70,7 +74,11 @@ def run(
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
     init_ray(num_cpus=max(2, tp))
-    replica = Replica(model or default_model_path("llama"), tp, RunnerSettings(num_pages=pages), engine=BatchLimits())
+    import ray
+
+    market = get_or_create_market(ray.get_runtime_context().namespace)
+    settings = RunnerSettings(num_pages=pages)
+    replica = Replica(model or default_model_path("llama"), tp, settings, engine=BatchLimits(), market=market)
     try:
         result = asyncio.run(
             run_inferlet(
@@ -79,6 +87,8 @@ def run(
                 endpoints_for(model_name, replica),
                 user,
                 output=None if stdout else (lambda stream, text: None),
+                market=market,
+                endowment=None if token_budget is None else float(-(-token_budget // replica.info.page_size)),
             )
         )
     except Exception as e:

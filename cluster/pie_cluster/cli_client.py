@@ -106,6 +106,9 @@ def submit(
     input_json: Annotated[str | None, typer.Option("--input", help="input as JSON (instead of -- args)")] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="print the instance id and return")] = False,
     deadline: Annotated[float | None, typer.Option(help="abort the instance after this many seconds")] = None,
+    token_budget: Annotated[
+        int | None, typer.Option(min=0, help="tokens it may spend: its market endowment (default: the cluster's)")
+    ] = None,
     jobs: Annotated[bool, typer.Option("--jobs", help="run as a Ray job (Jobs API) instead of over HTTP")] = False,
     dashboard: Annotated[str | None, typer.Option(help="Ray dashboard address for --jobs")] = None,
     user: Annotated[str | None, typer.Option(help="--jobs only: user the instance runs as")] = None,
@@ -123,11 +126,11 @@ def submit(
     if jobs:
         from pie_cluster.jobs import submit_job
 
-        raise typer.Exit(submit_job(program, data, dashboard, user, deadline, job_python))
+        raise typer.Exit(submit_job(program, data, dashboard, user, deadline, job_python, token_budget))
     client = connect(url, token)
     with _refusals():
         uploaded = client.upload(program)
-        instance_id = client.launch(uploaded["program"], data, deadline)
+        instance_id = client.launch(uploaded["program"], data, deadline, token_budget=token_budget)
         err.print(f"launched {uploaded['name']} as instance {instance_id}")
         if detach:
             print(instance_id)

@@ -102,7 +102,7 @@ def status(
     address: AddressOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the raw status as JSON")] = False,
 ) -> None:
-    """Replicas (pages used/total, queue, batches), instances, bus."""
+    """Replicas (pages used/total, suspended contexts, page price, queue, batches), instances, wallets, bus."""
     import ray
 
     from pie_cluster.controller import find_controller
@@ -117,7 +117,8 @@ def status(
         print(json.dumps(report, indent=2))
         return
     table = Table(title="replicas")
-    for column in ("model", "#", "node", "TP", "device", "pages used / total", "cached", "queued", "batches"):
+    columns = ("model", "#", "node", "TP", "device", "pages used / total", "cached", "suspended", "price", "queued")
+    for column in (*columns, "batches"):
         table.add_column(column)
     for r in report["replicas"]:
         table.add_row(
@@ -128,6 +129,8 @@ def status(
             r["device"],
             f"{r['pages_used']} / {r['pages_total']}",
             str(r["pages_cached"]),
+            str(r["suspended"]),
+            f"{r['price']:g}",
             str(r["queued"]),
             str(r["batches"]),
         )
@@ -136,7 +139,7 @@ def status(
     console.print(
         f"nodes {report['nodes']} · instances running {launcher['running']} (launched {launcher['launched']}) · "
         f"bus topics {report['bus']['topics']}, subscriptions {report['bus']['subscriptions']} · "
-        "market price: not running (issue 5)"
+        f"wallets {report['market']['wallets']} holding {report['market']['held']:g} credits"
     )
 
 
@@ -145,8 +148,9 @@ def job_run(
     input_json: Annotated[str, typer.Option("--input")] = "{}",
     user: Annotated[str, typer.Option()] = "local",
     deadline: Annotated[float | None, typer.Option()] = None,
+    token_budget: Annotated[int | None, typer.Option()] = None,
 ) -> None:
     """(The entrypoint of `pie submit --jobs`, run inside the Ray job.)"""
     from pie_cluster.jobs import job_run as run
 
-    raise typer.Exit(run(program, json.loads(input_json), user, deadline))
+    raise typer.Exit(run(program, json.loads(input_json), user, deadline, token_budget))

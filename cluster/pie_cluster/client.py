@@ -54,9 +54,20 @@ class PieClient:
         return self._check(self._http.post("/v1/programs", params={"filename": filename}, content=data)).json()
 
     def launch(
-        self, program: str, input: dict | None = None, deadline_s: float | None = None, node_id: str | None = None
+        self,
+        program: str,
+        input: dict | None = None,
+        deadline_s: float | None = None,
+        node_id: str | None = None,
+        token_budget: int | None = None,
     ) -> str:
-        body = {"program": program, "input": input or {}, "deadline_s": deadline_s, "node_id": node_id}
+        body = {
+            "program": program,
+            "input": input or {},
+            "deadline_s": deadline_s,
+            "node_id": node_id,
+            "token_budget": token_budget,
+        }
         return self._check(self._http.post("/v1/instances", json=body)).json()["id"]
 
     def events(self, instance_id: str, since: int = 0) -> Iterator[tuple[int, str, Any]]:

@@ -70,12 +70,17 @@ class BusConfig(_Strict):
     shards: int = Field(2, ge=1)
 
 
+class MarketConfig(_Strict):
+    default_endowment: float = Field(64.0, ge=0)  # credits of an instance launched without a token budget
+
+
 class PieConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     model: list[ModelConfigEntry] = Field(default_factory=lambda: [ModelConfigEntry()])
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
+    market: MarketConfig = Field(default_factory=MarketConfig)
     mcp: dict[str, dict] = Field(default_factory=dict)  # [mcp.<name>] server declarations
 
     @field_validator("model")

@@ -1,8 +1,9 @@
 """The controller: brings up (and tears down) everything a Pie cluster runs on top of Ray.
 
-``pie start`` creates it as a detached named actor, so the services outlive the command: the model replicas of
-every ``[[model]]`` (each a tensor-parallel group placed by Ray), the message bus shards, one pooled inferlet host
-per node, and the launcher (named, so the HTTP app and Ray jobs find it). It also computes, per node, how an
+``pie start`` creates it as a detached named actor, so the services outlive the command: the KV-page market, the
+model replicas of every ``[[model]]`` (each a tensor-parallel group placed by Ray, reporting to the market), the
+message bus shards, one pooled inferlet host per node, and the launcher (named, so the HTTP app and Ray jobs find
+it). It also computes, per node, how an
 inferlet there reaches each model: over ipc to a replica on the same node when there is one, else over tcp.
 """
 
@@ -19,6 +20,7 @@ from pie_cluster.bus import start_bus
 from pie_cluster.config import ModelConfigEntry, PieConfig
 from pie_cluster.inferlet_host import InferletHost
 from pie_cluster.launcher import HostPool, Launcher
+from pie_cluster.market import get_or_create_market
 
 CONTROLLER = "pie-controller"
 LAUNCHER = "pie-launcher"
@@ -36,11 +38,21 @@ class Controller:
     def __init__(self, config: PieConfig):
         self.config = config
         self.replicas: dict[str, list[Replica]] = {}
+        namespace = ray.get_runtime_context().namespace
+        self.market = get_or_create_market(namespace, config.market.default_endowment)
         for entry in config.model:
             settings = RunnerSettings(num_pages=entry.pages, page_size=entry.page_size)
             limits = BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests)
             self.replicas[entry.name] = [
-                Replica(_model_dir(entry), entry.tensor_parallel, settings, entry.cpus_per_rank, entry.use_gpu, limits)
+                Replica(
+                    _model_dir(entry),
+                    entry.tensor_parallel,
+                    settings,
+                    entry.cpus_per_rank,
+                    entry.use_gpu,
+                    limits,
+                    market=self.market,
+                )
                 for _ in range(entry.replicas)
             ]
         self.bus = start_bus(shards=config.bus.shards, detached=False)
@@ -64,6 +76,7 @@ class Controller:
             bus={node: self.bus.addresses(node) for node in nodes},
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
             mcp_servers=config.mcp_specs(),
+            market=self.market,
         )
         ray.get(self.launcher.attach_pool.remote(pool))
 
@@ -108,6 +121,8 @@ class Controller:
                         "batches": s["batches"],
                         "requests": s["requests"],
                         "contexts": s["contexts"],
+                        "suspended": s["suspended"],
+                        "price": s["price"],
                     }
                 )
         return {
@@ -115,13 +130,14 @@ class Controller:
             "launcher": ray.get(self.launcher.stats.remote()),
             "nodes": len(self.hosts),
             "bus": self.bus.stats(),
+            "market": ray.get(self.market.summary.remote()),
         }
 
     def nodes(self) -> list[str]:
         return list(self.hosts)
 
     def shutdown(self) -> None:
-        for actor in [self.launcher, *self.hosts.values()]:
+        for actor in [self.launcher, *self.hosts.values(), self.market]:
             ray.kill(actor)
         self.bus.shutdown()
         for group in self.replicas.values():

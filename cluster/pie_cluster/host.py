@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -37,9 +38,12 @@ async def run_inferlet(
     io: SessionIO | None = None,
     output: Sink | None = None,
     mcp_servers: Mapping[str, ServerSpec] | None = None,
+    market=None,
+    endowment: float | None = None,
 ) -> Any:
     """Await ``main(input)`` under its own runtime; whatever happens, release what it holds on every replica and
-    on the message bus (``bus``: the shard addresses from ``pie_cluster.bus.Bus.addresses()``).
+    on the message bus (``bus``: the shard addresses from ``pie_cluster.bus.Bus.addresses()``), and close its
+    wallet on ``market`` (the market actor, opened with ``endowment`` credits or its default).
 
     ``io`` serves ``inferlet.session``; ``output`` receives what the inferlet prints, ``(stream, text)`` (None: the
     process's own stdout/stderr); ``mcp_servers`` are the MCP servers ``inferlet.mcp`` may connect to."""
@@ -54,6 +58,8 @@ async def run_inferlet(
     token = install(runtime)
     captured = stdio.capture(output) if output is not None else None
     try:
+        if market is not None:
+            await market.join.remote(runtime.instance_id, endowment)
         return await main(input)
     finally:
         try:
@@ -62,6 +68,8 @@ async def run_inferlet(
             if captured is not None:
                 stdio.release(captured)
             uninstall(token)
+            if market is not None:  # after its contexts are gone: a later report of them pays nothing
+                await asyncio.shield(market.leave.remote(runtime.instance_id))
 
 
 def endpoints_for(name: str, replica) -> dict[str, ModelEndpoint]:

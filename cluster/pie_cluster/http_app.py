@@ -34,6 +34,12 @@ class LaunchRequest(BaseModel):
     input: dict[str, Any] = Field(default_factory=dict, description="the inferlet's input object")
     deadline_s: float | None = Field(None, gt=0, description="abort the instance after this many seconds")
     node_id: str | None = Field(None, description="run on this Ray node (default: near the models, least busy)")
+    token_budget: int | None = Field(
+        None,
+        ge=0,
+        description="tokens the instance may spend on the KV-page market: it is endowed with one credit per page "
+        "of them (default: the cluster's default endowment)",
+    )
 
 
 class Launched(BaseModel):
@@ -118,7 +124,7 @@ class PieIngress:
         user = self._user(authorization)
         launcher = self._launcher
         instance = await self._call(
-            "launch", launcher.launch, user, body.program, body.input, body.deadline_s, body.node_id
+            "launch", launcher.launch, user, body.program, body.input, body.deadline_s, body.node_id, body.token_budget
         )
         self._launches.inc()
         return {"id": instance}

@@ -56,10 +56,12 @@ class InferletHost:
         bus: tuple[str, ...],
         mcp_servers: dict[str, ServerSpec],
         deadline_s: float | None,
+        market=None,
+        endowment: float | None = None,
     ) -> None:
         """Begin running the instance; returns at once (its events report how it goes)."""
         task = asyncio.get_running_loop().create_task(
-            self._run(instance_id, program, input, username, endpoints, bus, mcp_servers, deadline_s)
+            self._run(instance_id, program, input, username, endpoints, bus, mcp_servers, deadline_s, market, endowment)
         )
         self._tasks[instance_id] = task
 
@@ -73,7 +75,9 @@ class InferletHost:
 
     # -- one instance ------------------------------------------------------------------------------------------
 
-    async def _run(self, instance_id, program, input, username, endpoints, bus, mcp_servers, deadline_s) -> None:
+    async def _run(
+        self, instance_id, program, input, username, endpoints, bus, mcp_servers, deadline_s, market, endowment
+    ) -> None:
         def output(stream: str, text: str) -> None:
             self.emit(instance_id, stream, text)
 
@@ -90,6 +94,8 @@ class InferletHost:
                     io=_ClientSession(self, instance_id),
                     output=output,
                     mcp_servers=mcp_servers,
+                    market=market,
+                    endowment=endowment,
                 )
             self.emit(instance_id, "return", encode_return(result))
         except asyncio.CancelledError:

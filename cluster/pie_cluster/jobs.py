@@ -25,7 +25,13 @@ err = Console(stderr=True)
 
 
 def submit_job(
-    program: Path, input: dict, dashboard: str | None, user: str | None, deadline: float | None, python: str
+    program: Path,
+    input: dict,
+    dashboard: str | None,
+    user: str | None,
+    deadline: float | None,
+    python: str,
+    token_budget: int | None = None,
 ) -> int:
     """Submit, stream the job's log, and return 0 if the inferlet returned (1 otherwise)."""
     import asyncio
@@ -42,6 +48,8 @@ def submit_job(
     args += ["--user", user or os.environ.get("USER", "local")]
     if deadline is not None:
         args += ["--deadline", str(deadline)]
+    if token_budget is not None:
+        args += ["--token-budget", str(token_budget)]
     client = JobSubmissionClient(dashboard if "://" in dashboard else f"http://{dashboard}")
     deadline_s = time.monotonic() + 180
     while True:  # a freshly started cluster's job agent may not be up yet ("No available agent ... try again")
@@ -64,7 +72,7 @@ def submit_job(
     return 0 if status == JobStatus.SUCCEEDED else 1
 
 
-def job_run(program: str, input: dict, user: str, deadline: float | None) -> int:
+def job_run(program: str, input: dict, user: str, deadline: float | None, token_budget: int | None = None) -> int:
     """Inside the Ray job: launch through the launcher actor and print events as ``pie submit`` would."""
     filename, data = package(program)  # read before joining Ray: the job starts in its working_dir
     ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
@@ -74,7 +82,7 @@ def job_run(program: str, input: dict, user: str, deadline: float | None) -> int
         err.print("[red]error:[/red] no Pie cluster is running on this Ray cluster (run `pie start`)")
         return 1
     program_id = ray.get(launcher.upload.remote(user, filename, data))["program"]
-    instance = ray.get(launcher.launch.remote(user, program_id, input, deadline))
+    instance = ray.get(launcher.launch.remote(user, program_id, input, deadline, token_budget=token_budget))
     tag, since = f"[Instance {instance[:8]}]", 0
     while True:
         got = ray.get(launcher.events.remote(user, instance, since, 10.0))

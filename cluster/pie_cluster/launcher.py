@@ -10,6 +10,7 @@ want isolation. Finished instances stay listed (and attachable) until ``keep_fin
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -73,6 +74,7 @@ class HostPool:
     bus: dict[str, tuple[str, ...]] = field(default_factory=dict)  # node id -> bus shard addresses from there
     model_nodes: tuple[str, ...] = ()  # nodes that serve at least one replica: preferred for co-location
     mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)  # name -> how inferlets reach it
+    market: object | None = None  # the KV-page market actor: every instance has a wallet there while it runs
 
 
 class Launcher:
@@ -106,7 +108,10 @@ class Launcher:
         input: dict | None = None,
         deadline_s: float | None = None,
         node_id: str | None = None,
+        token_budget: int | None = None,
     ) -> str:
+        """Start an instance of an uploaded program; returns its id. ``token_budget`` sets its market endowment to
+        that many tokens' worth of pages (default: the market's default endowment)."""
         if self._pool is None:
             raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
         program = self._programs.get(program_id)
@@ -116,6 +121,8 @@ class Launcher:
             raise ValueError(f"an inferlet's input is a JSON object, got {type(input).__name__}")
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")
+        if token_budget is not None and (not isinstance(token_budget, int) or token_budget < 0):
+            raise ValueError(f"token_budget must be a whole number of tokens >= 0, got {token_budget!r}")
         node = self._choose_node(node_id)
         instance_id = uuid.uuid4().hex
         host, dedicated = self._pool.hosts[node], False
@@ -134,9 +141,18 @@ class Launcher:
             self._pool.bus.get(node, ()),
             self._pool.mcp_servers,
             deadline_s if deadline_s is not None else self._default_deadline_s,
+            self._pool.market,
+            self._endowment(node, token_budget),
         )
         self.launched += 1
         return instance_id
+
+    def _endowment(self, node: str, token_budget: int | None) -> float | None:
+        """Pie's rule: a budget of T tokens endows ceil(T / page size) credits, one per page it can make."""
+        if token_budget is None:
+            return None
+        page_size = min((e.page_size for e in self._pool.endpoints[node].values()), default=1)
+        return float(math.ceil(token_budget / page_size))
 
     def _choose_node(self, node_id: str | None) -> str:
         hosts = self._pool.hosts

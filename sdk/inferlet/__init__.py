@@ -1,6 +1,6 @@
 """The inferlet SDK: write ``async def main(input)`` against these and run it with ``pie run``."""
 
-from inferlet import chat, mcp, messaging, reasoning, runtime, session, spec, tools
+from inferlet import chat, mcp, messaging, reasoning, runtime, scheduling, session, spec, tools
 from inferlet.adapter import Adapter
 from inferlet.constraints import AnyJson, Constraint, Ebnf, GrammarConstraint, JsonSchema, Regex, Schema
 from inferlet.context import Context
@@ -42,6 +42,7 @@ __all__ = [
     "messaging",
     "reasoning",
     "runtime",
+    "scheduling",
     "session",
     "spec",
     "tools",

@@ -23,6 +23,8 @@ class Context:
         self._buffer: list[int] = list(_buffer or [])
         self._released = False
         self._bid = 0.0  # credits per page offered to keep this context resident
+        self._explicit_bid = False  # set by set_bid: a Generator's default bid no longer applies
+        self._idle = False
 
     # -- lifetime --------------------------------------------------------------------------------------------------
 
@@ -59,10 +61,13 @@ class Context:
         model.channel.call_sync("delete", name)
 
     def fork(self) -> Context:
-        """A copy-on-write clone: shares every committed page, copies the partly filled one, copies the buffer."""
+        """A copy-on-write clone: shares every committed page, copies the partly filled one, copies the buffer;
+        it starts with this context's bid."""
         self._check_live()
-        child, seq_len = self._model.channel.call_sync("fork", self._id)
-        return Context(self._model, _id=child, _seq_len=seq_len, _buffer=self._buffer)
+        child_id, seq_len = self._model.channel.call_sync("fork", self._id)
+        child = Context(self._model, _id=child_id, _seq_len=seq_len, _buffer=self._buffer)
+        child._bid, child._explicit_bid = (0.0, False) if self._idle else (self._bid, self._explicit_bid)
+        return child
 
     def save(self, name: str) -> None:
         """Snapshot the KV cache under ``name`` (per user; outlives this inferlet while the replica is up)."""
@@ -131,25 +136,41 @@ class Context:
 
     def set_bid(self, bid: float) -> None:
         """Offer ``bid`` credits per page per tick to keep this context's pages when memory is short (higher bids
-        stay resident, lower ones are suspended and recomputed later). It holds until changed; the default is 0."""
+        stay resident, lower ones are suspended and recomputed later). It holds until changed, and overrides the
+        default bid a Generator makes for the context from its balance and horizon (without either, the bid is 0)."""
         self._check_live()
         bid = float(bid)
         if not (bid >= 0.0 and math.isfinite(bid)):
             raise ValueError(f"set_bid: a bid is a finite number of credits >= 0, got {bid!r}")
-        self._model.channel.call_sync("set_bid", self._id, bid)
-        self._bid = bid
+        self._send_bid(bid)
+        self._explicit_bid = True
 
     @contextmanager
     def idle(self) -> Iterator[Context]:
-        """Bid 0 for the scope (the first to be suspended when memory is short), then restore the previous bid.
-        Passes still run inside it."""
+        """Bid 0 for the scope (the first to be suspended when memory is short; a Generator does not rebid inside
+        it), then restore the previous bid. Passes still run inside it."""
+        self._check_live()
         previous = self._bid
-        self.set_bid(0.0)
+        self._send_bid(0.0)
+        self._idle = True
         try:
             yield self
         finally:
+            self._idle = False
             if not self._released:
-                self.set_bid(previous)
+                self._send_bid(previous)
+
+    def _send_bid(self, bid: float) -> None:
+        self._model.channel.call_sync("set_bid", self._id, bid)
+        self._bid = bid
+
+    def _bid_by_default(self, bid: float):
+        """A Generator's default bid, unless the inferlet set one or is idle. It rides in the same frame as the
+        step's forward (no extra round trip); returns the reply to await, or None when nothing was sent."""
+        if self._explicit_bid or self._idle or bid == self._bid:
+            return None
+        self._bid = bid
+        return self._model.channel.call("set_bid", self._id, bid)
 
     # -- passes --------------------------------------------------------------------------------------------------
 

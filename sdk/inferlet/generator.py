@@ -17,6 +17,10 @@ generation without drafts: drafts are cut to what ``max_tokens`` leaves room for
 and each draft is verified under the constraints' mask after the drafts before it. When a stop token or
 ``max_tokens`` cuts inside the accepted drafts, the tokens past the cut are truncated from the KV again, so KV,
 ``seq_len`` and the buffer end exactly as a run without drafts leaves them.
+
+Each step also bids for the context's pages on the KV-page market (``scheduling.default_bid`` from the balance and
+the tokens still expected), unless the inferlet set a bid itself or the context is idle; the bid rides with the
+step's forward.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from inferlet import chat
+from inferlet import chat, scheduling
 from inferlet.adapter import Adapter, check_zo_seed
 from inferlet.constraints import AnyJson, Constraint, ConstraintSet, JsonSchema, Schema
 from inferlet.forward import Forward, Output, ProbeHandle, SampleHandle
@@ -204,11 +208,15 @@ class Generator:
         if self._system_speculation and auto is not None:
             fwd._draft_budget = SYSTEM_DRAFTS
         ctx._buffer = []
+        bid = self._default_bid()
+        rebid = ctx._bid_by_default(bid) if bid is not None else None
         try:
             out = await fwd.execute()
         except BaseException:
             ctx._buffer = pending  # nothing reached the KV cache
             raise
+        if rebid is not None:
+            await rebid
         out.auto_sampler = auto
         if auto is not None:
             self._system_drafts = fwd._next_drafts
@@ -221,6 +229,26 @@ class Generator:
                 if proposed > len(walk) - 1:
                     self._speculator.rollback(proposed - (len(walk) - 1))
         return out
+
+    def _default_bid(self) -> float | None:
+        """This step's bid (Pie's rule), unless the inferlet set one or is idle; None without a market.
+
+        The tokens still expected: ``horizon`` minus those generated (exactly), else ``max_tokens`` minus them
+        (cv² = 1), else as many as generated so far, at least 64 (the Lindy rule)."""
+        ctx = self._ctx
+        if ctx._explicit_bid or ctx._idle:
+            return None
+        readings = scheduling.readings(ctx.model)
+        if readings is None:
+            return None
+        if self._horizon is not None:
+            expected, cv2 = self._horizon - self._generated, 0.0
+        elif self._max_tokens is not None:
+            expected, cv2 = self._max_tokens - self._generated, 1.0
+        else:
+            expected, cv2 = max(self._generated, 64), 1.0
+        pages = max(-(-ctx.seq_len // ctx.page_size), 1)
+        return scheduling.default_bid(readings["balance"], pages, expected, cv2, ctx.page_size, readings["dividend"])
 
     def _draft(self, fwd: Forward) -> int:
         """Attach this step's drafts to ``fwd``; returns how many the speculator proposed (0 for the system's)."""

@@ -78,11 +78,13 @@ class RankWorker:
             node_id=ray.get_runtime_context().get_node_id(),
         )
 
-    async def start_engine(self, limits: BatchLimits) -> dict[str, str]:
-        """Rank 0: start the engine and its channel; returns the addresses inferlets connect to."""
+    async def start_engine(self, limits: BatchLimits, market=None) -> dict[str, str]:
+        """Rank 0: start the engine and its channel (reporting to ``market``, the market actor, when given);
+        returns the addresses inferlets connect to."""
         from pie_workers.engine.service import ReplicaEngine
 
-        self.engine = ReplicaEngine(self.runner, limits)
+        device = f"{Path(self.runner.model_dir).name}/{ray.get_runtime_context().get_actor_id()[:12]}"
+        self.engine = ReplicaEngine(self.runner, limits, market, device)
         return self.engine.start(ray.util.get_node_ip_address())
 
     async def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
@@ -115,8 +117,10 @@ class Replica:
         cpus_per_rank: int = 1,
         use_gpu: bool | None = None,
         engine: BatchLimits | None = None,
+        market=None,
     ):
-        """``engine``: also start the replica engine with these batch limits (what inferlets talk to)."""
+        """``engine``: also start the replica engine with these batch limits (what inferlets talk to); ``market``:
+        the market actor its engine reports to (None: no market, bids only rank contexts locally)."""
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0 and settings.device != "cpu"
         n = tensor_parallel_size
@@ -138,7 +142,7 @@ class Replica:
         infos = ray.get([r.start.remote(str(model_dir), settings, addr, port) for r in self.ranks])
         self.info: ReplicaInfo = infos[0]
         self._following = [r.follow.remote() for r in self.ranks[1:]]
-        self.addresses = ray.get(self.leader.start_engine.remote(engine)) if engine is not None else {}
+        self.addresses = ray.get(self.leader.start_engine.remote(engine, market)) if engine is not None else {}
 
     @property
     def leader(self):

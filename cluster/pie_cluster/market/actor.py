@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import ray
 
 from pie_cluster.market.market import DEFAULT_ENDOWMENT, Market
-from pie_cluster.market.wallets import Ledger
+from pie_cluster.market.wallets import MICRO, Ledger
 from pie_cluster.market.wire import Account, DeviceDecision, DeviceReport
 
 MARKET_NAME = "pie-market"
@@ -33,8 +33,17 @@ class MarketActor:
     async def account(self, process_id: str) -> Account:
         return self._market.account(process_id)
 
+    async def accounts(self, process_ids: Sequence[str]) -> dict[str, Account]:
+        """The accounts of those of ``process_ids`` that have joined (a replica refreshes its cache with this)."""
+        return {p: self._market.account(p) for p in process_ids if self._market.wallets.slot(p) is not None}
+
     async def ledger(self) -> Ledger:
         return self._market.ledger()
+
+    async def summary(self) -> dict:
+        """Open wallets and the credits they hold (for ``pie status``)."""
+        ledger = self._market.ledger()
+        return {"wallets": self._market.wallets.live, "held": ledger.held / MICRO, "balanced": ledger.balanced}
 
 
 def get_or_create_market(

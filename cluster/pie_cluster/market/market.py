@@ -10,8 +10,9 @@ call and returns the device's decision (who is suspended, who comes back, the pr
   1. Make cost: each page made since the previous report costs ``PAGE_COST`` = 1 credit, burned (paid to nobody).
      The pages exist already, so a process that cannot pay for them pays what it has.
   2. Inability to pay: a context's effective bid is its bid capped at what its process can afford,
-     balance / (ticks × Σ effective pages of the process's contexts in the report). A process that cannot pay rent
-     loses rank instead of running into debt; its rent below can never exceed its balance.
+     balance / (ticks × Σ effective pages of the process's contexts in the report); an unknown process affords 0.
+     A process that cannot pay rent loses rank instead of running into debt; its rent below can never exceed its
+     balance. The caps go back to the replica, which ranks its contexts by capped bids until the next round.
   3. Auction (``auction.clear``): the device's contexts, resident and suspended, are ranked by effective bid; those
      that fit stay (or come back); the clearing price is the highest excluded bid, 0 when everything fits — so a
      device that is not full never charges rent and never suspends anyone.
@@ -154,6 +155,7 @@ class Market:
         demand = np.bincount(r.owners, weights=r.pages, minlength=slots.size) * r.ticks
         affordable = np.full(slots.size, np.inf)
         np.divide(wallets.balance[slots] / MICRO, demand, out=affordable, where=demand > 0)
+        affordable[slots == NOBODY] = 0.0
         bids = np.minimum(r.bids, affordable[r.owners])
 
         clearing = clear(bids, r.pages, r.resident, r.capacity)
@@ -178,6 +180,7 @@ class Market:
             suspend=ids_in_rank[resident_in_rank & ~admitted_in_rank][::-1].tolist(),
             restore=ids_in_rank[~resident_in_rank & admitted_in_rank].tolist(),
             waiting=ids_in_rank[~resident_in_rank & ~admitted_in_rank].tolist(),
+            caps={p: float(a) for p, a in zip(r.processes, affordable.tolist(), strict=True) if a != np.inf},
         )
 
 

@@ -112,6 +112,11 @@ class Wallets:
         self._free.append(slot)
         return slot, returned
 
+    @property
+    def live(self) -> int:
+        """Open wallets."""
+        return len(self._slot_of)
+
     def slot(self, process_id: str) -> int | None:
         return self._slot_of.get(process_id)
 

@@ -51,6 +51,9 @@ class DeviceDecision(TypedDict):
     waiting: list[int]
     """Suspended contexts that stay suspended, highest bid first: the order to restore them in if memory frees up
     before the next round."""
+    caps: dict[str, float]
+    """Per process of the report: the highest bid per page it can afford this round (absent: no limit); the replica
+    caps its contexts' bids with it until the next round."""
 
 
 class Account(TypedDict):

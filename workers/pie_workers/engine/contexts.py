@@ -316,6 +316,14 @@ class ContextTable:
         c.tail, c.working, c.lineage = None, [], []
         return text, committed
 
+    def effective_pages(self, ids: Sequence[int]) -> list[float]:
+        """Per context: its working pages plus its Shapley share of committed ones (each shared page split evenly
+        among the contexts and snapshots holding it). What the market charges rent on."""
+        shares = self.store.chain_shares()
+        return [
+            len(c.working) + (shares[c.tail] if c.tail is not None else 0.0) for c in (self._get(ctx) for ctx in ids)
+        ]
+
     def ids(self) -> list[int]:
         return list(self._contexts)
 

@@ -255,6 +255,21 @@ class PageStore:
             node._chain = chain
         return chain
 
+    def chain_shares(self) -> dict[Node, float]:
+        """For every node some chain passes through: Σ 1/(chains through it) over the nodes root → it. A chain
+        ending at a node holds that many pages in Shapley terms (a page shared by h chains costs each 1/h)."""
+        order = list(self.nodes())  # pre-order: parents before children
+        through: dict[Node, int] = {}
+        for node in reversed(order):
+            n = node.ends + sum(through.get(child, 0) for child in node.children.values())
+            if n:
+                through[node] = n
+        shares: dict[Node, float] = {}
+        for node in order:
+            if node in through:
+                shares[node] = (0.0 if node.parent is None else shares[node.parent]) + 1.0 / through[node]
+        return shares
+
     def nodes(self) -> Iterator[Node]:
         """Every node in the trie (pre-order)."""
         stack = list(self._roots.values())

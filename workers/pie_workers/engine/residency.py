@@ -1,6 +1,7 @@
 """Who keeps KV pages when a replica's pool runs short: bids, suspension, and the order of restores.
 
-Every context bids credits per page per tick (``set_bid``; 0 until its inferlet says otherwise).
+Every context bids credits per page per tick (``set_bid``; 0 until its inferlet says otherwise), capped at what its
+process can afford when the replica reports to the market (``set_caps``: a process without credits loses rank).
 Allocation stays local and immediate while the pool has room and nobody is waiting. When it does not:
 
 * A requester that is first in line (no waiter outranks it) suspends idle contexts bidding less than it does, and
@@ -43,6 +44,8 @@ class Suspended:
 @dataclass(order=True)
 class _Waiter:
     rank: tuple[float, int]  # (-bid, arrival): the line's order
+    ctx: int = field(compare=False)
+    pages: Callable[[], int] = field(compare=False)
     event: asyncio.Event = field(compare=False, default_factory=asyncio.Event)
 
 
@@ -50,8 +53,10 @@ class Residency:
     def __init__(self, contexts: ContextTable, busy: Callable[[int], bool], clock: Callable[[], int]) -> None:
         self.contexts = contexts
         self.store = contexts.store
-        self._busy = busy  # ctx -> an operation on it is in flight, so it cannot be suspended now
+        self.busy = busy  # ctx -> an operation on it is in flight, so it cannot be suspended now
         self.bids: dict[int, float] = {}
+        self.owners: dict[int, str] = {}  # ctx -> its process (inferlet instance), whose wallet pays its rent
+        self._caps: dict[str, float] = {}  # process -> the highest bid per page it can afford; absent: no cap
         self.suspended: dict[int, Suspended] = {}
         self._line: list[_Waiter] = []
         self._arrivals = itertools.count()
@@ -64,7 +69,12 @@ class Residency:
         self._last_use[ctx] = self._clock()
 
     def bid(self, ctx: int | None) -> float:
-        return self.bids.get(ctx, 0.0)
+        """The context's bid per page, capped at what its process can afford."""
+        return min(self.bids.get(ctx, 0.0), self._caps.get(self.owners.get(ctx), math.inf))
+
+    def set_caps(self, caps: dict[str, float]) -> None:
+        """The market's latest word on what each process can afford per page (replaces the previous caps)."""
+        self._caps = dict(caps)
 
     def set_bid(self, ctx: int, bid: float) -> None:
         bid = float(bid)
@@ -78,12 +88,17 @@ class Residency:
 
     def forget(self, ctx: int) -> None:
         self.bids.pop(ctx, None)
+        self.owners.pop(ctx, None)
         self.suspended.pop(ctx, None)
         self._last_use.pop(ctx, None)
 
     @property
     def waiting(self) -> int:
         return len(self._line)
+
+    def waiters(self) -> dict[int, int]:
+        """Contexts waiting in line for memory, with the pages each waits for."""
+        return {w.ctx: w.pages() for w in self._line}
 
     def suspend(self, ctx: int) -> bool:
         """Give up the context's pages, keeping its text; False if its KV could not be recomputed."""
@@ -116,12 +131,12 @@ class Residency:
         self._make_room(ctx, pages)
         return self.store.available >= pages
 
-    async def wait_for(self, ctx: int | None, pages: Callable[[], int]) -> None:
+    async def wait_for(self, ctx: int, pages: Callable[[], int]) -> None:
         """Return once ``pages()`` pages are available to ``ctx`` and no waiter outranks it; suspends lower bidders
         on the way. The caller reserves them before its next await."""
         if pages() > self.store.num_pages:
             raise OutOfPages(pages(), self.store.available, self.store.num_pages)
-        me = _Waiter((-self.bid(ctx), next(self._arrivals)))
+        me = _Waiter((-self.bid(ctx), next(self._arrivals)), ctx, pages)
         self._insert(me)
         try:
             while True:
@@ -155,7 +170,7 @@ class Residency:
             if c != requester
             and c not in self.suspended
             and (self.bid(c) < bid or (self.bid(c) == bid and self._last_use.get(c, -1) <= idle_since))
-            and not self._busy(c)
+            and not self.busy(c)
             and self.contexts.holds_pages(c)
         ]
         victims.sort(key=lambda c: (self.bid(c), self._last_use.get(c, -1)))

@@ -39,7 +39,7 @@ class BatchScheduler:
         self._queue: deque[_Job] = deque()
         self._arrived = asyncio.Event()
         self._recent_sizes: deque[int] = deque(maxlen=8)
-        self._last_latency = 0.0
+        self.last_latency_s = 0.0
         self.batches_fired = 0
         self.requests_served = 0
 
@@ -73,7 +73,7 @@ class BatchScheduler:
                     if not j.future.done():
                         j.future.set_exception(RuntimeError(f"forward pass failed: {e}"))
                 continue
-            self._last_latency = time.perf_counter() - start
+            self.last_latency_s = time.perf_counter() - start
             self._recent_sizes.append(len(batch.requests))
             self.batches_fired += 1
             self.requests_served += len(batch.requests)
@@ -87,7 +87,7 @@ class BatchScheduler:
     async def _gather_stragglers(self) -> None:
         """Hold the batch open briefly while fewer requests are queued than recent batches carried."""
         target = max(self._recent_sizes, default=1)
-        deadline = time.perf_counter() + min(self.limits.max_wait_s, self._last_latency)
+        deadline = time.perf_counter() + min(self.limits.max_wait_s, self.last_latency_s)
         while len(self._queue) < target and time.perf_counter() < deadline:
             self._arrived.clear()
             try:

@@ -25,6 +25,7 @@ from pathlib import Path
 from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
 from pie_workers.engine.channel import ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
+from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import OutOfPages, PageStore
 from pie_workers.engine.residency import Residency
@@ -64,7 +65,9 @@ class PassBinding:
 
 
 class ReplicaEngine:
-    def __init__(self, runner: ModelRunner, limits: BatchLimits = BatchLimits()):
+    def __init__(self, runner: ModelRunner, limits: BatchLimits = BatchLimits(), market=None, device: str = "replica"):
+        """``market``: the cluster's market actor (its handle), to report this device to; None runs without one
+        (bids still rank contexts locally, nobody pays rent)."""
         self.runner = runner
         self.page_size = runner.page_size
         self.store = PageStore(runner.num_pages, runner.page_size)
@@ -77,6 +80,11 @@ class ReplicaEngine:
         )
         self.scheduler = BatchScheduler(self._execute, limits)
         self.channel = ChannelServer(self._handle)
+        self.market = (
+            MarketLink(market, device, self.contexts, self.residency, self.scheduler, self.residency.busy)
+            if market is not None
+            else None
+        )
         self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
         self._locks: dict[int, asyncio.Lock] = {}
         self._salts: dict[int, bytes] = {}
@@ -91,6 +99,8 @@ class ReplicaEngine:
         addresses = self.channel.bind(host_ip)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.scheduler.run()), loop.create_task(self.channel.serve())]
+        if self.market is not None:
+            self._tasks.append(loop.create_task(self.market.run()))
         return addresses
 
     def stop(self) -> None:
@@ -128,7 +138,13 @@ class ReplicaEngine:
     def _adopt(self, session: Session, ctx: int) -> int:
         session.contexts.add(ctx)
         self._locks[ctx] = asyncio.Lock()
+        self.residency.owners[ctx] = session.instance
+        self._made(ctx, self.contexts.view(ctx).working_pages)  # a fork's or an open's copies
         return ctx
+
+    def _made(self, ctx: int, pages: int) -> None:
+        if self.market is not None:
+            self.market.made(self.residency.owners[ctx], pages)
 
     async def _run_copies(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -154,6 +170,8 @@ class ReplicaEngine:
             await self.op_destroy(session, ctx)
             n += 1
         self._sessions.pop(session.name, None)
+        if self.market is not None:
+            self.market.forget(session.instance)
         return n
 
     async def op_fork(self, session: Session, ctx: int) -> list[int]:
@@ -254,6 +272,8 @@ class ReplicaEngine:
             "waiting": self.residency.waiting,
             "batches": self.scheduler.batches_fired,
             "requests": self.scheduler.requests_served,
+            "market_rounds": self.market.rounds if self.market else 0,
+            "price": self.market.price if self.market else 0.0,
         }
 
     # -- forward -----------------------------------------------------------------------------------------------
@@ -404,7 +424,25 @@ class ReplicaEngine:
             raise ValueError(out.error)
         return out
 
-    # -- residency ---------------------------------------------------------------------------------------------
+    # -- residency and the market -------------------------------------------------------------------------------
+
+    async def op_account(self, session: Session) -> dict | None:
+        """What ``inferlet.scheduling`` reads for the inferlet's process on this replica: its balance, dividend
+        and endowment (as of the latest market round), this device's clearing price and batch latency, the cost
+        of a page. None when the replica runs without a market, or the process never joined it."""
+        if self.market is None:
+            return None
+        account = await self.market.account(session.instance)
+        if account is None:
+            return None
+        return {
+            "balance": account["balance"],
+            "endowment": account["endowment"],
+            "dividend": account["dividend"],
+            "page_cost": account["page_cost"],
+            "price": self.market.price,
+            "latency": self.market.latency_s or self.scheduler.last_latency_s,
+        }
 
     async def op_set_bid(self, session: Session, ctx: int, bid: float) -> None:
         """Credits per page per tick this context offers to keep its pages when memory is short."""
@@ -426,6 +464,7 @@ class ReplicaEngine:
         need = self._pages_for(ctx, new_tokens)
         if need <= 0:
             return
+        self._made(ctx, need)
         if self.residency.try_now(ctx, need):
             self.contexts.reserve(ctx, need)
         elif self.residency.suspend(ctx):
