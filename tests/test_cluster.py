@@ -148,7 +148,43 @@ def test_an_inferlet_that_is_aborted_times_out_or_raises_leaves_nothing_behind(c
     (replica,) = status["replicas"]
     assert replica["contexts"] == 0 and replica["pages_used"] == 0
     assert status["bus"]["subscriptions"] == bus_before["subscriptions"]
+    market = ray.get_actor("pie-market")
+    assert ray.get(market.accounts.remote([instance])) == {}, "its wallet is still open"
+    assert status["market"]["wallets"] == 0 and status["market"]["balanced"]
     assert ray.get(launcher.abort.remote("alice", instance)) is False  # already ended
+
+
+BUDGETED = """
+from inferlet import Context, Model, Sampler, scheduling
+
+async def main(input):
+    model = Model.load("default")
+    before = scheduling.balance(model)
+    with Context(model) as ctx:
+        ctx.append([300 + (i * 11) % 97 for i in range(50)])  # no other test's prefix: every page is made here
+        await ctx.generate(Sampler.argmax(), max_tokens=40, auto_flush=False).collect_tokens()
+        pages = -(-ctx.seq_len // ctx.page_size)
+    return {"before": before, "pages": pages, "price": scheduling.price()}
+"""
+
+
+def test_a_token_budget_endows_the_instance_and_its_wallet_closes_when_it_ends(cluster, launcher):
+    market = ray.get_actor("pie-market")
+    ledger_before = ray.get(market.ledger.remote())
+    program = upload(launcher, BUDGETED)
+    instance = ray.get(launcher.launch.remote("alice", program, {}, token_budget=1000))
+    events = run_to_end(launcher, instance)
+    assert events[-1][1] == "return", events
+    import json
+
+    got = json.loads(events[-1][2])
+    assert got["before"] == 63.0 and got["price"] == 1.0  # ceil(1000 / 16) credits, one per page it can make
+    ledger = ray.get(market.ledger.remote())
+    assert ledger.issued - ledger_before.issued == 63 * 1_000_000
+    assert (ledger.burned - ledger_before.burned) / 1_000_000 == got["pages"]  # settled before its wallet closed
+    assert ledger.held == 0 and ledger.balanced  # its balance went out with it
+    with pytest.raises(ValueError, match="token_budget"):
+        ray.get(launcher.launch.remote("alice", program, {}, token_budget=-5))
 
 
 def test_other_users_cannot_see_attach_to_message_or_abort_an_instance(launcher):

@@ -255,7 +255,7 @@ def test_joining_twice_or_with_a_bad_endowment_is_refused():
         ({"pages": [1.0, -2.0]}, "'pages'"),
         ({"pages": [1.0, float("inf")]}, "'pages'"),
         ({"made": [-1, 0]}, "'made'"),
-        ({"ticks": 0}, "'ticks'"),
+        ({"ticks": -1}, "'ticks'"),
         ({"resident": None}, "missing resident"),
     ],
 )

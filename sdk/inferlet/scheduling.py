@@ -56,8 +56,8 @@ def default_bid(
 
 
 def readings(model: Model) -> dict | None:
-    """The latest readings for ``model``'s replica (balance, endowment, dividend, page_cost, price, latency), or
-    None when that replica runs without a market."""
+    """The latest readings for ``model``'s replica (balance, endowment, dividend, paid: rent paid in the latest
+    rounds, page_cost, price, latency), or None when that replica runs without a market."""
     now = time.monotonic()
     cached = getattr(model, "_market_readings", None)
     if cached is None or now - cached[0] > _FRESH_S:

@@ -230,8 +230,8 @@ def _parse(report: DeviceReport) -> _Round:
     if made.size and (made.min() < 0 or made.max() > _LARGEST_MADE):
         raise fail(f"'made' must count pages between 0 and {_LARGEST_MADE}")
     ticks = report.get("ticks", 1)
-    if not isinstance(ticks, int | np.integer) or ticks < 1:
-        raise fail(f"'ticks' must be an integer ≥ 1, got {ticks!r}")
+    if not isinstance(ticks, int | np.integer) or ticks < 0:
+        raise fail(f"'ticks' must be an integer ≥ 0, got {ticks!r}")
     latency_s = float(report.get("latency_s", 0.0))
     bids = np.where(bids > 0, bids, 0.0)  # NaN and negative bids are no bids
     return _Round(device, capacity, processes, owners, contexts, bids, pages, resident, made, int(ticks), latency_s)

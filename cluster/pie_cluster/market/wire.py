@@ -33,7 +33,8 @@ class DeviceReport(TypedDict):
     made: NotRequired[Sequence[int]]
     """Per process (aligned with ``processes``): new pages it made on this device since its previous report."""
     ticks: NotRequired[int]
-    """Device ticks (fired batches) this round stands for; rent is per page per tick. Default 1."""
+    """Device ticks (fired batches) this round stands for; rent is per page per tick. Default 1; 0 settles only
+    make cost (a replica does so when an inferlet ends, before its wallet closes)."""
     latency_s: NotRequired[float]
     """Recent wall time of one device tick, passed on to ``scheduling.latency``. Default 0."""
 

@@ -70,9 +70,10 @@ class MarketLink:
             except Exception:  # a market that cannot be reached or refuses a report never stops the replica
                 log.exception("market round failed on %s", self.device)
 
-    async def round(self) -> dict | None:
-        """One report and its decision, if any batch fired since the last round; returns the decision."""
-        report = self.report()
+    async def round(self, settle_made: bool = False) -> dict | None:
+        """One report and its decision, if any batch fired since the last round (or, with ``settle_made``, if any
+        page was made: an ending inferlet pays for its pages before its wallet closes); returns the decision."""
+        report = self.report(settle_made)
         if report is None:
             return None
         [decision] = await self.market.settle.remote([report])
@@ -88,11 +89,12 @@ class MarketLink:
 
     def forget(self, process: str) -> None:
         self.accounts.pop(process, None)
+        self.residency.forget_process(process)
 
-    def report(self) -> dict | None:
+    def report(self, settle_made: bool = False) -> dict | None:
         batches = self.scheduler.batches_fired
         ticks = batches - self._reported_batches
-        if ticks <= 0:
+        if ticks <= 0 and not (settle_made and self._made):
             return None
         self._reported_batches = batches
         self.latency_s += LATENCY_WEIGHT * (self.scheduler.last_latency_s - self.latency_s)

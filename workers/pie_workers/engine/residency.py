@@ -73,8 +73,13 @@ class Residency:
         return min(self.bids.get(ctx, 0.0), self._caps.get(self.owners.get(ctx), math.inf))
 
     def set_caps(self, caps: dict[str, float]) -> None:
-        """The market's latest word on what each process can afford per page (replaces the previous caps)."""
-        self._caps = dict(caps)
+        """The market's latest word on what these processes can afford per page. A process missing from the round
+        keeps its previous cap: it held no pages and wanted none, so it paid nothing since (at worst the cap is
+        low by the dividends it received)."""
+        self._caps.update(caps)
+
+    def forget_process(self, process: str) -> None:
+        self._caps.pop(process, None)
 
     def set_bid(self, ctx: int, bid: float) -> None:
         bid = float(bid)

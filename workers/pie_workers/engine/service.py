@@ -17,6 +17,7 @@ restores it (recomputing its KV), so inferlets never see a suspension except as 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from pie_workers.runner import ModelRunner
 from pie_workers.wire import brle
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -172,6 +175,10 @@ class ReplicaEngine:
         self._sessions.pop(session.name, None)
         if self.market is not None:
             self.market.forget(session.instance)
+            try:
+                await self.market.round(settle_made=True)
+            except Exception:  # the contexts are gone either way; the market only misses this round
+                log.exception("market round at the end of %s failed", session.name)
         return n
 
     async def op_fork(self, session: Session, ctx: int) -> list[int]:
@@ -427,9 +434,9 @@ class ReplicaEngine:
     # -- residency and the market -------------------------------------------------------------------------------
 
     async def op_account(self, session: Session) -> dict | None:
-        """What ``inferlet.scheduling`` reads for the inferlet's process on this replica: its balance, dividend
-        and endowment (as of the latest market round), this device's clearing price and batch latency, the cost
-        of a page. None when the replica runs without a market, or the process never joined it."""
+        """What ``inferlet.scheduling`` reads for the inferlet's process on this replica: its balance, endowment,
+        and the dividend received and rent paid in the latest rounds, this device's clearing price and batch
+        latency, the cost of a page. None when the replica runs without a market, or the process never joined it."""
         if self.market is None:
             return None
         account = await self.market.account(session.instance)
@@ -439,6 +446,7 @@ class ReplicaEngine:
             "balance": account["balance"],
             "endowment": account["endowment"],
             "dividend": account["dividend"],
+            "paid": account["rent"],
             "page_cost": account["page_cost"],
             "price": self.market.price,
             "latency": self.market.latency_s or self.scheduler.last_latency_s,

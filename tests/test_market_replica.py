@@ -1,0 +1,193 @@
+"""The market wired to a real replica: rent and make cost actually charged, affordability enforced in the replica,
+the Generator's default bid, and every wallet closed when its inferlet ends.
+
+The replica has 24 pages of 16 tokens; two readers of 300-token texts need twice that, so memory is contended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import ray
+from inferlet import Context, Model, Sampler, scheduling
+
+PAGES = 24
+
+
+@pytest.fixture(scope="module")
+def market(ray_session):
+    from pie_cluster.market import MarketActor
+
+    actor = MarketActor.remote()
+    yield actor
+    ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def replica(ray_session, tiny_llama, market):
+    from pie_workers.engine.scheduler import BatchLimits
+    from pie_workers.replica import Replica
+    from pie_workers.runner import RunnerSettings
+
+    replica = Replica(
+        tiny_llama, 1, RunnerSettings(num_pages=PAGES), cpus_per_rank=1, engine=BatchLimits(), market=market
+    )
+    yield replica
+    replica.shutdown()
+
+
+def run_all(replica, market, runs: list[tuple]) -> list:
+    """Run (main, input, endowment) triples concurrently, each with its own wallet on ``market``."""
+    from pie_cluster.host import endpoints_for, run_inferlet
+
+    endpoints = endpoints_for("default", replica)
+
+    async def all_of():
+        return await asyncio.gather(
+            *(run_inferlet(m, i, endpoints, "alice", market=market, endowment=e) for m, i, e in runs)
+        )
+
+    return asyncio.run(all_of())
+
+
+def stats(replica) -> dict:
+    return ray.get(replica.leader.engine_stats.remote())
+
+
+def long_text(seed: int) -> list[int]:
+    return [100 + (i * 7 + seed * 13) % 50 for i in range(300)]
+
+
+_started: set[int] = set()
+
+
+async def reader(input):
+    """Continues a long text greedily; records the highest page price it saw and its balance along the way."""
+    model = Model.load("default")
+    with Context(model) as ctx:
+        if "bid" in input:
+            ctx.set_bid(input["bid"])
+        ctx.append(long_text(input["seed"]))
+        tokens, prices, paid = [], [0.0], [0.0]
+        endowment = scheduling.readings(model)["endowment"]
+        async for step in ctx.generate(Sampler.argmax(), max_tokens=input.get("n", 60), auto_flush=False):
+            tokens += (await step.execute()).tokens
+            _started.add(input["seed"])
+            prices.append(scheduling.rent(ctx))
+            paid.append(scheduling.readings(model)["paid"])
+        return {
+            "paid": max(paid),
+            "tokens": tokens,
+            "price": max(prices),
+            "balance": scheduling.balance(model),
+            "endowment": endowment,
+            "ended": asyncio.get_running_loop().time(),
+        }
+
+
+def test_contention_charges_rent_and_make_cost_and_every_credit_is_accounted_for(replica, market):
+    before = ray.get(market.ledger.remote())
+    solo = [run_all(replica, market, [(reader, {"seed": s}, 1000.0)])[0]["tokens"] for s in (0, 1)]
+    together = run_all(replica, market, [(reader, {"seed": s}, 1000.0) for s in (0, 1)])
+    assert [r["tokens"] for r in together] == solo  # suspension and recomputation lose nothing
+    assert max(r["price"] for r in together) > 0, "two readers that cannot both fit set a price"
+    assert max(r["paid"] for r in together) > 0, "and the resident one pays rent"
+    assert all(r["balance"] >= 0 for r in together)  # default bids never spend a process below zero
+    after = ray.get(market.ledger.remote())
+    assert after.balanced and after.held == before.held, "a wallet outlived its inferlet"
+    # the pages made were paid for at 1 credit each: each run needs ceil((300 + 60) / 16) of them; the solo runs
+    # make all of theirs, the later runs adopt some of them from the prefix cache instead (and do not pay for those)
+    pages = math.ceil(360 / 16)
+    assert 2 * pages * 1_000_000 <= after.burned - before.burned <= 4 * pages * 1_000_000
+    assert after.returned - before.returned == after.issued - before.issued - (after.burned - before.burned)
+    s = stats(replica)
+    assert s["market_rounds"] > 0 and s["working"] == 0 and s["suspended"] == 0 and s["waiting"] == 0
+
+
+async def latecomer(input):
+    """Once both readers have begun, takes a short prompt to 80 tokens at a high bid it may not be able to pay."""
+    for _ in range(6000):
+        if len(_started) == 2:
+            break
+        await asyncio.sleep(0.01)
+    model = Model.load("default")
+    with Context(model) as ctx:
+        ctx.set_bid(input["bid"])
+        ctx.user("The latecomer's story begins")
+        await ctx.flush()  # its context is in the market's reports from here on
+        rounds = (await input["leader"].engine_stats.remote())["market_rounds"]
+        while (await input["leader"].engine_stats.remote())["market_rounds"] < rounds + 2:
+            await asyncio.sleep(0.01)  # the market has capped what it can afford
+        tokens = await ctx.generate(Sampler.argmax(), max_tokens=80).collect_tokens()
+        return {"tokens": tokens, "ended": asyncio.get_running_loop().time()}
+
+
+@pytest.mark.parametrize("endowment", [1e6, 0.0], ids=["funded", "broke"])
+def test_a_high_bid_counts_only_as_far_as_its_process_can_pay(replica, market, endowment):
+    """A latecomer bidding 100 per page against two readers bidding 1 finishes first when it has the credits, and
+    last when it has none: the market caps its bid at 0, and the replica ranks it by the capped bid."""
+    _started.clear()
+    late_input = {"bid": 100.0, "leader": replica.leader}  # (inferlets run in this process: it takes a Ray handle)
+    runs = [(reader, {"seed": s, "bid": 1.0}, 1e6) for s in (0, 1)] + [(latecomer, late_input, endowment)]
+    *readers, late = run_all(replica, market, runs)
+    if endowment > 0:
+        assert all(late["ended"] < r["ended"] for r in readers)
+    else:
+        assert all(late["ended"] > r["ended"] for r in readers)
+
+
+def test_the_generator_bids_by_default_unless_told_otherwise(replica, market):
+    async def stepping(input):
+        model = Model.load("default")
+        out = {}
+        with Context(model) as ctx:
+            ctx.user("A default bid")
+            gen = ctx.generate(Sampler.argmax(), max_tokens=16)
+            async for step in gen:
+                await step.execute()
+                if gen.tokens_generated == 4:
+                    break
+            _, readings = model._market_readings  # what this step's bid was computed from
+            pages = -(-(ctx.seq_len - 1) // ctx.page_size)  # the KV the bid was made for (before the step)
+            out["bid"] = ctx._bid
+            out["expected"] = scheduling.default_bid(
+                readings["balance"], max(pages, 1), 16 - 3, 1.0, ctx.page_size, readings["dividend"]
+            )
+            with ctx.idle():
+                await ctx.generate(Sampler.argmax(), max_tokens=2).collect_tokens()
+                out["idle"] = ctx._bid
+            ctx.set_bid(0.25)
+            await ctx.generate(Sampler.argmax(), max_tokens=2).collect_tokens()
+            out["explicit"] = ctx._bid
+        return out
+
+    [got] = run_all(replica, market, [(stepping, {}, 500.0)])
+    assert got["bid"] > 0 and got["bid"] == pytest.approx(got["expected"])
+    assert got["idle"] == 0.0 and got["explicit"] == 0.25
+
+
+def test_without_a_market_there_are_no_credits_to_read(ray_session, tiny_llama):
+    from pie_cluster.host import endpoints_for, run_inferlet
+    from pie_workers.engine.scheduler import BatchLimits
+    from pie_workers.replica import Replica
+    from pie_workers.runner import RunnerSettings
+
+    async def reads(input):
+        model = Model.load("default")
+        with Context(model) as ctx:
+            ctx.user("no market here")
+            await ctx.generate(Sampler.argmax(), max_tokens=3).collect_tokens()
+            bid = ctx._bid
+        try:
+            scheduling.balance(model)
+        except RuntimeError as e:
+            return {"bid": bid, "error": str(e)}
+
+    bare = Replica(tiny_llama, 1, RunnerSettings(num_pages=64), cpus_per_rank=1, engine=BatchLimits())
+    try:
+        got = asyncio.run(run_inferlet(reads, {}, endpoints_for("default", bare), "alice"))
+    finally:
+        bare.shutdown()
+    assert got["bid"] == 0.0 and "without the KV-page market" in got["error"]
