@@ -31,9 +31,8 @@ def replica(ray_session, tiny_llama, market):
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings
 
-    replica = Replica(
-        tiny_llama, 1, RunnerSettings(num_pages=PAGES), cpus_per_rank=1, engine=BatchLimits(), market=market
-    )
+    settings = RunnerSettings(num_pages=PAGES, host_pages=0)  # no host buffer: every suspension is recomputed
+    replica = Replica(tiny_llama, 1, settings, cpus_per_rank=1, engine=BatchLimits(), market=market)
     yield replica
     replica.shutdown()
 
@@ -104,6 +103,7 @@ def test_contention_charges_rent_and_make_cost_and_every_credit_is_accounted_for
     assert after.returned - before.returned == after.issued - before.issued - (after.burned - before.burned)
     s = stats(replica)
     assert s["market_rounds"] > 0 and s["working"] == 0 and s["suspended"] == 0 and s["waiting"] == 0
+    assert s["suspensions"] > 0 and s["offloaded"] == 0  # suspended pages were dropped and recomputed
 
 
 async def latecomer(input):

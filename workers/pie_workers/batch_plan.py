@@ -68,6 +68,16 @@ class LoraGroup:
 
 
 @dataclass
+class HostMoves:
+    """Pages copied to host memory and back; indices stay on the CPU (the host buffer lives there)."""
+
+    offload_pages: torch.Tensor  # [O] pool pages ...
+    offload_slots: torch.Tensor  # [O] ... copied to these host slots
+    restore_slots: torch.Tensor  # [R] host slots ...
+    restore_pages: torch.Tensor  # [R] ... copied back into these pool pages
+
+
+@dataclass
 class BatchPlan:
     """Everything every tensor-parallel rank needs to run the forward (broadcast from the leader)."""
 
@@ -78,6 +88,7 @@ class BatchPlan:
     logit_rows: torch.Tensor  # [N] token indices whose logits are needed
     copy_src: torch.Tensor  # [C] pool pages copied before the forward
     copy_dst: torch.Tensor  # [C]
+    host_moves: HostMoves | None = None  # offloads to and restores from host memory, before the copies
     every_row_has_logits: bool = False  # logit_rows == arange(T): decode batches skip the row gather
     max_position: int = 0  # largest RoPE position in the batch (sizes the rotary table without a device sync)
     lora_groups: list[LoraGroup] = field(default_factory=list)  # empty: no request uses an adapter
@@ -101,6 +112,7 @@ class BatchPlan:
             move(self.logit_rows),
             move(self.copy_src),
             move(self.copy_dst),
+            self.host_moves,
             self.every_row_has_logits,
             self.max_position,
             [LoraGroup(g.adapter, g.zo_seed, None if g.rows is None else move(g.rows)) for g in self.lora_groups],
@@ -216,10 +228,17 @@ def _check_slot(slot: Slot, vocab: int) -> str | None:
 
 
 def plan_batch(
-    batch: ForwardBatch, page_size: int, num_pages: int, vocab: int, adapters: Collection[int] = ()
+    batch: ForwardBatch,
+    page_size: int,
+    num_pages: int,
+    vocab: int,
+    adapters: Collection[int] = (),
+    host_pages: int = 0,
 ) -> PlannedBatch:
-    """``adapters``: the ids of the LoRA adapters the runner holds (requests naming another are rejected)."""
+    """``adapters``: the ids of the LoRA adapters the runner holds (requests naming another are rejected);
+    ``host_pages``: the size of its host buffer."""
     _check_copies(batch.page_copies, num_pages)
+    host_moves = _host_moves(batch, num_pages, host_pages)
     errors: dict[int, str] = {}
     for i, req in enumerate(batch.requests):
         if problem := _check_request(req, page_size, vocab, adapters):
@@ -259,6 +278,7 @@ def plan_batch(
         logit_rows=torch.tensor(logit_rows, dtype=torch.long),
         copy_src=copy_src,
         copy_dst=copy_dst,
+        host_moves=host_moves,
         every_row_has_logits=logit_rows == list(range(cols.tokens.size)),
         max_position=int(cols.positions.max()) if cols.positions.size else 0,
         lora_groups=_lora_groups(reqs, cols.n_rows, tok_start),
@@ -412,6 +432,20 @@ def _check_copies(copies: list[tuple[int, int]], num_pages: int) -> None:
             raise BatchError(f"page copy {src} -> {dst} is out of the KV pool [0, {num_pages})")
         if src == dst:
             raise BatchError(f"page copy {src} -> {dst} copies a page onto itself")
+
+
+def _host_moves(batch: ForwardBatch, num_pages: int, host_pages: int) -> HostMoves | None:
+    if not batch.offloads and not batch.restores:
+        return None
+    for what, pairs, (pages, slots) in (("offload", batch.offloads, (0, 1)), ("restore", batch.restores, (1, 0))):
+        for pair in pairs:
+            if not (0 <= pair[pages] < num_pages and 0 <= pair[slots] < host_pages):
+                raise BatchError(
+                    f"{what} {pair} is out of the KV pool [0, {num_pages}) or host buffer [0, {host_pages})"
+                )
+    offload_pages, offload_slots = _copy_pages(batch.offloads)
+    restore_slots, restore_pages = _copy_pages(batch.restores)
+    return HostMoves(offload_pages, offload_slots, restore_slots, restore_pages)
 
 
 def _copy_pages(copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,10 @@ class KVPool:
         local_kv_heads: int,
         dtype: torch.dtype,
         device: torch.device,
+        host_pages: int = 0,
     ):
+        """``host_pages``: a buffer in host memory (pinned when the pool is on a GPU) where suspended contexts'
+        pages wait instead of being recomputed."""
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"KV pool needs >= 1 page of >= 1 token (got {num_pages} x {page_size})")
         self.num_pages, self.page_size = num_pages, page_size
@@ -48,10 +51,26 @@ class KVPool:
         # zero-filled: padded attention reads stale slots under a mask, and 0 * -inf must never meet a NaN
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.host_pages = host_pages
+        host_shape = (cfg.num_layers, host_pages, page_size, local_kv_heads, cfg.head_dim)
+        pin = device.type == "cuda"
+        self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].flatten(0, 1).index_copy_(0, slots, k)
         self.v[layer].flatten(0, 1).index_copy_(0, slots, v)
+
+    def move_to_host(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        if pages.numel():
+            self.host_k[:, slots] = self.k[:, pages.to(self.k.device)].cpu()
+            self.host_v[:, slots] = self.v[:, pages.to(self.k.device)].cpu()
+
+    def move_from_host(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        if pages.numel():
+            device_pages = pages.to(self.k.device)
+            self.k[:, device_pages] = self.host_k[:, slots].to(self.k.device, non_blocking=True)
+            self.v[:, device_pages] = self.host_v[:, slots].to(self.k.device, non_blocking=True)
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole pages (all layers) — forks give a child its own copy of the parent's working pages."""

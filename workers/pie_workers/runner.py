@@ -39,6 +39,7 @@ class RunnerSettings:
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on GPU
     device: str | None = None  # default: cuda if available
     adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
+    host_pages: int | None = None  # host-memory pages for suspended contexts' KV; default: as many as the pool
 
 
 def _resolve_device_dtype(settings: RunnerSettings) -> tuple[torch.device, torch.dtype]:
@@ -76,7 +77,8 @@ class ModelRunner:
             per_page = page_bytes(self.cfg, settings.page_size, local_kv_heads, self.dtype)
             num_pages = pages_for_memory_fraction(settings.memory_fraction, per_page, self.device)
             num_pages = tp.broadcast_object(num_pages)  # every rank must agree on the pool size
-        self.kv = KVPool(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device)
+        host_pages = num_pages if settings.host_pages is None else settings.host_pages
+        self.kv = KVPool(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
 
     @property
@@ -90,10 +92,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
         """Leader only. Malformed requests come back with ``error`` set; the others run normally."""
-        planned = plan_batch(batch, self.kv.page_size, self.kv.num_pages, self.cfg.vocab_size, self.adapters.ids())
+        kv = self.kv
+        planned = plan_batch(batch, kv.page_size, kv.num_pages, self.cfg.vocab_size, self.adapters.ids(), kv.host_pages)
         outputs = [RequestOutput() for _ in batch.requests]
         for i, msg in planned.errors.items():
             outputs[i].error = msg
+        self._move_host_pages(planned.plan)
         if planned.plan.num_tokens == 0:
             self.kv.copy_pages(planned.plan.copy_src.to(self.device), planned.plan.copy_dst.to(self.device))
             self.tp.broadcast_object(planned.plan)
@@ -114,10 +118,17 @@ class ModelRunner:
                 getattr(self.adapters, method)(*args)
                 continue
             plan = message.to(self.device)
+            self._move_host_pages(plan)
             if plan.num_tokens == 0:
                 self.kv.copy_pages(plan.copy_src, plan.copy_dst)
             else:
                 self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
+
+    def _move_host_pages(self, plan: BatchPlan) -> None:
+        """Offloads, then restores: a page offloaded in this batch may be the one a restore refills."""
+        if (moves := plan.host_moves) is not None:
+            self.kv.move_to_host(moves.offload_pages, moves.offload_slots)
+            self.kv.move_from_host(moves.restore_slots, moves.restore_pages)
 
     def stop_followers(self) -> None:
         self.tp.broadcast_object(None)

@@ -10,8 +10,10 @@ Allocation stays local and immediate while the pool has room and nobody is waiti
   do not evict each other every step, yet one that finished its work but was not released blocks nobody.)
 * Otherwise it waits in line, ordered by bid (highest first, first come first served among equals), after
   suspending itself if it holds pages, so a waiter never sits on memory someone ahead of it needs.
-* A suspended context gives up all its pages and keeps its text; its next operation waits in the same line and
-  recomputes the KV (prefix pages still cached are adopted instead). Nothing is lost; tokens come out the same.
+* A suspended context gives up all its pages and keeps its text. Its pages' contents move to host memory when the
+  host buffer has room, else they are dropped. Its next operation waits in the same line, adopts prefix pages still
+  cached, and copies the rest back from host memory or, if they were dropped, recomputes them. Nothing is lost;
+  tokens come out the same.
 
 The ordering property: a context is suspended only to make room for one bidding more per page (or as much, once it
 has been idle), or by its own choice when it has to wait. So it can be suspended while a lower per-page bidder stays
@@ -39,6 +41,7 @@ class Suspended:
     text: list[tuple[int, int]]  # (token, position) of every token the context held
     committed: int  # how many of them were committed (page-aligned)
     pages: int  # pages they need back
+    host: list[int] | None = None  # host slot holding each of those pages, in order; None: recompute them
 
 
 @dataclass(order=True)
@@ -50,7 +53,15 @@ class _Waiter:
 
 
 class Residency:
-    def __init__(self, contexts: ContextTable, busy: Callable[[int], bool], clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        contexts: ContextTable,
+        busy: Callable[[int], bool],
+        clock: Callable[[], int],
+        host_pages: int = 0,
+        offload: Callable[[list[tuple[int, int]]], None] | None = None,
+    ) -> None:
+        """``offload(pairs)`` queues copies of (page, host slot) that run before any later use of those pages."""
         self.contexts = contexts
         self.store = contexts.store
         self.busy = busy  # ctx -> an operation on it is in flight, so it cannot be suspended now
@@ -61,6 +72,9 @@ class Residency:
         self._line: list[_Waiter] = []
         self._arrivals = itertools.count()
         self.suspensions = 0
+        self.offloaded = 0  # suspensions whose pages went to host memory
+        self._free_host = list(range(host_pages - 1, -1, -1)) if offload is not None else []
+        self._offload = offload
         self._last_use: dict[int, int] = {}
         self._clock = clock  # batches fired so far
 
@@ -94,7 +108,8 @@ class Residency:
     def forget(self, ctx: int) -> None:
         self.bids.pop(ctx, None)
         self.owners.pop(ctx, None)
-        self.suspended.pop(ctx, None)
+        if (gone := self.suspended.pop(ctx, None)) is not None and gone.host:
+            self.release_host(gone.host)
         self._last_use.pop(ctx, None)
 
     @property
@@ -106,12 +121,24 @@ class Residency:
         return {w.ctx: w.pages() for w in self._line}
 
     def suspend(self, ctx: int) -> bool:
-        """Give up the context's pages, keeping its text; False if its KV could not be recomputed."""
+        """Give up the context's pages, keeping its text (and their contents in host memory when there is room);
+        False if its KV could not be recomputed."""
         if ctx in self.suspended or not self.contexts.recomputable(ctx):
             return False
+        view = self.contexts.view(ctx)
+        pages = view.page_ids[: -(-view.seq_len // self.store.page_size)]  # the pages holding its tokens
+        host = None
+        if pages and len(self._free_host) >= len(pages):
+            host = [self._free_host.pop() for _ in pages]
+            self._offload(list(zip(pages, host, strict=True)))  # queued before anyone can reuse the pages
+            self.offloaded += 1
         self.add_suspended(ctx, *self.contexts.evict(ctx))
+        self.suspended[ctx].host = host
         self.suspensions += 1
         return True
+
+    def release_host(self, slots: list[int]) -> None:
+        self._free_host.extend(slots)
 
     def add_suspended(self, ctx: int, text: list[tuple[int, int]], committed: int) -> None:
         """Record ``ctx`` (holding no pages) as suspended with this text, to be recomputed on its next pass."""
@@ -127,6 +154,9 @@ class Residency:
             )
         del s.text[len(s.text) - n :]
         s.pages = -(-len(s.text) // self.store.page_size)
+        if s.host is not None:
+            self.release_host(s.host[s.pages :])
+            del s.host[s.pages :]
 
     def try_now(self, ctx: int | None, pages: int) -> bool:
         """Whether ``ctx`` may reserve ``pages`` right away: no waiter bids as much, and the pool has (or suspending

@@ -3,7 +3,8 @@
 One batch runs at a time. While it runs, new requests queue up; when it finishes, the next batch fires as soon as
 the queue holds as many requests as recent batches did (so N inferlets stepping in lock-step stay in one batch), or
 after a short wait bounded by the last batch's latency (so a lone request is never held long). Batches respect
-limits on tokens, requests and page references; page copies (forks) ride with the next batch.
+limits on tokens, requests and page references; page copies (forks) and moves to and from host memory ride with
+the next batch, in the order they were submitted.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
 
@@ -27,9 +28,11 @@ class BatchLimits:
 
 @dataclass
 class _Job:
-    request: ForwardRequest | None  # None: a copies-only job
+    request: ForwardRequest | None  # None: a job that only moves pages
     copies: list[tuple[int, int]]
     future: asyncio.Future
+    offloads: list[tuple[int, int]] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
 
 
 class BatchScheduler:
@@ -48,9 +51,17 @@ class BatchScheduler:
         """Forward requests waiting for the next batch."""
         return len(self._queue)
 
-    def submit(self, request: ForwardRequest | None, copies: list[tuple[int, int]] = ()) -> asyncio.Future:
-        """Queue one request (and/or page copies); the future resolves to its RequestOutput (or None for copies)."""
-        job = _Job(request, list(copies), asyncio.get_running_loop().create_future())
+    def submit(
+        self,
+        request: ForwardRequest | None,
+        copies: list[tuple[int, int]] = (),
+        offloads: list[tuple[int, int]] = (),
+        restores: list[tuple[int, int]] = (),
+    ) -> asyncio.Future:
+        """Queue one request and/or page moves; the future resolves to its RequestOutput (None without a request).
+        Moves run in submission order: pages offloaded here are safe to reuse in any later job."""
+        future = asyncio.get_running_loop().create_future()
+        job = _Job(request, list(copies), future, list(offloads), list(restores))
         self._queue.append(job)
         self._arrived.set()
         return job.future
@@ -63,7 +74,10 @@ class BatchScheduler:
             await self._gather_stragglers()
             jobs = self._take()
             batch = ForwardBatch(
-                [j.request for j in jobs if j.request is not None], [c for j in jobs for c in j.copies]
+                [j.request for j in jobs if j.request is not None],
+                [c for j in jobs for c in j.copies],
+                [o for j in jobs for o in j.offloads],
+                [r for j in jobs for r in j.restores],
             )
             start = time.perf_counter()
             try:

@@ -80,6 +80,8 @@ class ReplicaEngine:
             self.contexts,
             busy=lambda ctx: ctx in self._locks and self._locks[ctx].locked(),
             clock=lambda: self.scheduler.batches_fired,
+            host_pages=runner.kv.host_pages,
+            offload=lambda pairs: self.scheduler.submit(None, offloads=pairs),
         )
         self.scheduler = BatchScheduler(self._execute, limits)
         self.channel = ChannelServer(self._handle)
@@ -276,6 +278,7 @@ class ReplicaEngine:
             "queued": self.scheduler.queued,
             "suspended": len(self.residency.suspended),
             "suspensions": self.residency.suspensions,
+            "offloaded": self.residency.offloaded,
             "waiting": self.residency.waiting,
             "batches": self.scheduler.batches_fired,
             "requests": self.scheduler.requests_served,
@@ -496,6 +499,9 @@ class ReplicaEngine:
         tokens, positions = [t for t, _ in text], [p for _, p in text]
         reused = self.contexts.reuse_prefix(ctx, tokens[:committed], positions[:committed]) if committed else 0
         self.contexts.reserve(ctx, pages - len(self.contexts.view(ctx).page_ids))
+        if suspended.host is not None:
+            await self._copy_back(ctx, suspended, reused)
+            return
         chunk = self.scheduler.limits.max_tokens
         for start in range(reused, len(tokens), chunk):
             end = min(start + chunk, len(tokens))
@@ -513,6 +519,20 @@ class ReplicaEngine:
                 PassBinding(),
                 trim=False,
             )
+
+    async def _copy_back(self, ctx: int, suspended, reused: int) -> None:
+        """Restore a context's pages from host memory (past the ``reused`` tokens adopted from the cache): copy
+        them into its reserved pages, then record and commit its tokens as the passes that wrote them did."""
+        tokens, positions = [t for t, _ in suspended.text], [p for _, p in suspended.text]
+        try:
+            page_ids = self.contexts.view(ctx).page_ids
+            first, last = reused // self.page_size, -(-len(tokens) // self.page_size)
+            await self.scheduler.submit(None, restores=[(suspended.host[i], page_ids[i]) for i in range(first, last)])
+        finally:
+            self.residency.release_host(suspended.host)
+        self.contexts.record(ctx, tokens[reused:], positions[reused:])
+        if full := (suspended.committed - reused) // self.page_size:
+            self.contexts.commit(ctx, full)
 
     def _trim(self, ctx: int) -> None:
         """Give back working pages that hold no tokens (after a rejected draft, a failed pass, or a truncate)."""

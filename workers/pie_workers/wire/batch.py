@@ -93,10 +93,14 @@ class ForwardRequest:
 
 @dataclass(slots=True)
 class ForwardBatch:
-    """A ragged batch; ``page_copies`` (src, dst) run before the forward (used to fork working pages)."""
+    """A ragged batch. Before the forward, in this order: ``offloads`` (page, host slot) copy pages out to host
+    memory (a suspended context's KV), ``restores`` (host slot, page) copy them back, ``page_copies`` (src, dst)
+    copy pages within the pool (forks)."""
 
     requests: list[ForwardRequest]
     page_copies: list[tuple[int, int]] = field(default_factory=list)
+    offloads: list[tuple[int, int]] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
