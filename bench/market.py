@@ -15,8 +15,9 @@ Contended throughput: ``--inferlets`` inferlets, each continuing its own 100-tok
 share a replica of the tiny model whose ``--pages`` pages hold about half of what they need. First come first served
 is the replica without a market (every bid 0: a context needing a page while others wait in line gives up its own);
 the market run reports to a market actor and every Generator bids Pie's default from its balance and remaining
-tokens. Both runs produce the same tokens; the table compares wall time, tokens/s, suspensions (each one a
-recomputation) and mean completion time. Modes alternate, ``--runs`` times each.
+tokens. Each with the replica's host buffer (suspended pages are copied out and back) and without it (they are
+recomputed). All runs produce the same tokens; the table compares wall time, tokens/s, suspensions and mean
+completion time. Modes alternate, ``--runs`` times each.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ async def continue_text(input):
     return tokens, time.perf_counter() - start
 
 
-def contended_run(args, with_market: bool) -> dict:
+def contended_run(args, with_market: bool, host_buffer: bool) -> dict:
     from pie_cluster.host import endpoints_for, run_inferlet
     from pie_cluster.market import MarketActor
     from pie_workers.engine.scheduler import BatchLimits
@@ -178,7 +179,7 @@ def contended_run(args, with_market: bool) -> dict:
     from pie_workers.tiny_model import default_model_path
 
     market = MarketActor.remote() if with_market else None
-    settings = RunnerSettings(num_pages=args.pages)
+    settings = RunnerSettings(num_pages=args.pages, host_pages=None if host_buffer else 0)
     replica = Replica(default_model_path("llama"), 1, settings, cpus_per_rank=1, engine=BatchLimits(), market=market)
     endpoints = endpoints_for("default", replica)
 
@@ -211,25 +212,27 @@ def contended_table(args) -> Table:
         title=f"contended replica: {args.inferlets} inferlets x ({PROMPT_TOKENS} + {args.tokens}) tokens on "
         f"{args.pages} pages of 16 tokens, tiny llama on CPU"
     )
-    for column in ("policy", "wall s", "tokens/s", "vs FCFS", "suspensions", "mean completion s"):
+    for column in ("suspended pages", "policy", "wall s", "tokens/s", "vs FCFS", "suspensions", "mean completion s"):
         table.add_column(column, justify="right")
-    runs: dict[bool, list[dict]] = {False: [], True: []}
+    modes = [(host, market) for host in (True, False) for market in (False, True)]
+    runs: dict[tuple[bool, bool], list[dict]] = {mode: [] for mode in modes}
     for _ in range(args.runs):
-        for with_market in (False, True):
-            runs[with_market].append(contended_run(args, with_market))
-    reference = runs[False][0]["tokens"]
+        for mode in modes:
+            runs[mode].append(contended_run(args, with_market=mode[1], host_buffer=mode[0]))
+    reference = runs[modes[0]][0]["tokens"]
     assert all(r["tokens"] == reference for rs in runs.values() for r in rs), "a policy changed the tokens"
     generated = args.inferlets * args.tokens
-    fcfs_rate = generated / np.median([r["wall"] for r in runs[False]])
-    for with_market, name in ((False, "first come, first served"), (True, "market (default bids)")):
-        wall = float(np.median([r["wall"] for r in runs[with_market]]))
+    for host, with_market in modes:
+        wall = float(np.median([r["wall"] for r in runs[host, with_market]]))
+        fcfs_wall = float(np.median([r["wall"] for r in runs[host, False]]))
         table.add_row(
-            name,
+            "to host memory" if host else "recomputed",
+            "market (default bids)" if with_market else "first come, first served",
             f"{wall:.2f}",
             f"{generated / wall:.0f}",
-            f"{generated / wall / fcfs_rate:.2f}x",
-            f"{np.median([r['suspensions'] for r in runs[with_market]]):.0f}",
-            f"{np.median([r['latency'] for r in runs[with_market]]):.2f}",
+            f"{fcfs_wall / wall:.2f}x",
+            f"{np.median([r['suspensions'] for r in runs[host, with_market]]):.0f}",
+            f"{np.median([r['latency'] for r in runs[host, with_market]]):.2f}",
         )
     return table
 
@@ -244,10 +247,12 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--skip-ticks", action="store_true", help="only the contended-throughput table")
     args = ap.parse_args()
     init_ray(num_cpus=4)
     console = Console(width=120)
-    console.print(tick_cost_table(args))
+    if not args.skip_ticks:
+        console.print(tick_cost_table(args))
     console.print(contended_table(args))
 
 
