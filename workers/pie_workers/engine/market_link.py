@@ -40,14 +40,12 @@ class MarketLink:
         contexts: ContextTable,
         residency: Residency,
         scheduler: BatchScheduler,
-        busy,
     ) -> None:
         self.market = market
         self.device = device
         self.contexts = contexts
         self.residency = residency
         self.scheduler = scheduler
-        self._busy = busy
         self.price = 0.0  # the device's clearing price from the latest round: ``scheduling.rent``
         self.latency_s = 0.0
         self.rounds = 0
@@ -126,6 +124,6 @@ class MarketLink:
         self.price = float(decision["price"])
         self.residency.set_caps(decision["caps"])
         for ctx in decision["suspend"]:
-            if ctx in self.residency.owners and not self._busy(ctx):
+            if ctx in self.residency.owners and not self.residency.busy(ctx):
                 self.residency.suspend(ctx)
         self.residency.wake()

@@ -86,9 +86,7 @@ class ReplicaEngine:
         self.scheduler = BatchScheduler(self._execute, limits)
         self.channel = ChannelServer(self._handle)
         self.market = (
-            MarketLink(market, device, self.contexts, self.residency, self.scheduler, self.residency.busy)
-            if market is not None
-            else None
+            MarketLink(market, device, self.contexts, self.residency, self.scheduler) if market is not None else None
         )
         self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
         self._locks: dict[int, asyncio.Lock] = {}
