@@ -137,8 +137,8 @@ class Context:
     def set_bid(self, bid: float) -> None:
         """Offer ``bid`` credits per page per tick to keep this context's pages when memory is short (higher bids
         stay resident; lower ones are suspended, their pages kept in host memory or recomputed when they are next
-        used). It holds until changed, and overrides the
-        default bid a Generator makes for the context from its balance and horizon (without either, the bid is 0)."""
+        used). It holds until changed, and overrides the default bid a Generator makes for the context from its
+        balance and horizon (without either, the bid is 0)."""
         self._check_live()
         bid = float(bid)
         if not (bid >= 0.0 and math.isfinite(bid)):
