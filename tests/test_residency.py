@@ -156,6 +156,25 @@ def test_memory_goes_to_the_highest_bidder(scarce, bid):
     assert stats["working"] == 0 and stats["suspended"] == 0 and stats["waiting"] == 0
 
 
+def test_a_context_suspended_by_hand_comes_back_intact(scarce):
+    async def suspending(input):
+        with Context(Model.load("default")) as ctx:
+            ctx.append(MEMORY[: input["n"]])
+            await ctx.flush()
+            if input["suspend"]:
+                ctx.suspend()
+                ctx.suspend()  # already suspended: nothing to do
+            ctx.cue()
+            return await ctx.generate(Sampler.argmax(), max_tokens=8).collect_tokens()
+
+    for n in (40, 200):  # a context that is all working pages / one with committed pages (some may stay cached)
+        before = scarce.stats()
+        suspended = scarce.run(suspending, {"n": n, "suspend": True})
+        after = scarce.stats()
+        assert after["suspensions"] == before["suspensions"] + 1 and after["suspended"] == 0
+        assert suspended == scarce.run(suspending, {"n": n, "suspend": False})
+
+
 def test_idle_yields_pages_to_a_bidder(scarce):
     async def holder_and_bidder(input):
         model = Model.load("default")

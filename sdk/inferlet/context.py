@@ -161,6 +161,12 @@ class Context:
             if not self._released:
                 self._send_bid(previous)
 
+    def suspend(self) -> None:
+        """Give this context's pages up now, to whoever needs them (they wait in host memory when the replica has
+        room, else they are recomputed); its next operation brings it back. A no-op if it is suspended already."""
+        self._check_live()
+        self._model.channel.call_sync("suspend", self._id)
+
     def _send_bid(self, bid: float) -> None:
         self._model.channel.call_sync("set_bid", self._id, bid)
         self._bid = bid

@@ -453,6 +453,19 @@ class ReplicaEngine:
             "latency": self.market.latency_s or self.scheduler.last_latency_s,
         }
 
+    async def op_suspend(self, session: Session, ctx: int) -> None:
+        """Give the context's pages up now (kept in host memory when there is room); its next operation restores
+        it. A no-op for a context that is already suspended."""
+        async with self._locks[self._own(session, ctx)]:
+            if ctx in self.residency.suspended:
+                return
+            if not self.contexts.recomputable(ctx):
+                raise ContextError(
+                    f"context {ctx} holds KV written under a custom attention mask, an adapter or a zo seed, which "
+                    "could not be restored: it cannot be suspended"
+                )
+            self.residency.suspend(ctx)
+
     async def op_set_bid(self, session: Session, ctx: int, bid: float) -> None:
         """Credits per page per tick this context offers to keep its pages when memory is short."""
         self.residency.set_bid(self._own(session, ctx), bid)
