@@ -11,7 +11,9 @@ KV written under an adapter is salted with the adapter's current weights, so onl
 share it.
 
 When the pool runs short, ``Residency`` decides by bid who keeps pages; every operation on a suspended context first
-restores it (recomputing its KV), so inferlets never see a suspension except as a slower step.
+restores it (copying its pages back from host memory, or recomputing them), so inferlets never see a suspension
+except as a slower step. With a market actor, ``MarketLink`` reports the device to it every round and applies its
+decisions.
 """
 
 from __future__ import annotations
