@@ -191,3 +191,26 @@ def test_without_a_market_there_are_no_credits_to_read(ray_session, tiny_llama):
     finally:
         bare.shutdown()
     assert got["bid"] == 0.0 and "without the KV-page market" in got["error"]
+
+
+def test_pages_made_are_charged_to_their_maker_and_taking_a_snapshot_makes_none(replica, market):
+    async def saver(input):
+        with Context(Model.load("default")) as ctx:
+            ctx.append(long_text(7)[:50])  # 4 pages, the last partly filled
+            await ctx.flush()
+            ctx.save("market-made")
+            child = ctx.fork()  # a copy of the partly filled page: one more page made
+            child.release()
+
+    async def taker(input):
+        ctx = Context.take(Model.load("default"), "market-made")
+        assert ctx is not None and ctx.seq_len == 50
+        ctx.release()
+
+    before = ray.get(market.ledger.remote())
+    run_all(replica, market, [(saver, {}, 100.0)])
+    made = ray.get(market.ledger.remote())
+    run_all(replica, market, [(taker, {}, 100.0)])
+    after = ray.get(market.ledger.remote())
+    assert made.burned - before.burned == (math.ceil(50 / 16) + 1) * 1_000_000
+    assert after.burned == made.burned  # the snapshot's pages changed hands; nobody made them

@@ -140,11 +140,14 @@ class ReplicaEngine:
         self.residency.touch(ctx)
         return ctx
 
-    def _adopt(self, session: Session, ctx: int) -> int:
+    def _adopt(self, session: Session, ctx: int, new_pages: bool = False) -> int:
+        """``new_pages``: its working pages were allocated for it (a fork's or an open's copies), not handed over
+        (a taken snapshot's): they count as pages its process made."""
         session.contexts.add(ctx)
         self._locks[ctx] = asyncio.Lock()
         self.residency.owners[ctx] = session.instance
-        self._made(ctx, self.contexts.view(ctx).working_pages)  # a fork's or an open's copies
+        if new_pages:
+            self._made(ctx, self.contexts.view(ctx).working_pages)
         return ctx
 
     def _made(self, ctx: int, pages: int) -> None:
@@ -196,7 +199,7 @@ class ReplicaEngine:
                 text = (suspended.text, suspended.committed) if suspended else self.contexts.text(ctx)
                 child, copies = self.contexts.create(session.username, session.key), []
                 self.residency.add_suspended(child, *text)
-        self._adopt(session, child)
+        self._adopt(session, child, new_pages=True)
         if ctx in self._salts:
             self._salts[child] = self._salts[ctx]
         self.residency.inherit(child, ctx)
@@ -242,7 +245,7 @@ class ReplicaEngine:
                 raise OutOfPages(pages, self.store.available, self.store.num_pages)
             ctx, copies = self.contexts.create(session.username, session.key), []
             self.residency.add_suspended(ctx, *text)
-        self._adopt(session, ctx)
+        self._adopt(session, ctx, new_pages=True)
         await self._run_copies(copies)
         return [ctx, self._seq_len(ctx)]
 
