@@ -4,14 +4,12 @@ cost 1 credit per page — plus the rules this implementation chose (leavers, in
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
-from pie_cluster.market import MICRO, PAGE_COST, Market, get_or_create_market
+from pie_cluster.market import MICRO, PAGE_COST, Market, endowment_for, get_or_create_market
 
 # Pie's fixture: a budget of 160 tokens at 16 tokens per page endows 10 credits.
-BUDGET_160_TOKENS = math.ceil(160 / 16)
+BUDGET_160_TOKENS = endowment_for(160, 16)
 
 
 def report(capacity, contexts, device="gpu0", made=None, **extra):
@@ -88,7 +86,7 @@ def test_rent_moves_between_processes_under_contention():
 
 def test_join_sets_balance_to_endowment():
     market = Market(default_endowment=BUDGET_160_TOKENS)
-    assert market.join("budgeted", math.ceil(1000 / 16)) == 63
+    assert market.join("budgeted", endowment_for(1000, 16)) == 63
     assert market.join("default") == 10
     assert market.account("budgeted")["balance"] == market.account("budgeted")["endowment"] == 63
     assert market.account("default")["balance"] == 10
@@ -112,6 +110,11 @@ def test_a_process_that_cannot_pay_loses_its_place_and_conservation_holds():
     assert market.wallets.balance[market.wallets.slot("poor")] == MICRO + 999
     assert market.wallets.balance[market.wallets.slot("rich")] == 999 * MICRO + 999_001
     assert market.ledger().held == 1001 * MICRO
+
+
+def test_a_token_budget_endows_one_credit_per_page_it_can_make():
+    assert (BUDGET_160_TOKENS, endowment_for(1000, 16), endowment_for(0, 16)) == (10.0, 63.0, 0.0)
+    assert endowment_for(None, 16) is None  # no budget: the market's default endowment
 
 
 def test_caps_tell_the_replica_what_each_process_can_afford():

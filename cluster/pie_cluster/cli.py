@@ -66,7 +66,7 @@ def run(
     from pie_cluster.arguments import fold_arguments
     from pie_cluster.host import encode_return, endpoints_for, load_program, run_inferlet
     from pie_cluster.local_ray import init_ray
-    from pie_cluster.market import get_or_create_market
+    from pie_cluster.market import endowment_for, get_or_create_market
 
     try:
         main = load_program(program)
@@ -88,7 +88,7 @@ def run(
                 user,
                 output=None if stdout else (lambda stream, text: None),
                 market=market,
-                endowment=None if token_budget is None else float(-(-token_budget // replica.info.page_size)),
+                endowment=endowment_for(token_budget, replica.info.page_size),
             )
         )
     except Exception as e:

@@ -10,7 +10,6 @@ want isolation. Finished instances stay listed (and attachable) until ``keep_fin
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from collections import OrderedDict
@@ -23,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.events import EventLog
 from pie_cluster.inferlet_host import InferletHost
+from pie_cluster.market import endowment_for
 from pie_cluster.programs import Program
 
 
@@ -142,17 +142,10 @@ class Launcher:
             self._pool.mcp_servers,
             deadline_s if deadline_s is not None else self._default_deadline_s,
             self._pool.market,
-            self._endowment(node, token_budget),
+            endowment_for(token_budget, min(e.page_size for e in self._pool.endpoints[node].values())),
         )
         self.launched += 1
         return instance_id
-
-    def _endowment(self, node: str, token_budget: int | None) -> float | None:
-        """Pie's rule: a budget of T tokens endows ceil(T / page size) credits, one per page it can make."""
-        if token_budget is None:
-            return None
-        page_size = min((e.page_size for e in self._pool.endpoints[node].values()), default=1)
-        return float(math.ceil(token_budget / page_size))
 
     def _choose_node(self, node_id: str | None) -> str:
         hosts = self._pool.hosts

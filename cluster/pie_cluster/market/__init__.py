@@ -2,7 +2,7 @@
 
 from pie_cluster.market.actor import MARKET_NAME, MarketActor, get_or_create_market
 from pie_cluster.market.auction import Clearing, clear
-from pie_cluster.market.market import DEFAULT_ENDOWMENT, PAGE_COST, Market
+from pie_cluster.market.market import DEFAULT_ENDOWMENT, PAGE_COST, Market, endowment_for
 from pie_cluster.market.wallets import MICRO, Ledger
 from pie_cluster.market.wire import Account, DeviceDecision, DeviceReport
 
@@ -19,5 +19,6 @@ __all__ = [
     "Market",
     "MarketActor",
     "clear",
+    "endowment_for",
     "get_or_create_market",
 ]

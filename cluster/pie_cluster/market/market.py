@@ -50,6 +50,13 @@ PAGE_COST = 1.0
 DEFAULT_ENDOWMENT = 64.0
 """Credits of a process launched without a token budget (Pie's default: 64 pages)."""
 
+
+def endowment_for(token_budget: int | None, page_size: int) -> float | None:
+    """Pie's rule: a budget of T tokens endows ceil(T / page size) credits, one per page it can make (None: no
+    budget, the market's default endowment)."""
+    return None if token_budget is None else float(math.ceil(token_budget / page_size))
+
+
 _LARGEST_MADE = 2**40
 """Pages made per report beyond which the report is certainly corrupt (keeps micro-credit products in int64)."""
 
