@@ -236,7 +236,7 @@ class Generator:
         The tokens still expected: ``horizon`` minus those generated (exactly), else ``max_tokens`` minus them
         (cv² = 1), else as many as generated so far, at least 64 (the Lindy rule)."""
         ctx = self._ctx
-        if ctx._explicit_bid or ctx._idle:
+        if not ctx._bids_by_default:
             return None
         readings = scheduling.readings(ctx.model)
         if readings is None:

@@ -516,7 +516,7 @@ class ReplicaEngine:
         reused = self.contexts.reuse_prefix(ctx, tokens[:committed], positions[:committed]) if committed else 0
         self.contexts.reserve(ctx, pages - len(self.contexts.view(ctx).page_ids))
         if suspended.host is not None:
-            await self._copy_back(ctx, suspended, reused)
+            await self._copy_back(ctx, suspended, tokens, positions, reused)
             return
         chunk = self.scheduler.limits.max_tokens
         for start in range(reused, len(tokens), chunk):
@@ -536,10 +536,9 @@ class ReplicaEngine:
                 trim=False,
             )
 
-    async def _copy_back(self, ctx: int, suspended, reused: int) -> None:
+    async def _copy_back(self, ctx: int, suspended, tokens: list[int], positions: list[int], reused: int) -> None:
         """Restore a context's pages from host memory (past the ``reused`` tokens adopted from the cache): copy
         them into its reserved pages, then record and commit its tokens as the passes that wrote them did."""
-        tokens, positions = [t for t, _ in suspended.text], [p for _, p in suspended.text]
         try:
             page_ids = self.contexts.view(ctx).page_ids
             first, last = reused // self.page_size, -(-len(tokens) // self.page_size)
