@@ -33,6 +33,11 @@ class MarketActor:
     async def account(self, process_id: str) -> Account:
         return self._market.account(process_id)
 
+    async def settle_and_read(self, report: DeviceReport) -> tuple[DeviceDecision, dict[str, Account]]:
+        """One device's round and, after it, the accounts of the processes it named: a replica's one call a round."""
+        [decision] = self._market.settle([report])
+        return decision, await self.accounts(report["processes"])
+
     async def accounts(self, process_ids: Sequence[str]) -> dict[str, Account]:
         """The accounts of those of ``process_ids`` that have joined (a replica refreshes its cache with this)."""
         return {p: self._market.account(p) for p in process_ids if self._market.wallets.slot(p) is not None}

@@ -12,7 +12,8 @@ process, bid, effective (Shapley) pages and whether it is resident, the pages ea
 
 A suspended context is in the report only while it waits in line for memory: one whose inferlet is not asking for it
 competes for nothing and pays nothing. The market is an opaque Ray actor handle here (``pie_workers`` never imports
-``pie_cluster``): ``settle([report]) -> [decision]`` and ``accounts(process_ids) -> {process: account}``.
+``pie_cluster``): ``settle_and_read(report) -> (decision, {process: account})`` once a round, and
+``accounts(process_ids) -> {process: account}`` for a process no round has named yet.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ class MarketLink:
         report = self.report(settle_made)
         if report is None:
             return None
-        [decision] = await self.market.settle.remote([report])
+        decision, accounts = await self.market.settle_and_read.remote(report)
         self.apply(decision)
-        self.accounts.update(await self.market.accounts.remote(report["processes"]))
+        self.accounts.update(accounts)
         return decision
 
     async def account(self, process: str) -> dict | None:
