@@ -175,6 +175,26 @@ def test_a_context_suspended_by_hand_comes_back_intact(scarce):
         assert suspended == scarce.run(suspending, {"n": n, "suspend": False})
 
 
+def test_kv_that_could_not_be_restored_refuses_to_be_suspended(scarce):
+    async def masked(input):
+        with Context(Model.load("default")) as ctx:
+            # written under a custom (here: causal) attention mask, so its KV is salted: never recomputed
+            await ctx.forward().input([100, 101, 102]).attention_mask([[0, 1], [0, 2], [0, 3]]).execute()
+            try:
+                ctx.suspend()
+            except ValueError as e:
+                refused = str(e)
+            else:
+                refused = None
+            ctx.append([103])
+            await ctx.flush()  # the context is untouched and goes on working
+            return refused, ctx.seq_len
+
+    refused, seq_len = scarce.run(masked)
+    assert refused is not None and "cannot be suspended" in refused and seq_len == 4
+    assert scarce.stats()["suspended"] == 0
+
+
 def test_idle_yields_pages_to_a_bidder(scarce):
     async def holder_and_bidder(input):
         model = Model.load("default")
