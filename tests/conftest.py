@@ -34,11 +34,18 @@ def tiny_qwen3() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def second_node_cache(tmp_path_factory) -> Path:
+    """The second node's ``PIE_CACHE_DIR``: what Pie builds or fetches there lands here, not in the head's cache."""
+    return tmp_path_factory.mktemp("second-node-cache")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(second_node_cache):
     """One Ray cluster of two nodes (two raylets on this machine) for the whole session; starting it costs ~5 s.
 
     The head has the dashboard (the Jobs API needs it); the second node carries a ``second_node`` resource so a
-    test can pin work there. Tests that do not care see one pool of 8 CPUs.
+    test can pin work there, and its own Pie cache directory, so it starts without the head's files as a separate
+    machine would. Tests that do not care see one pool of 8 CPUs.
     """
     import socket
 
@@ -52,7 +59,7 @@ def ray_cluster():
         initialize_head=True,
         head_node_args={"num_cpus": 4, "include_dashboard": True, "dashboard_port": dashboard_port},
     )
-    cluster.add_node(num_cpus=4, resources={"second_node": 1})
+    cluster.add_node(num_cpus=4, resources={"second_node": 1}, env_vars={"PIE_CACHE_DIR": str(second_node_cache)})
     ray.init(address=cluster.address, log_to_driver=False, namespace="pie-test")
     yield cluster
     ray.shutdown()

@@ -1,5 +1,6 @@
-"""The cluster services on a real two-node Ray cluster: controller, launcher, pooled and dedicated inferlet hosts,
-the message bus across nodes, and cleanup after inferlets that raise, hang or are aborted."""
+"""The cluster services on a real two-node Ray cluster: controller, a model's replicas on both nodes, launcher,
+pooled and dedicated inferlet hosts, the message bus across nodes, and cleanup after inferlets that raise, hang or
+are aborted."""
 
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ from pie_cluster.launcher import NotFound
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    config = PieConfig(
-        auth=AuthConfig(enabled=False), model=[ModelConfigEntry(pages=256, cpus_per_rank=1, max_batch_tokens=512)]
-    )
+    model = ModelConfigEntry(pages=256, cpus_per_rank=1, max_batch_tokens=512, replicas=2, placement="strict_spread")
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[model])
     controller = start_controller(config, detached=False)
     yield controller
     ray.get(controller.shutdown.remote())
@@ -75,6 +75,41 @@ def test_launch_runs_the_program_and_returns_what_pie_run_returns(cluster, launc
     import json
 
     assert json.loads(events[0][2]) == direct and len(direct["tokens"]) == 12
+
+
+def test_replicas_on_two_nodes_each_load_their_own_copy_and_serve_their_nodes_inferlets(
+    cluster, launcher, served, second_node_cache
+):
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from pie_cluster.programs import Program
+
+    second = ray.get(
+        ray.remote(lambda: ray.get_runtime_context().get_node_id()).options(resources={"second_node": 0.01}).remote()
+    )
+    replicas = {r["node"]: r for r in engine_stats(cluster)}
+    assert sorted(replicas) == sorted(ray.get(cluster.nodes.remote()))  # one replica on each node
+    (head,) = set(replicas) - {second}
+    # The embedded model was built on each node, in that node's cache, byte for byte the same.
+    assert Path(replicas[second]["model_dir"]).is_relative_to(second_node_cache)
+    assert not Path(replicas[head]["model_dir"]).is_relative_to(second_node_cache)
+    weights = [
+        hashlib.sha256((Path(replicas[n]["model_dir"]) / "model.safetensors").read_bytes()).digest() for n in replicas
+    ]
+    assert weights[0] == weights[1]
+
+    program = upload(launcher, GREEDY)
+    main = Program.from_upload("prog.py", textwrap.dedent(GREEDY).encode()).load_main()
+    expected = served.run(main, {"prompt": "two nodes", "n": 10})
+    for node in (head, second):
+        before = {r["node"]: r["batches"] for r in engine_stats(cluster)}
+        instance = ray.get(launcher.launch.remote("alice", program, {"prompt": "two nodes", "n": 10}, None, node))
+        assert json.loads(run_to_end(launcher, instance)[-1][2]) == expected
+        after = {r["node"]: r["batches"] for r in engine_stats(cluster)}
+        assert after[node] > before[node]  # served by its own node's replica...
+        assert all(after[n] == before[n] for n in after if n != node)  # ...and by no other
 
 
 SESSION = """
@@ -145,8 +180,8 @@ def test_an_inferlet_that_is_aborted_times_out_or_raises_leaves_nothing_behind(c
     if how == "raise":
         assert "line 11" in value  # where in the program it was raised
     status = ray.get(cluster.status.remote())
-    (replica,) = status["replicas"]
-    assert replica["contexts"] == 0 and replica["pages_used"] == 0
+    for replica in status["replicas"]:
+        assert replica["contexts"] == 0 and replica["pages_used"] == 0
     assert status["bus"]["subscriptions"] == bus_before["subscriptions"]
     market = ray.get_actor("pie-market")
     assert ray.get(market.accounts.remote([instance])) == {}, "its wallet is still open"

@@ -15,7 +15,8 @@ the file (or ``pie start --no-auth``) turns it off explicitly::
     name = "default"
     path = "/models/Qwen3-0.6B"       # a Hugging Face directory; omit for the embedded tiny model
     tensor_parallel = 2
-    replicas = 2                      # data-parallel copies, placed by Ray (one TP group per node)
+    replicas = 2                      # data-parallel copies, each TP group on one node
+    placement = "spread"              # replicas on different nodes where they fit ("strict_spread": always)
     pages = 8192
 """
 
@@ -52,6 +53,7 @@ class ModelConfigEntry(_Strict):
     arch: Literal["llama", "qwen3"] = "llama"  # which embedded model, when path is None
     tensor_parallel: int = Field(1, ge=1)
     replicas: int = Field(1, ge=1)
+    placement: Literal["spread", "strict_spread", "pack"] = "spread"  # how replicas share nodes (Ray's strategies)
     pages: int = Field(4096, ge=1)
     page_size: int = Field(16, ge=1)
     cpus_per_rank: int = Field(1, ge=1)

@@ -1,10 +1,12 @@
 """The controller: brings up (and tears down) everything a Pie cluster runs on top of Ray.
 
 ``pie start`` creates it as a detached named actor, so the services outlive the command: the KV-page market, the
-model replicas of every ``[[model]]`` (each a tensor-parallel group placed by Ray, reporting to the market), the
-message bus shards, one pooled inferlet host per node, and the launcher (named, so the HTTP app and Ray jobs find
-it). It also computes, per node, how an
-inferlet there reaches each model: over ipc to a replica on the same node when there is one, else over tcp.
+model replicas of every ``[[model]]`` (tensor-parallel groups, one bundle each of the model's placement group, so
+replicas spread over nodes; each reports to the market), the message bus shards, one pooled inferlet host per node,
+and the launcher (named, so the HTTP app and Ray jobs find it). It also computes, per node, how an inferlet there
+reaches each model: over ipc to a replica on the same node when there is one, else over tcp. Models are named to
+replicas by path or as the embedded model, never by a path from the controller's node: each replica resolves its
+model where it runs, and hosts get a model's tokenizer files through Ray.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from __future__ import annotations
 import ray
 from inferlet.runtime import ModelEndpoint
 from pie_workers.engine.scheduler import BatchLimits
-from pie_workers.replica import Replica
+from pie_workers.model_dir import ModelSource
+from pie_workers.replica import Replica, replica_placement
 from pie_workers.runner import RunnerSettings
+from pie_workers.tiny_model import EmbeddedModel
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus import start_bus
@@ -26,35 +31,20 @@ CONTROLLER = "pie-controller"
 LAUNCHER = "pie-launcher"
 
 
-def _model_dir(entry: ModelConfigEntry) -> str:
-    if entry.path is not None:
-        return entry.path
-    from pie_workers.tiny_model import default_model_path
-
-    return str(default_model_path(entry.arch))
+def _model_source(entry: ModelConfigEntry) -> ModelSource:
+    return entry.path if entry.path is not None else EmbeddedModel(entry.arch)
 
 
 class Controller:
     def __init__(self, config: PieConfig):
         self.config = config
         self.replicas: dict[str, list[Replica]] = {}
+        self.placements: list[PlacementGroup] = []
         namespace = ray.get_runtime_context().namespace
         self.market = get_or_create_market(namespace, config.market.default_endowment)
         for entry in config.model:
-            settings = RunnerSettings(num_pages=entry.pages, page_size=entry.page_size)
-            limits = BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests)
-            self.replicas[entry.name] = [
-                Replica(
-                    _model_dir(entry),
-                    entry.tensor_parallel,
-                    settings,
-                    entry.cpus_per_rank,
-                    entry.use_gpu,
-                    limits,
-                    market=self.market,
-                )
-                for _ in range(entry.replicas)
-            ]
+            self.replicas[entry.name] = self._start_replicas(entry)
+        model_files = {name: replicas[0].leader.model_files.remote() for name, replicas in self.replicas.items()}
         self.bus = start_bus(shards=config.bus.shards, detached=False)
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         launcher_cls = ray.remote(Launcher).options(name=LAUNCHER, num_cpus=0, max_concurrency=100_000)
@@ -67,7 +57,7 @@ class Controller:
                 num_cpus=0,
                 max_concurrency=100_000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(self.launcher)
+            ).remote(self.launcher, model_files)
             for node in nodes
         }
         pool = HostPool(
@@ -77,8 +67,34 @@ class Controller:
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
             mcp_servers=config.mcp_specs(),
             market=self.market,
+            model_files=model_files,
         )
         ray.get(self.launcher.attach_pool.remote(pool))
+
+    def _start_replicas(self, entry: ModelConfigEntry) -> list[Replica]:
+        """The model's replicas, one bundle each of one placement group (spread over nodes as configured)."""
+        use_gpu = entry.use_gpu
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        group = replica_placement(
+            entry.replicas, entry.tensor_parallel, entry.cpus_per_rank, use_gpu, entry.placement.upper()
+        )
+        self.placements.append(group)
+        settings = RunnerSettings(num_pages=entry.pages, page_size=entry.page_size)
+        limits = BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests)
+        return [
+            Replica(
+                _model_source(entry),
+                entry.tensor_parallel,
+                settings,
+                entry.cpus_per_rank,
+                use_gpu,
+                limits,
+                market=self.market,
+                placement=(group, i),
+            )
+            for i in range(entry.replicas)
+        ]
 
     def ready(self) -> bool:
         return True
@@ -112,6 +128,7 @@ class Controller:
                         "model": name,
                         "replica": i,
                         "node": info.node_id,
+                        "model_dir": info.model_dir,
                         "tensor_parallel": info.tensor_parallel_size,
                         "device": info.device,
                         "pages_used": s["total"] - s["free"] - s["cached"],
@@ -143,6 +160,8 @@ class Controller:
         for group in self.replicas.values():
             for replica in group:
                 replica.shutdown()
+        for placement in self.placements:
+            remove_placement_group(placement)
 
 
 def start_controller(config: PieConfig, detached: bool = True):

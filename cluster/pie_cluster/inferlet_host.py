@@ -16,6 +16,7 @@ from inferlet.runtime import ModelEndpoint
 
 from pie_cluster import stdio
 from pie_cluster.host import encode_return, run_inferlet
+from pie_cluster.model_files import LocalModelFiles
 from pie_cluster.programs import Program, ProgramError
 
 
@@ -39,8 +40,10 @@ class _ClientSession:
 
 
 class InferletHost:
-    def __init__(self, launcher):
+    def __init__(self, launcher, model_files: dict[str, object] | None = None):
+        """``model_files``: per model name, a Ray reference to its tokenizer files, for a node without the model."""
         self.launcher = launcher
+        self._models = LocalModelFiles(model_files or {})
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
         self._outbox: list[tuple[str, str, str | bytes]] = []
@@ -83,6 +86,7 @@ class InferletHost:
 
         try:
             main = program.load_main()
+            endpoints = await self._models.endpoints(endpoints)
             async with asyncio.timeout(deadline_s) as deadline:
                 result = await run_inferlet(
                     main,

@@ -75,6 +75,7 @@ class HostPool:
     model_nodes: tuple[str, ...] = ()  # nodes that serve at least one replica: preferred for co-location
     mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)  # name -> how inferlets reach it
     market: object | None = None  # the KV-page market actor: every instance has a wallet there while it runs
+    model_files: dict[str, object] = field(default_factory=dict)  # model name -> ref to its tokenizer files
 
 
 class Launcher:
@@ -164,7 +165,8 @@ class Launcher:
         options = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
         if program.runtime_env:
             options["runtime_env"] = program.runtime_env
-        return ray.remote(InferletHost).options(**options).remote(ray.get_runtime_context().current_actor)
+        launcher = ray.get_runtime_context().current_actor
+        return ray.remote(InferletHost).options(**options).remote(launcher, self._pool.model_files)
 
     async def events(self, user: str, instance_id: str, since: int = 0, timeout: float = 10.0) -> dict:
         """Events numbered ``since`` and later, waiting up to ``timeout`` s for one (a long poll)."""

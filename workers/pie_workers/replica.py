@@ -1,8 +1,10 @@
-"""One model replica on Ray: a tensor-parallel group of rank actors placed together by a placement group.
+"""One model replica on Ray: a tensor-parallel group of rank actors sharing one placement-group bundle.
 
 Each rank actor owns one ``ModelRunner`` (its weight shards and its share of the KV pool). Rank 0 receives batches
 and broadcasts them to the other ranks over torch.distributed (NCCL on GPU, gloo on CPU); followers sit in
-``follow`` running whatever the leader sends. Data-parallel replicas are simply more ``Replica`` objects.
+``follow`` running whatever the leader sends. Data-parallel replicas are simply more ``Replica`` objects; one
+bundle per replica keeps a group on one node, and bundles of one placement group (see ``replica_placement``) put
+a model's replicas on different nodes.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pie_workers.engine.scheduler import BatchLimits
+from pie_workers.model_dir import ModelSource, description_files, local_model_dir
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 
@@ -57,11 +60,12 @@ class RankWorker:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
 
-    async def start(self, model_dir: str, settings: RunnerSettings, addr: str, port: int) -> ReplicaInfo:
+    async def start(self, model: ModelSource, settings: RunnerSettings, addr: str, port: int) -> ReplicaInfo:
         import torch
 
         from pie_workers.parallel import init_group
 
+        model_dir = local_model_dir(model, f"node {ray.util.get_node_ip_address()}")
         backend = "nccl" if torch.cuda.is_available() and settings.device != "cpu" else "gloo"
         tp = init_group(self.rank, self.world_size, addr, port, backend)
         self.runner = ModelRunner(model_dir, settings, tp, show_progress=True)
@@ -93,6 +97,10 @@ class RankWorker:
             raise RuntimeError("this replica's engine owns its KV pool: reach it through the inferlet channel")
         return await asyncio.to_thread(self.runner.execute, batch)
 
+    async def model_files(self) -> dict[str, bytes]:
+        """The model's config, tokenizer and template files, for inferlet hosts on nodes without the model."""
+        return description_files(self.runner.model_dir)
+
     async def engine_stats(self) -> dict:
         return await self.engine.op_stats(None)
 
@@ -111,21 +119,26 @@ class Replica:
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model: ModelSource,
         tensor_parallel_size: int = 1,
         settings: RunnerSettings = RunnerSettings(),
         cpus_per_rank: int = 1,
         use_gpu: bool | None = None,
         engine: BatchLimits | None = None,
         market=None,
+        placement: tuple[PlacementGroup, int] | None = None,
     ):
-        """``engine``: also start the replica engine with these batch limits (what inferlets talk to); ``market``:
-        the market actor its engine reports to (None: no market, bids only rank contexts locally)."""
+        """``model``: a model directory (resolved on the replica's node) or the embedded model; ``engine``: also
+        start the replica engine with these batch limits (what inferlets talk to); ``market``: the market actor its
+        engine reports to (None: no market, bids only rank contexts locally); ``placement``: the bundle of a shared
+        placement group to run in (see ``replica_placement``; None: a placement group of its own)."""
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0 and settings.device != "cpu"
         n = tensor_parallel_size
-        bundle = {"GPU": 1, "CPU": cpus_per_rank} if use_gpu else {"CPU": cpus_per_rank}
-        self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK")
+        self._own_placement = placement is None
+        if placement is None:
+            placement = replica_placement(1, n, cpus_per_rank, use_gpu), 0
+        self.placement_group, bundle = placement
         ray.get(self.placement_group.ready(), timeout=600)
         actor = ray.remote(RankWorker)
         self.ranks = [
@@ -133,13 +146,13 @@ class Replica:
                 num_cpus=cpus_per_rank,
                 num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=i
+                    self.placement_group, placement_group_bundle_index=bundle
                 ),
             ).remote(i, n, cpus_per_rank)
             for i in range(n)
         ]
         addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
-        infos = ray.get([r.start.remote(str(model_dir), settings, addr, port) for r in self.ranks])
+        infos = ray.get([r.start.remote(model, settings, addr, port) for r in self.ranks])
         self.info: ReplicaInfo = infos[0]
         self._following = [r.follow.remote() for r in self.ranks[1:]]
         self.addresses = ray.get(self.leader.start_engine.remote(engine, market)) if engine is not None else {}
@@ -156,4 +169,17 @@ class Replica:
         ray.get(self._following)
         for r in self.ranks:
             ray.kill(r)
-        remove_placement_group(self.placement_group)
+        if self._own_placement:
+            remove_placement_group(self.placement_group)
+
+
+def replica_placement(
+    replicas: int, tensor_parallel_size: int, cpus_per_rank: int, use_gpu: bool, strategy: str = "SPREAD"
+) -> PlacementGroup:
+    """A placement group with one bundle per replica, each holding a whole tensor-parallel group (a bundle never
+    spans nodes). ``SPREAD`` puts replicas on different nodes where it can, ``STRICT_SPREAD`` always (or never
+    becomes ready), ``PACK`` on as few nodes as fit."""
+    bundle = {"CPU": cpus_per_rank * tensor_parallel_size}
+    if use_gpu:
+        bundle["GPU"] = tensor_parallel_size
+    return placement_group([dict(bundle) for _ in range(replicas)], strategy=strategy)

@@ -14,6 +14,7 @@ import functools
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -168,6 +169,11 @@ def build_tiny_model(out_dir: Path, arch: Arch = "llama", seed: int = 0) -> Path
     return out_dir
 
 
+def cache_root() -> Path:
+    """This node's cache for Pie's own files: ``$PIE_CACHE_DIR`` if set, else ``~/.cache/pie``."""
+    return Path(os.environ.get("PIE_CACHE_DIR") or Path.home() / ".cache" / "pie").expanduser()
+
+
 def default_model_path(arch: Arch = "llama") -> Path:
     """Return the cached default model for `arch`, building it once (atomically) if it is not there yet.
 
@@ -176,8 +182,7 @@ def default_model_path(arch: Arch = "llama") -> Path:
     renamed into place after its completion marker is written, so readers never see a partial model and a
     concurrent builder that wins the race is simply reused.
     """
-    root = Path(os.environ.get("PIE_CACHE_DIR") or Path.home() / ".cache" / "pie").expanduser()
-    final = root / "models" / f"tiny-{arch}-{BUILD_VERSION}"
+    final = cache_root() / "models" / f"tiny-{arch}-{BUILD_VERSION}"
     if (final / _MARKER).exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -196,3 +201,17 @@ def default_model_path(arch: Arch = "llama") -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """The embedded model named by its architecture rather than by a path.
+
+    A path is only true on the node that built it; a replica placed on another node resolves this name there,
+    finding or building its own byte-identical copy.
+    """
+
+    arch: Arch = "llama"
+
+    def local_path(self) -> Path:
+        return default_model_path(self.arch)
