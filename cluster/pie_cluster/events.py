@@ -60,10 +60,10 @@ class EventLog:
         """Events from ``index`` on, waiting up to ``timeout`` seconds for the first one (long poll)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not (got := self.since(index)) and not self.done:
+        while not self.since(index) and not self.done:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 break
-        return got
+        return self.since(index)  # read after the wait: events may arrive while a timed-out wait is cancelled
