@@ -286,6 +286,23 @@ def test_an_isolated_directory_program_runs_in_its_own_process(launcher):
     assert isolated_pid["pid"] != pooled_pid["pid"]
 
 
+def test_a_program_whose_host_cannot_start_ends_with_an_error_event(cluster, launcher):
+    manifest = """
+    [package]
+    name = "unbuildable"
+    version = "0.1.0"
+    [inferlet.runtime_env]
+    conda = "pie-test-no-such-env"
+    """
+    data = zip_program({"pie.toml": manifest, "main.py": "async def main(input):\n    return 'never'\n"})
+    program = ray.get(launcher.upload.remote("alice", "unbuildable.zip", data))["program"]
+    instance = ray.get(launcher.launch.remote("alice", program, {}))  # the launch itself is accepted...
+    (event,) = run_to_end(launcher, instance)  # ...and the instance ends saying why it never ran
+    assert event[1] == "error" and "could not start the instance" in event[2] and "runtime env" in event[2]
+    assert ray.get(launcher.abort.remote("alice", instance)) is False
+    assert ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0
+
+
 PING = """
 from inferlet import messaging
 

@@ -134,6 +134,16 @@ def test_launch_streams_events_and_round_trips_a_session_message(pie, tmp_path, 
     replayed = list(c.events(instance))  # a late attach replays everything from the start
     assert [k for _, k, _ in replayed] == ["message", "return"]
 
+    # The same in one request: the launch answers with the stream, opened by the instance's id.
+    events = c.launch_and_follow(program["program"], {"prompt": "hello"})
+    index, kind, second = next(events)
+    assert (index, kind) == (-1, "launched") and second != instance
+    assert second in {i["id"] for i in c.list()}
+    index, kind, value = next(events)
+    assert (index, kind, json.loads(value)) == (0, "message", {"draft": draft})
+    c.send(second, "approved")
+    assert list(events) == [(1, "return", f"approved: {draft}")]
+
 
 LONG = """
 from inferlet import Context, Model, Sampler

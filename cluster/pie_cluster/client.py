@@ -61,35 +61,46 @@ class PieClient:
         node_id: str | None = None,
         token_budget: int | None = None,
     ) -> str:
-        body = {
-            "program": program,
-            "input": input or {},
-            "deadline_s": deadline_s,
-            "node_id": node_id,
-            "token_budget": token_budget,
-        }
+        body = _launch_body(program, input, deadline_s, node_id, token_budget)
         return self._check(self._http.post("/v1/instances", json=body)).json()["id"]
+
+    def launch_and_follow(
+        self,
+        program: str,
+        input: dict | None = None,
+        deadline_s: float | None = None,
+        node_id: str | None = None,
+        token_budget: int | None = None,
+    ) -> Iterator[tuple[int, str, Any]]:
+        """Launch and follow in one request: ``(-1, "launched", instance_id)``, then the instance's events (as
+        ``events`` yields them) until its terminal one."""
+        body = _launch_body(program, input, deadline_s, node_id, token_budget)
+        with self._http.stream("POST", "/v1/instances", params={"stream": "true"}, json=body, timeout=None) as response:
+            yield from self._sse(response)
 
     def events(self, instance_id: str, since: int = 0) -> Iterator[tuple[int, str, Any]]:
         """Follow the instance's Server-Sent Events until its terminal event: (index, kind, value)."""
-        with self._http.stream(
-            "GET", f"/v1/instances/{instance_id}/events", params={"since": since}, timeout=None
-        ) as response:
-            if response.is_error:
-                response.read()
-                self._check(response)
-            fields: dict[str, str] = {}
-            for line in response.iter_lines():
-                if line.startswith(":"):
-                    continue
-                if line:
-                    key, _, value = line.partition(": ")
-                    fields[key] = value
-                    continue
-                if "event" in fields:
-                    kind, value = fields["event"], json.loads(fields["data"])
-                    yield int(fields["id"]), kind, base64.b64decode(value) if kind == "file" else value
-                fields = {}
+        path = f"/v1/instances/{instance_id}/events"
+        with self._http.stream("GET", path, params={"since": since}, timeout=None) as response:
+            yield from self._sse(response)
+
+    def _sse(self, response: httpx.Response) -> Iterator[tuple[int, str, Any]]:
+        if response.is_error:
+            response.read()
+            self._check(response)
+        fields: dict[str, str] = {}
+        for line in response.iter_lines():
+            if line.startswith(":"):
+                continue
+            if line:
+                key, _, value = line.partition(": ")
+                fields[key] = value
+                continue
+            if "event" in fields:
+                kind, value = fields["event"], json.loads(fields["data"])
+                index = int(fields["id"]) if "id" in fields else -1
+                yield index, kind, base64.b64decode(value) if kind == "file" else value
+            fields = {}
 
     def send(self, instance_id: str, message: str) -> None:
         self._check(self._http.post(f"/v1/instances/{instance_id}/messages", json={"message": message}))
@@ -110,3 +121,13 @@ class PieClient:
             found = "no instance" if not matches else f"{len(matches)} instances ({', '.join(m[:8] for m in matches)})"
             raise PieClientError(f"{found} of yours matches {prefix!r}")
         return matches[0]
+
+
+def _launch_body(program, input, deadline_s, node_id, token_budget) -> dict:
+    return {
+        "program": program,
+        "input": input or {},
+        "deadline_s": deadline_s,
+        "node_id": node_id,
+        "token_budget": token_budget,
+    }

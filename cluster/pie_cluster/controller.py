@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus import start_bus
 from pie_cluster.config import ModelConfigEntry, PieConfig
-from pie_cluster.inferlet_host import InferletHost
+from pie_cluster.inferlet_host import InferletHost, NodeServices
 from pie_cluster.launcher import HostPool, Launcher
 from pie_cluster.market import get_or_create_market
 
@@ -51,23 +51,29 @@ class Controller:
         self.launcher = launcher_cls.remote(
             config.launcher.event_buffer, config.launcher.keep_finished, config.launcher.default_deadline_s
         )
+        services = {
+            node: NodeServices(
+                endpoints=self.endpoints(node),
+                bus=self.bus.addresses(node),
+                mcp_servers=config.mcp_specs(),
+                market=self.market,
+                model_files=model_files,
+            )
+            for node in nodes
+        }
         host_cls = ray.remote(InferletHost)
         self.hosts = {
             node: host_cls.options(
                 num_cpus=0,
                 max_concurrency=100_000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(self.launcher, model_files)
+            ).remote(self.launcher, services[node])
             for node in nodes
         }
         pool = HostPool(
             hosts=self.hosts,
-            endpoints={node: self.endpoints(node) for node in nodes},
-            bus={node: self.bus.addresses(node) for node in nodes},
+            services=services,
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
-            mcp_servers=config.mcp_specs(),
-            market=self.market,
-            model_files=model_files,
         )
         ray.get(self.launcher.attach_pool.remote(pool))
 

@@ -6,6 +6,8 @@ see their own instances: another user's id answers 404, exactly like an id that 
 
 Events stream as Server-Sent Events: ``id`` is the event's index (resume with ``?since=``), ``event`` its kind,
 ``data`` a JSON string (files are base64). The stream ends after the terminal ``return`` or ``error`` event.
+``POST /v1/instances?stream=true`` launches and answers with the stream itself, opened by a ``launched`` event
+(no ``id``) whose data is the instance id: one request instead of two, for clients that wait on the outcome.
 """
 
 import base64
@@ -119,14 +121,27 @@ class PieIngress:
         user = self._user(authorization)
         return await self._call("upload", self._launcher.upload, user, filename, await request.body())
 
-    @app.post("/v1/instances", response_model=Launched)
-    async def launch(self, body: LaunchRequest, authorization: Annotated[str | None, Header()] = None) -> dict:
+    @app.post(
+        "/v1/instances",
+        response_model=Launched,
+        responses={200: {"content": {"text/event-stream": {}}, "description": "with ?stream=true: the events"}},
+    )
+    async def launch(
+        self,
+        body: LaunchRequest,
+        stream: Annotated[bool, Query(description="answer with the instance's event stream (SSE)")] = False,
+        authorization: Annotated[str | None, Header()] = None,
+    ):
         user = self._user(authorization)
         launcher = self._launcher
         instance = await self._call(
             "launch", launcher.launch, user, body.program, body.input, body.deadline_s, body.node_id, body.token_budget
         )
         self._launches.inc()
+        if stream:
+            opening = f"event: launched\ndata: {json.dumps(instance)}\n\n"
+            events = self._stream(user, instance, 0, opening=opening)
+            return StreamingResponse(events, media_type="text/event-stream")
         return {"id": instance}
 
     @app.get("/v1/instances", response_model=list[Instance])
@@ -141,18 +156,23 @@ class PieIngress:
         authorization: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
         user = self._user(authorization)
-        first = await self._call("events", self._launcher.events, user, instance_id, since, 0.0)
-        return StreamingResponse(self._stream(user, instance_id, first), media_type="text/event-stream")
+        first = await self._call("events", self._launcher.events, user, instance_id, since, 0.0)  # 404s here
+        return StreamingResponse(self._stream(user, instance_id, since, first), media_type="text/event-stream")
 
-    async def _stream(self, user: str, instance_id: str, batch: dict):
+    async def _stream(self, user: str, instance_id: str, since: int, batch: dict | None = None, opening: str = ""):
+        """SSE text: ``opening``, then the events from ``since`` on (``batch``: the first ones, already fetched)."""
+        if opening:
+            yield opening
         while True:
+            if batch is None:
+                batch = await self._launcher.events.remote(user, instance_id, since, 10.0)
+                if not batch["events"] and not batch["done"]:
+                    yield ": keep-alive\n\n"
             for index, kind, value in batch["events"]:
                 yield f"id: {index}\nevent: {kind}\ndata: {json.dumps(_wire_value(kind, value))}\n\n"
             if batch["done"]:
                 return
-            if not batch["events"]:
-                yield ": keep-alive\n\n"
-            batch = await self._launcher.events.remote(user, instance_id, batch["next"], 10.0)
+            since, batch = batch["next"], None
 
     @app.post("/v1/instances/{instance_id}/messages", status_code=204)
     async def send(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import traceback
+from dataclasses import dataclass, field
 
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint
@@ -39,11 +40,22 @@ class _ClientSession:
         return await self._host.launcher.receive.remote(self._id, "file")
 
 
+@dataclass(frozen=True)
+class NodeServices:
+    """What an inferlet on one node reaches; fixed while the cluster runs, so a host gets it once."""
+
+    endpoints: dict[str, ModelEndpoint]  # model name -> a replica (ipc on this node, else tcp)
+    bus: tuple[str, ...] = ()  # message bus shard addresses from this node
+    mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)  # name -> how inferlets reach it
+    market: object | None = None  # the KV-page market actor: every instance has a wallet there while it runs
+    model_files: dict[str, object] = field(default_factory=dict)  # model name -> Ray ref to its tokenizer files
+
+
 class InferletHost:
-    def __init__(self, launcher, model_files: dict[str, object] | None = None):
-        """``model_files``: per model name, a Ray reference to its tokenizer files, for a node without the model."""
+    def __init__(self, launcher, services: NodeServices):
         self.launcher = launcher
-        self._models = LocalModelFiles(model_files or {})
+        self.services = services
+        self._models = LocalModelFiles(services.model_files)
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
         self._outbox: list[tuple[str, str, str | bytes]] = []
@@ -55,16 +67,12 @@ class InferletHost:
         program: Program,
         input: dict,
         username: str,
-        endpoints: dict[str, ModelEndpoint],
-        bus: tuple[str, ...],
-        mcp_servers: dict[str, ServerSpec],
         deadline_s: float | None,
-        market=None,
         endowment: float | None = None,
     ) -> None:
         """Begin running the instance; returns at once (its events report how it goes)."""
         task = asyncio.get_running_loop().create_task(
-            self._run(instance_id, program, input, username, endpoints, bus, mcp_servers, deadline_s, market, endowment)
+            self._run(instance_id, program, input, username, deadline_s, endowment)
         )
         self._tasks[instance_id] = task
 
@@ -78,15 +86,14 @@ class InferletHost:
 
     # -- one instance ------------------------------------------------------------------------------------------
 
-    async def _run(
-        self, instance_id, program, input, username, endpoints, bus, mcp_servers, deadline_s, market, endowment
-    ) -> None:
+    async def _run(self, instance_id, program, input, username, deadline_s, endowment) -> None:
         def output(stream: str, text: str) -> None:
             self.emit(instance_id, stream, text)
 
         try:
             main = program.load_main()
-            endpoints = await self._models.endpoints(endpoints)
+            services = self.services
+            endpoints = await self._models.endpoints(services.endpoints)
             async with asyncio.timeout(deadline_s) as deadline:
                 result = await run_inferlet(
                     main,
@@ -94,11 +101,11 @@ class InferletHost:
                     endpoints,
                     username,
                     instance_id=instance_id,
-                    bus=bus,
+                    bus=services.bus,
                     io=_ClientSession(self, instance_id),
                     output=output,
-                    mcp_servers=mcp_servers,
-                    market=market,
+                    mcp_servers=services.mcp_servers,
+                    market=services.market,
                     endowment=endowment,
                 )
             self.emit(instance_id, "return", encode_return(result))

@@ -16,12 +16,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import ray
-from inferlet.mcp import ServerSpec
-from inferlet.runtime import ModelEndpoint
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.events import EventLog
-from pie_cluster.inferlet_host import InferletHost
+from pie_cluster.inferlet_host import InferletHost, NodeServices
 from pie_cluster.market import endowment_for
 from pie_cluster.programs import Program
 
@@ -67,15 +65,11 @@ class _Instance:
 
 @dataclass
 class HostPool:
-    """What the controller hands the launcher: a pooled host per node and each node's view of the models."""
+    """What the controller hands the launcher: a pooled host per node and what inferlets on each node reach."""
 
     hosts: dict[str, object]  # node id -> InferletHost actor
-    endpoints: dict[str, dict[str, ModelEndpoint]]  # node id -> model name -> endpoint (ipc on that node, else tcp)
-    bus: dict[str, tuple[str, ...]] = field(default_factory=dict)  # node id -> bus shard addresses from there
+    services: dict[str, NodeServices]  # node id -> its models (ipc on that node, else tcp), bus, MCP, market
     model_nodes: tuple[str, ...] = ()  # nodes that serve at least one replica: preferred for co-location
-    mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)  # name -> how inferlets reach it
-    market: object | None = None  # the KV-page market actor: every instance has a wallet there while it runs
-    model_files: dict[str, object] = field(default_factory=dict)  # model name -> ref to its tokenizer files
 
 
 class Launcher:
@@ -87,6 +81,7 @@ class Launcher:
         self._event_capacity = event_capacity
         self._keep_finished = keep_finished
         self._default_deadline_s = default_deadline_s
+        self._watching: set[asyncio.Task] = set()
         self.launched = 0
 
     async def attach_pool(self, pool: HostPool) -> None:
@@ -133,20 +128,31 @@ class Launcher:
             instance_id, user, program, input or {}, node, host, dedicated, EventLog(self._event_capacity)
         )
         self._instances[instance_id] = instance
-        await host.start.remote(
+        page_size = min(e.page_size for e in self._pool.services[node].endpoints.values())
+        started = host.start.remote(
             instance_id,
             program,
             instance.input,
             user,
-            self._pool.endpoints[node],
-            self._pool.bus.get(node, ()),
-            self._pool.mcp_servers,
             deadline_s if deadline_s is not None else self._default_deadline_s,
-            self._pool.market,
-            endowment_for(token_budget, min(e.page_size for e in self._pool.endpoints[node].values())),
+            endowment_for(token_budget, page_size),
         )
+        watch = asyncio.get_running_loop().create_task(self._watch_start(instance, started))
+        self._watching.add(watch)
+        watch.add_done_callback(self._watching.discard)
         self.launched += 1
         return instance_id
+
+    async def _watch_start(self, instance: _Instance, started) -> None:
+        """The id goes back without waiting for the host to take the instance (its events follow soon); a host
+        that could not take it ends the instance with an error event, which it would otherwise never get."""
+        try:
+            await started
+        except Exception as e:
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # Ray's errors carry tracebacks
+            message = f"the inferlet host on node {instance.node_id} could not start the instance: {cause}"
+            await self.emit([(instance.id, "error", message)])
 
     def _choose_node(self, node_id: str | None) -> str:
         hosts = self._pool.hosts
@@ -166,7 +172,7 @@ class Launcher:
         if program.runtime_env:
             options["runtime_env"] = program.runtime_env
         launcher = ray.get_runtime_context().current_actor
-        return ray.remote(InferletHost).options(**options).remote(launcher, self._pool.model_files)
+        return ray.remote(InferletHost).options(**options).remote(launcher, self._pool.services[node])
 
     async def events(self, user: str, instance_id: str, since: int = 0, timeout: float = 10.0) -> dict:
         """Events numbered ``since`` and later, waiting up to ``timeout`` s for one (a long poll)."""
