@@ -149,9 +149,11 @@ def test_the_generator_bids_by_default_unless_told_otherwise(replica, market):
                 await step.execute()
                 if gen.tokens_generated == 4:
                     break
-            _, readings = model._market_readings  # what this step's bid was computed from
+            readings = gen._bid_basis  # what this step's bid was computed from
             pages = -(-(ctx.seq_len - 1) // ctx.page_size)  # the KV the bid was made for (before the step)
             out["bid"] = ctx._bid
+            bids = await input["leader"].__ray_call__.remote(lambda worker: dict(worker.engine.residency.bids))
+            out["engine_bid"] = bids[ctx._id]  # it reached the replica, riding in the step's forward request
             out["expected"] = scheduling.default_bid(
                 readings["balance"], max(pages, 1), 16 - 3, 1.0, ctx.page_size, readings["dividend"]
             )
@@ -163,8 +165,8 @@ def test_the_generator_bids_by_default_unless_told_otherwise(replica, market):
             out["explicit"] = ctx._bid
         return out
 
-    [got] = run_all(replica, market, [(stepping, {}, 500.0)])
-    assert got["bid"] > 0 and got["bid"] == pytest.approx(got["expected"])
+    [got] = run_all(replica, market, [(stepping, {"leader": replica.leader}, 500.0)])
+    assert got["bid"] > 0 and got["bid"] == pytest.approx(got["expected"]) and got["engine_bid"] == got["bid"]
     assert got["idle"] == 0.0 and got["explicit"] == 0.25
 
 

@@ -176,14 +176,6 @@ class Context:
         """Whether a Generator bids for this context: not once the inferlet set a bid, nor while it is idle."""
         return not (self._explicit_bid or self._idle)
 
-    def _bid_by_default(self, bid: float):
-        """A Generator's default bid (when ``_bids_by_default``). It rides in the same frame as the step's forward
-        (no extra round trip); returns the reply to await, or None when the bid is unchanged and nothing was sent."""
-        if bid == self._bid:
-            return None
-        self._bid = bid
-        return self._model.channel.call("set_bid", self._id, bid)
-
     # -- passes --------------------------------------------------------------------------------------------------
 
     def forward(self) -> Forward:

@@ -83,6 +83,7 @@ class Forward:
         self._draft_budget = 0
         self._walk: list[int] = []  # the verified walk: accepted drafts, then the sampler's next token
         self._next_drafts: list[int] = []
+        self._bid: float | None = None  # set by a Generator: the context's default bid from this pass on
 
     def start_position(self) -> int:
         """Position the first auto-input token occupies: the context's ``seq_len`` when ``forward()`` was called."""
@@ -160,6 +161,7 @@ class Forward:
             self._zo_seed,
             self._draft_masks,
             self._draft_budget,
+            self._bid,
         )
         ctx._seq_len = seq_len
         return Output([output_from_wire(s) for s in slots])

@@ -105,6 +105,7 @@ class Generator:
         if constrain is not None:
             self._constraints.add(constrain)
         self._horizon = horizon
+        self._bid_basis: dict | None = None  # the market readings the latest default bid was made from
         self._adapter: Adapter | None = None
         self._zo_seed: int | None = None
         if adapter is not None:
@@ -208,15 +209,14 @@ class Generator:
         if self._system_speculation and auto is not None:
             fwd._draft_budget = SYSTEM_DRAFTS
         ctx._buffer = []
-        bid = self._default_bid()
-        rebid = ctx._bid_by_default(bid) if bid is not None else None
+        bid = await self._default_bid()
+        if bid is not None and bid != ctx._bid:
+            fwd._bid = ctx._bid = bid  # rides in the forward request, set before its pages are reserved
         try:
             out = await fwd.execute()
         except BaseException:
             ctx._buffer = pending  # nothing reached the KV cache
             raise
-        if rebid is not None:
-            await rebid
         out.auto_sampler = auto
         if auto is not None:
             self._system_drafts = fwd._next_drafts
@@ -230,7 +230,7 @@ class Generator:
                     self._speculator.rollback(proposed - (len(walk) - 1))
         return out
 
-    def _default_bid(self) -> float | None:
+    async def _default_bid(self) -> float | None:
         """This step's bid (Pie's rule), unless the inferlet set one or is idle; None without a market.
 
         The tokens still expected: ``horizon`` minus those generated (exactly), else ``max_tokens`` minus them
@@ -238,7 +238,7 @@ class Generator:
         ctx = self._ctx
         if not ctx._bids_by_default:
             return None
-        readings = scheduling.readings(ctx.model)
+        readings = self._bid_basis = await scheduling.step_readings(ctx.model)
         if readings is None:
             return None
         if self._horizon is not None:

@@ -7,6 +7,8 @@ market every round (50 ms), so these readings may be that stale; they are cached
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 
 from inferlet.model import Model
@@ -58,11 +60,52 @@ def default_bid(
 def readings(model: Model) -> dict | None:
     """The latest readings for ``model``'s replica (balance, endowment, dividend, paid: rent paid in the latest
     rounds, page_cost, price, latency), or None when that replica runs without a market."""
-    now = time.monotonic()
-    cached = getattr(model, "_market_readings", None)
-    if cached is None or now - cached[0] > _FRESH_S:
-        cached = model._market_readings = (now, model.channel.call_sync("account"))
-    return cached[1]
+    cache = _Readings.of(model)
+    if cache.stale():
+        cache.store(model.channel.call_sync("account"))
+    return cache.latest
+
+
+async def step_readings(model: Model) -> dict | None:
+    """``readings`` for a Generator's every step, never holding up the other inferlets of this process: the first
+    one is awaited, later ones are what is cached, refreshed in the background once stale (so up to two rounds
+    old)."""
+    cache = _Readings.of(model)
+    if cache.latest is None and cache.stale():
+        cache.store(await model.channel.call("account"))
+    elif cache.stale() and cache.refreshing is None:
+        cache.refreshing = asyncio.ensure_future(cache.refresh(model))
+    return cache.latest
+
+
+class _Readings:
+    """One model's cached readings; a replica without a market is asked once."""
+
+    def __init__(self) -> None:
+        self.latest: dict | None = None
+        self.at = -math.inf
+        self.market = True  # until the replica says otherwise
+        self.refreshing: asyncio.Future | None = None
+
+    @staticmethod
+    def of(model: Model) -> _Readings:
+        if not hasattr(model, "_market_readings"):
+            model._market_readings = _Readings()
+        return model._market_readings
+
+    def stale(self) -> bool:
+        return self.market and time.monotonic() - self.at > _FRESH_S
+
+    def store(self, got: dict | None) -> None:
+        self.latest, self.at, self.market = got, time.monotonic(), got is not None
+
+    async def refresh(self, model: Model) -> None:
+        try:
+            self.store(await model.channel.call("account"))
+        except Exception:  # the inferlet is ending (its channel closed): the cached readings stay
+            pass
+        finally:
+            self.refreshing = None
 
 
 def _account(model: Model) -> dict:

@@ -307,6 +307,7 @@ class ReplicaEngine:
         zo_seed: int | None = None,
         draft_masks: list[list[int]] | None = None,
         draft_budget: int = 0,
+        bid: float | None = None,
     ) -> list:
         """Run ``tokens`` (then ``drafts``) through the context; returns [slot outputs, verified walk, seq_len,
         next drafts].
@@ -315,9 +316,12 @@ class ReplicaEngine:
         ``hold`` tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``draft_masks``
         gives each draft row its own logit mask (a grammar's, after that draft). ``adapter`` (an id from
         ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass. With a
-        ``draft_budget``, up to that many n-gram drafts for the next step come back (``system_speculation``).
+        ``draft_budget``, up to that many n-gram drafts for the next step come back (``system_speculation``). A
+        ``bid`` (a Generator's default) is the context's bid from this pass on, as ``set_bid`` would make it.
         """
         async with self._locks[self._own(session, ctx)]:
+            if bid is not None:
+                self.residency.set_bid(ctx, bid)
             if len(tokens) != len(positions):
                 raise ValueError(f"{len(positions)} positions for {len(tokens)} input tokens")
             await self._ensure_resident(ctx, len(tokens) + len(drafts))
