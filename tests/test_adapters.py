@@ -7,9 +7,11 @@ import asyncio
 import random
 import shutil
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 import torch
 from inferlet import Adapter, Context, Logits, Model, Sampler
 from paged import LOGITS, PageAllocator, Seq, request_for
@@ -245,12 +247,23 @@ def test_adapter_paths_stay_in_the_users_directory(tmp_path):
 # -- through the SDK, on a served replica ------------------------------------------------------------------------
 
 
+def adapter_root(replica) -> Path:
+    """Where a replica keeps adapters: under its own node's cache (the test cluster's nodes have different ones,
+    both reachable from this machine)."""
+    return Path(ray.get(replica.leader.__ray_call__.remote(lambda worker: str(default_root()))))
+
+
+@pytest.fixture(scope="module")
+def replica_root(served) -> Path:
+    return adapter_root(served.replica)
+
+
 @pytest.fixture
-def user():
+def user(replica_root):
     """A user of its own (adapters are per user), whose adapter directory is removed afterwards."""
     name = f"adapter-test-{uuid.uuid4().hex[:8]}"
     yield name
-    shutil.rmtree(default_root() / name, ignore_errors=True)
+    shutil.rmtree(replica_root / name, ignore_errors=True)
 
 
 async def probe_last(model: Model, tokens: list[int], adapter=None, zo_seed=None) -> np.ndarray:
@@ -266,7 +279,7 @@ async def probe_last(model: Model, tokens: list[int], adapter=None, zo_seed=None
         return np.frombuffer((await fwd.execute()).logits(h), np.float32)
 
 
-def test_sdk_adapter_lifecycle_generation_and_errors(served, user):
+def test_sdk_adapter_lifecycle_generation_and_errors(served, user, replica_root):
     async def main(input):
         model = Model.load("default")
         results, errors = {}, {}
@@ -331,13 +344,13 @@ def test_sdk_adapter_lifecycle_generation_and_errors(served, user):
     assert "target modules" in errors["targets"] and "positive integer" in errors["rank"]
     assert "zo_seed perturbs an adapter" in errors["zo-alone"]
     assert "destroyed" in errors["destroyed"]
-    assert (default_root() / user / "saved" / "child" / "adapter_model.safetensors").is_file()
+    assert (replica_root / user / "saved" / "child" / "adapter_model.safetensors").is_file()
     stats = served.stats()
     assert stats["working"] == 0 and stats["contexts"] == 0
 
 
-def test_sdk_loads_a_peft_adapter_and_matches_peft(served, tiny_llama, user):
-    reference = peft_adapter(tiny_llama, default_root() / user / "trained", rank=4, seed=3)
+def test_sdk_loads_a_peft_adapter_and_matches_peft(served, tiny_llama, user, replica_root):
+    reference = peft_adapter(tiny_llama, replica_root / user / "trained", rank=4, seed=3)
     prompt = tokens_of(20, 8)
 
     async def main(input):
@@ -350,7 +363,7 @@ def test_sdk_loads_a_peft_adapter_and_matches_peft(served, tiny_llama, user):
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0, -1].numpy()
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
-    assert read_adapter(default_root() / user / "trained")[0].rank == 4
+    assert read_adapter(replica_root / user / "trained")[0].rank == 4
 
 
 def test_kv_under_a_zo_seed_is_never_shared_and_adapters_share_only_with_themselves(served, user):
@@ -392,12 +405,11 @@ def test_kv_under_a_zo_seed_is_never_shared_and_adapters_share_only_with_themsel
     assert np.abs(logits["zo"] - logits["adapter"]).max() > 1e-3
 
 
-def test_tensor_parallel_adapters_match_single_rank(served, tiny_llama, user):
+def test_tensor_parallel_adapters_match_single_rank(served, tiny_llama, user, replica_root):
     from pie_cluster.host import endpoints_for, run_inferlet
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
 
-    peft_adapter(tiny_llama, default_root() / user / "trained", rank=4, seed=4)
     prompt = tokens_of(25, 5)
 
     async def main(input):
@@ -411,11 +423,16 @@ def test_tensor_parallel_adapters_match_single_rank(served, tiny_llama, user):
         return out
 
     replica = Replica(tiny_llama, 2, RunnerSettings(num_pages=64), engine=BatchLimits())
+    roots = {replica_root, adapter_root(replica)}
     try:
+        for root in roots:  # the same adapter on each replica's node
+            peft_adapter(tiny_llama, root / user / "trained", rank=4, seed=4)
         endpoints = served.endpoints | endpoints_for("tp", replica)
         out = asyncio.run(run_inferlet(main, {}, endpoints, user))
     finally:
         replica.shutdown()
+        for root in roots:
+            shutil.rmtree(root / user, ignore_errors=True)
     for single, tp in zip(out["default"], out["tp"], strict=True):
         np.testing.assert_allclose(tp, single, atol=1e-4, rtol=0)
     assert np.abs(out["default"][1] - out["default"][2]).max() > 1e-3, "mirrored seeds perturb differently"
