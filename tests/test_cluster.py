@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
-from pie_cluster.controller import start_controller
+from pie_cluster.controller import Controller, start_controller
 from pie_cluster.launcher import NotFound
 
 
@@ -110,6 +110,13 @@ def test_replicas_on_two_nodes_each_load_their_own_copy_and_serve_their_nodes_in
         after = {r["node"]: r["batches"] for r in engine_stats(cluster)}
         assert after[node] > before[node]  # served by its own node's replica...
         assert all(after[n] == before[n] for n in after if n != node)  # ...and by no other
+
+
+def test_a_placement_ray_could_never_satisfy_is_refused_before_anything_starts(cluster):
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[ModelConfigEntry(replicas=3, placement="strict_spread")])
+    controller = ray.remote(Controller).options(name="pie-controller-unplaceable", num_cpus=0).remote(config)
+    with pytest.raises(Exception, match="'strict_spread' needs a node per replica, but 3 replicas were asked of 2"):
+        ray.get(controller.ready.remote())
 
 
 SESSION = """

@@ -35,11 +35,23 @@ def _model_source(entry: ModelConfigEntry) -> ModelSource:
     return entry.path if entry.path is not None else EmbeddedModel(entry.arch)
 
 
+def _check_placements(config: PieConfig) -> None:
+    """Refuse, before anything starts, what Ray could never place (it would wait forever)."""
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    for entry in config.model:
+        if entry.placement == "strict_spread" and entry.replicas > nodes:
+            raise ValueError(
+                f"model {entry.name!r}: placement 'strict_spread' needs a node per replica, but {entry.replicas} "
+                f"replicas were asked of {nodes} node(s)"
+            )
+
+
 class Controller:
     def __init__(self, config: PieConfig):
         self.config = config
         self.replicas: dict[str, list[Replica]] = {}
         self.placements: list[PlacementGroup] = []
+        _check_placements(config)
         namespace = ray.get_runtime_context().namespace
         self.market = get_or_create_market(namespace, config.market.default_endowment)
         for entry in config.model:
