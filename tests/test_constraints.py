@@ -99,6 +99,17 @@ def run_seeds(served, main, extra: dict | None = None, seeds=SEEDS) -> list:
 # --- end to end: every sampled output obeys its constraint -------------------------------------------------------
 
 
+@given(st.lists(st.integers(0, (1 << 32) - 1), max_size=50))
+def test_packed_masks_read_back_as_their_runs(runs):
+    assert brle.unpack(brle.pack(runs)).tolist() == runs
+
+
+@pytest.mark.parametrize("bad", [[-1], [2.5], [1 << 32], ["a"]])
+def test_packing_refuses_what_is_not_run_lengths(bad):
+    with pytest.raises(brle.BrleError, match="malformed logit mask"):
+        brle.pack(bad, "logit mask")
+
+
 def test_collect_json_with_a_schema_always_validates(served):
     async def main(input):
         with Context(Model.load("default")) as ctx:
@@ -339,6 +350,21 @@ def test_matcher_walks_accepts_terminates_and_resets(tiny):
     m.reset()
     first = np.flatnonzero(brle.decode(m.next_token_logit_mask()))
     assert not m.is_terminated and tk.encode("{")[0] in first and all(tk.decode([t])[0] == "{" for t in first)
+
+
+def test_a_matcher_gives_the_same_masks_when_its_states_recur(tiny):
+    """Masks are kept per raw bitmask: a state seen before (the next item of an array) must give what a fresh
+    matcher computes there, the JSON control-byte filter included."""
+    tk = tiny.tokenizer()
+    grammar = Grammar.from_json_schema({"type": "array", "items": {"enum": ["red", "green"]}})
+    doc = tk.encode('["red", "green", "red", "red", "green"]')
+    walked = Matcher(grammar, tk, stop_tokens=STOPS)
+    for n, t in enumerate(doc):
+        fresh = Matcher(grammar, tk, stop_tokens=STOPS)
+        fresh.accept_tokens(doc[:n])
+        assert walked.next_token_logit_mask() == fresh.next_token_logit_mask()
+        walked.accept_tokens([t])
+    assert len(walked._encoded) < len(doc), "states recurred"
 
 
 def test_rejected_tokens_leave_the_matcher_untouched(tiny):

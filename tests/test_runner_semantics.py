@@ -7,7 +7,10 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from paged import LOGITS, PageAllocator, Seq, greedy_generate, greedy_step, request_for
+from pie_workers import logit_masks
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire import brle
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot, SlotKind
@@ -42,8 +45,9 @@ def test_logit_mask_is_respected_by_samplers_and_seen_by_probes(runner):
     for trial in range(40):
         seq = Seq(prompt_of(9, trial))
         slots = [(8, s) for s in samplers] + [(8, Slot(SlotKind.LOGPROBS, token_ids=(7, 8))), (8, LOGITS)]
+        form = brle.pack(mask) if trial % 2 else mask  # packed, as the channel sends it, or the runs
         out = runner.execute(
-            ForwardBatch([request_for(seq, PageAllocator(PAGES, trial), 16, slots=slots, logit_mask=mask)])
+            ForwardBatch([request_for(seq, PageAllocator(PAGES, trial), 16, slots=slots, logit_mask=form)])
         )[0]
         tokens = [s.token for s in out.slots[: len(samplers)]]
         assert set(tokens) <= set(allowed)
@@ -181,13 +185,39 @@ BAD = {
     "malformed logit mask": lambda a: ForwardRequest(
         [1], [0], a.take(1), 0, [(0, Slot.argmax())], logit_mask=[0, 5000]
     ),
+    "whole uint32 run lengths": lambda a: ForwardRequest(
+        [1], [0], a.take(1), 0, [(0, Slot.argmax())], logit_mask=b"\x00\x10\x00"
+    ),
     "excludes every token": lambda a: ForwardRequest([1], [0], a.take(1), 0, [(0, Slot.argmax())], logit_mask=[4096]),
+    "draft mask 0 excludes every token": lambda a: ForwardRequest(
+        [1], [0], a.take(1), 0, [(0, Slot.argmax())], draft_tokens=[5], draft_positions=[1], draft_masks=[[4096]]
+    ),
     "outside the request's": lambda a: ForwardRequest([1], [0], a.take(1), 0, [(3, Slot.argmax())]),
     "top_p": lambda a: ForwardRequest([1], [0], a.take(1), 0, [(0, Slot(SlotKind.TOP_P, top_p=1.5))]),
     "need a token sampler": lambda a: ForwardRequest(
         [1], [0], a.take(1), 0, [(0, LOGITS)], draft_tokens=[5], draft_positions=[1]
     ),
 }
+
+
+def test_a_mask_allowing_nothing_is_refused_only_where_a_token_is_sampled(runner):
+    """Probes still read a row under a mask that excludes everything (every logit -inf); a sampler cannot."""
+    probe = request_for(Seq(prompt_of(4, 2)), PageAllocator(PAGES), 16, slots=[(3, LOGITS)], logit_mask=[9])
+    out = runner.execute(ForwardBatch([probe]))[0]
+    assert out.error is None and np.isneginf(np.frombuffer(out.slots[0].logits, np.float32)).all()
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=300), st.integers(0, 40))
+def test_expanded_mask_blocks_exactly_the_false_bits_and_is_kept(bits, extra):
+    vocab = len(bits) + extra
+    runs = brle.encode(bits)
+    expanded = logit_masks.expand(runs, vocab, "logit mask")
+    assert (expanded.penalty == 0).tolist() == brle.decode(runs, vocab).tolist()
+    assert np.isneginf(expanded.penalty.numpy()[~brle.decode(runs, vocab)]).all()
+    assert expanded.allows_any == any(bits) and expanded.covered == len(bits)
+    assert logit_masks.expand(brle.pack(runs), vocab, "logit mask") is expanded, "one expansion per distinct mask"
+    with pytest.raises(brle.BrleError, match="covers"):
+        logit_masks.expand(runs, len(bits) - 1, "logit mask")
 
 
 @pytest.mark.parametrize("problem", sorted(BAD))

@@ -181,7 +181,10 @@ class ConstraintSet:
         self._advance()
         if not self._fresh:
             restricting = [m for m in self._masks if m]
-            self._composed = brle.and_many(restricting) if restricting else None
+            if len(restricting) > 1:
+                self._composed = brle.and_many(restricting)
+            else:  # one mask (the usual case) is the composition: _advance already made it our own copy
+                self._composed = restricting[0] if restricting else None
             self._fresh = True
         return self._composed
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pie_workers.wire.batch import SlotKind, SlotOutput
+from pie_workers.wire.brle import pack as pack_brle
 from pie_workers.wire.codec import output_from_wire, slot_to_wire
 
 from inferlet.adapter import Adapter, check_zo_seed
@@ -73,7 +74,7 @@ class Forward:
         self._positions: list[int] = []
         self._slots: list[tuple[int, object]] = []
         self._masks: list[list[int]] | None = None
-        self._logit_mask: list[int] | None = None
+        self._logit_mask: bytes | None = None  # packed: masks travel as bytes the replica reads in place
         self._adapter: Adapter | None = None
         self._zo_seed: int | None = None
         # Speculation, set by the Generator: drafts verified after the inputs, and n-gram drafts asked back.
@@ -108,8 +109,9 @@ class Forward:
         return self
 
     def mask(self, brle: list[int]) -> Forward:
-        """A logit mask (BRLE over the vocabulary, true = allowed) applied at every sampled row."""
-        self._logit_mask = list(brle)
+        """A logit mask (BRLE over the vocabulary, true = allowed) applied at every sampled row; a malformed one
+        raises here."""
+        self._logit_mask = pack_brle(brle, "logit mask")
         return self
 
     def adapter(self, adapter: Adapter) -> Forward:
@@ -159,7 +161,7 @@ class Forward:
             len(self._drafts),  # accepted drafts may still be cut at a stop token: keep their pages uncommitted
             adapter_id,
             self._zo_seed,
-            self._draft_masks,
+            None if self._draft_masks is None else [pack_brle(m, "draft mask") for m in self._draft_masks],
             self._draft_budget,
             self._bid,
         )

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from inferlet.instruct import ModelLike
 
 COMPILED_CACHE_SIZE = 256  # compiled grammars kept per process (each holds token masks for its grammar states)
+MASK_CACHE_BYTES = 1 << 20  # per Matcher: the packed bitmasks kept (as keys) with the BRLE each encodes to
 
 # JSON text never holds raw control bytes (0x00-0x1f) except whitespace between values. xgrammar 0.2.8 lets strings
 # with minLength/maxLength contain them (invalid JSON), so JSON grammars also forbid tokens that carry other ones.
@@ -152,6 +153,10 @@ class Matcher:
         self._words = np.zeros((self._vocab + 31) // 32, dtype=np.int32)
         controls = grammar._json_controls
         self._allowed = None if controls is None else _tokens_without_controls(tokenizer, controls, tuple(stops))
+        # Grammar states recur (every item of a JSON array, every character of a string), and so do their masks:
+        # encoding one again costs a dozen numpy calls, looking it up one bytes copy.
+        self._encoded: dict[bytes, tuple[int, ...]] = {}
+        self._encoded_max = max(1, MASK_CACHE_BYTES // self._words.nbytes)
 
     def accept_tokens(self, ids: Iterable[int]) -> None:
         """Advance past ``ids``. All or nothing: if one is not allowed, none is taken and ``ValueError`` says which."""
@@ -167,9 +172,16 @@ class Matcher:
         if self._matcher.is_terminated():
             return [self._vocab]
         self._matcher.fill_next_token_bitmask(self._words)
-        if self._allowed is not None:
-            np.bitwise_and(self._words, self._allowed, out=self._words)
-        return brle.from_bitmask(self._words, self._vocab)
+        raw = self._words.tobytes()
+        runs = self._encoded.get(raw)
+        if runs is None:
+            if self._allowed is not None:
+                np.bitwise_and(self._words, self._allowed, out=self._words)
+            runs = tuple(brle.from_bitmask(self._words, self._vocab))
+            if len(self._encoded) >= self._encoded_max:
+                del self._encoded[next(iter(self._encoded))]  # the oldest
+            self._encoded[raw] = runs
+        return list(runs)
 
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens (speculation verifies drafts ahead of the accepted text)."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pie_workers import logit_masks
 from pie_workers.wire import brle
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot, SlotKind
 
@@ -119,18 +120,28 @@ class BatchPlan:
         )
 
 
+@dataclass(frozen=True)
+class MaskedRows:
+    """Logit rows ``[first, first + count)`` of one request (0: its first logit row) and the penalty a logit mask
+    adds to each (0 where allowed, -inf where not). Expanded while the plan checks the mask, so applying it after
+    the forward is one add (several times cheaper than ``masked_fill_`` on the CPU)."""
+
+    first: int
+    count: int
+    penalty: torch.Tensor  # [vocab] float32
+
+
 @dataclass
 class RequestSampling:
     """Leader-only: how to turn one request's logit rows into its outputs."""
 
     index: int  # position of the request in the batch
     slots: list[Slot]  # slot n reads logit row first_row + n
-    logit_mask: Sequence[int] | None  # None: unrestricted
     first_row: int  # rows are contiguous per request: its slots', then its drafts'
     num_rows: int
     draft_tokens: list[int] = field(default_factory=list)  # drafts' rows follow the slots' rows
-    draft_masks: Sequence[Sequence[int]] | None = None  # one per draft row; None: logit_mask covers them too
     verify_slot: int = -1  # index into slots of the verifying sampler
+    masked_rows: list[MaskedRows] = field(default_factory=list)  # empty: every row unrestricted
 
 
 @dataclass
@@ -172,29 +183,14 @@ def _check_request(req: ForwardRequest, page_size: int, vocab: int, adapters: Co
                 return f"malformed attention mask: row {i} covers {brle.length(row)} slots, only {visible} exist"
             if not any(row[1::2]):
                 return f"attention mask row {i} attends to nothing"
-    if req.logit_mask is not None and len(req.logit_mask):
-        try:
-            covered = int(brle.validate(req.logit_mask, "logit mask").sum())
-        except brle.BrleError as e:
-            return str(e)
-        if covered > vocab:
-            return f"malformed logit mask: covers {covered} tokens, vocabulary has {vocab}"
     for row, slot in req.slots:
         if not 0 <= row < n_in:
             return f"sampler/probe row {row} is outside the request's {n_in} input rows"
         problem = _check_slot(slot, vocab)
         if problem:
             return problem
-    if req.draft_masks is not None:
-        if len(req.draft_masks) != n_draft:
-            return f"{len(req.draft_masks)} draft masks for {n_draft} draft tokens"
-        for i, mask in enumerate(req.draft_masks):
-            try:
-                covered = int(brle.validate(mask, f"draft mask {i}").sum())
-            except brle.BrleError as e:
-                return str(e)
-            if covered > vocab:
-                return f"malformed draft mask {i}: covers {covered} tokens, vocabulary has {vocab}"
+    if req.draft_masks is not None and len(req.draft_masks) != n_draft:
+        return f"{len(req.draft_masks)} draft masks for {n_draft} draft tokens"
     if n_draft:
         token_slots = [row for row, s in req.slots if s.kind.is_token]
         if not token_slots or token_slots[0] != n_in - 1:
@@ -204,6 +200,31 @@ def _check_request(req: ForwardRequest, page_size: int, vocab: int, adapters: Co
     if req.zo_seed is not None and req.adapter is None:
         return "a zo seed perturbs an adapter: the request names none"
     return None
+
+
+def _masked_rows(req: ForwardRequest, vocab: int) -> list[MaskedRows] | str:
+    """The request's logit masks over its logit rows (its slots', then its drafts'), each checked once; or what is
+    wrong with one. ``logit_mask`` covers every row, or only the slot rows when ``draft_masks`` gives each draft row
+    its own (``[]``: unrestricted). A mask over rows a token is sampled from must allow one: decided here from the
+    runs, so no masked row reaches the samplers with every logit at -inf."""
+    n_slots, n_draft = len(req.slots), len(req.draft_tokens)
+    spans = []
+    if req.logit_mask is not None and len(req.logit_mask):
+        spans.append((0, n_slots + n_draft if req.draft_masks is None else n_slots, req.logit_mask, "logit mask"))
+    spans += [(n_slots + i, 1, m, f"draft mask {i}") for i, m in enumerate(req.draft_masks or ()) if len(m)]
+    if not spans:
+        return []
+    samples_tokens = any(s.kind.is_token for _, s in req.slots)
+    rows = []
+    for first, count, mask, what in spans:
+        try:
+            expanded = logit_masks.expand(mask, vocab, what)
+        except brle.BrleError as e:
+            return str(e)
+        if samples_tokens and not expanded.allows_any:
+            return f"the {what} excludes every token"
+        rows.append(MaskedRows(first, count, expanded.penalty))
+    return rows
 
 
 @functools.lru_cache(maxsize=4096)
@@ -240,9 +261,13 @@ def plan_batch(
     _check_copies(batch.page_copies, num_pages)
     host_moves = _host_moves(batch, num_pages, host_pages)
     errors: dict[int, str] = {}
+    masked_rows: dict[int, list[MaskedRows]] = {}
     for i, req in enumerate(batch.requests):
-        if problem := _check_request(req, page_size, vocab, adapters):
-            errors[i] = problem
+        checked = _check_request(req, page_size, vocab, adapters) or _masked_rows(req, vocab)
+        if isinstance(checked, str):
+            errors[i] = checked
+        else:
+            masked_rows[i] = checked
     ok = [i for i in range(len(batch.requests)) if i not in errors]
     reqs = [batch.requests[i] for i in ok]
     cols = _Columns.of(reqs, page_size)
@@ -268,7 +293,7 @@ def plan_batch(
         groups = [np.flatnonzero(bucket_of_req == qb) for qb in np.unique(bucket_of_req)]
     buckets = [_bucket(members, reqs, cols, total, tok_start, page_start, S) for members in groups]
 
-    sampling, logit_rows = _sampling_plan(ok, reqs, cols.n_in, tok_start)
+    sampling, logit_rows = _sampling_plan(ok, reqs, cols.n_in, tok_start, masked_rows)
     copy_src, copy_dst = _copy_pages(batch.page_copies)
     plan = BatchPlan(
         token_ids=torch.from_numpy(cols.tokens),
@@ -392,19 +417,23 @@ def _bucket(members, reqs, cols: _Columns, total, tok_start, page_start, S) -> A
     )
 
 
-def _sampling_plan(ok: list[int], reqs: list[ForwardRequest], n_in: np.ndarray, tok_start: np.ndarray):
+def _sampling_plan(
+    ok: list[int],
+    reqs: list[ForwardRequest],
+    n_in: np.ndarray,
+    tok_start: np.ndarray,
+    masked_rows: dict[int, list[MaskedRows]],
+):
     """One logit row per slot (in slot order), then one per draft to verify; contiguous per request."""
     sampling, logit_rows = [], []
     for k, (idx, req) in enumerate(zip(ok, reqs, strict=True)):
         start, first = int(tok_start[k]), len(logit_rows)
         logit_rows += [start + row for row, _ in req.slots]
         slots = [s for _, s in req.slots]
-        mask = req.logit_mask if req.logit_mask is not None and len(req.logit_mask) else None
-        rs = RequestSampling(idx, slots, mask, first, len(slots))
+        rs = RequestSampling(idx, slots, first, len(slots), masked_rows=masked_rows[idx])
         if req.draft_tokens:
             rs.verify_slot = next(n for n, s in enumerate(slots) if s.kind.is_token)
             rs.draft_tokens = list(req.draft_tokens)
-            rs.draft_masks = req.draft_masks
             logit_rows += range(start + int(n_in[k]), start + int(n_in[k]) + len(req.draft_tokens))
             rs.num_rows += len(req.draft_tokens)
         sampling.append(rs)

@@ -23,7 +23,6 @@ from pie_workers.layers.lora import ModuleWeights
 from pie_workers.loader import CheckpointReader
 from pie_workers.models.llama import LlamaModel
 from pie_workers.parallel import TensorParallel
-from pie_workers.wire import brle
 from pie_workers.wire.batch import ForwardBatch, RequestOutput, Slot, SlotOutput
 
 log = logging.getLogger(__name__)
@@ -156,22 +155,11 @@ class ModelRunner:
     def _sample(self, planned: PlannedBatch, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
         """Evaluate every slot; with drafts, also sample each draft row with the verifying sampler."""
         plans = planned.sampling
-        masked = [rs for rs in plans if rs.logit_mask is not None or rs.draft_masks]
-        for rs in masked:
-            for first, count, mask in _mask_spans(rs):
-                logits[first : first + count] += torch.from_numpy(brle.penalties(mask, logits.shape[-1])).to(
-                    logits.device
-                )
+        for rs in plans:
+            for m in rs.masked_rows:
+                first = rs.first_row + m.first
+                logits[first : first + m.count] += m.penalty.to(logits.device)
         slots = _per_position_seeds(planned, [s for rs in plans for s in _row_slots(rs)])
-        dead = {rs.index for rs in masked if sampling.check_rows_samplable(_rows_of(logits, rs), _row_slots(rs))}
-        if dead:
-            keep = [rs for rs in plans if rs.index not in dead]
-            for rs in plans:
-                if rs.index in dead:
-                    outputs[rs.index].error = "the logit mask excludes every token"
-            logits = torch.cat([_rows_of(logits, rs) for rs in keep]) if keep else logits[:0]
-            slots = [s for rs in keep for s in slots[rs.first_row : rs.first_row + rs.num_rows]]
-            plans = keep
         results = sampling.run_slots(logits, slots) if slots else []
         cursor = 0
         for rs in plans:
@@ -198,20 +186,6 @@ def _per_position_seeds(planned: PlannedBatch, slots: list[Slot]) -> list[Slot]:
 def _row_slots(rs: RequestSampling) -> list:
     """The slot evaluated on each of the request's logit rows."""
     return rs.slots + [rs.slots[rs.verify_slot]] * len(rs.draft_tokens) if rs.draft_tokens else rs.slots
-
-
-def _mask_spans(rs: RequestSampling) -> list[tuple[int, int, list[int]]]:
-    """(first row, row count, mask) for each masked run of the request's logit rows: ``logit_mask`` over all of
-    them, or over the slot rows only when each draft row brings its own mask."""
-    if rs.draft_masks is None:
-        return [(rs.first_row, rs.num_rows, rs.logit_mask)] if rs.logit_mask is not None else []
-    n_slots = len(rs.slots)
-    spans = [(rs.first_row, n_slots, rs.logit_mask)] if rs.logit_mask is not None else []
-    return spans + [(rs.first_row + n_slots + i, 1, mask) for i, mask in enumerate(rs.draft_masks) if len(mask)]
-
-
-def _rows_of(logits: torch.Tensor, rs: RequestSampling) -> torch.Tensor:
-    return logits[rs.first_row : rs.first_row + rs.num_rows]
 
 
 def _verify(drafts: list[int], first: SlotOutput, after_drafts: list[SlotOutput]) -> list[int]:

@@ -35,7 +35,6 @@ from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
-from pie_workers.wire import brle
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
 
@@ -299,13 +298,13 @@ class ReplicaEngine:
         positions: list[int],
         slots: list,
         attention_masks: list[list[int]] | None,
-        logit_mask: list[int] | None,
+        logit_mask: bytes | None,
         drafts: list[int],
         draft_positions: list[int],
         hold: int = 0,
         adapter: int | None = None,
         zo_seed: int | None = None,
-        draft_masks: list[list[int]] | None = None,
+        draft_masks: list[bytes] | None = None,
         draft_budget: int = 0,
         bid: float | None = None,
     ) -> list:
@@ -406,10 +405,6 @@ class ReplicaEngine:
         bind: PassBinding,
         trim: bool = True,
     ):
-        # masks become int64 arrays once, before any page moves: the plan's checks and the runner's decode are cheap
-        logit_mask = brle.validate(logit_mask, "logit mask") if logit_mask else None
-        if draft_masks is not None:
-            draft_masks = [brle.validate(m, f"draft mask {i}") for i, m in enumerate(draft_masks)]
         await self._reserve(ctx, len(tokens) + len(drafts))
         view = self.contexts.view(ctx)
         request = ForwardRequest(

@@ -83,10 +83,10 @@ class ForwardRequest:
     kv_len: int
     slots: list[tuple[int, Slot]] = field(default_factory=list)
     attention_masks: list[list[int]] | None = None
-    logit_mask: Sequence[int] | None = None  # a BRLE list, or its int64 array
+    logit_mask: bytes | Sequence[int] | None = None  # packed (brle.pack, as the channel sends it), or the runs
     draft_tokens: list[int] = field(default_factory=list)
     draft_positions: list[int] = field(default_factory=list)
-    draft_masks: Sequence[Sequence[int]] | None = None
+    draft_masks: Sequence[bytes | Sequence[int]] | None = None
     adapter: int | None = None
     zo_seed: int | None = None
 
