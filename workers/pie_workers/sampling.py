@@ -19,10 +19,10 @@ _USES_TOP_P = {SlotKind.TOP_P, SlotKind.TOP_K_TOP_P}
 
 
 def check_rows_samplable(logits: torch.Tensor, slots: Sequence[Slot]) -> list[int]:
-    """Indices of token-sampler rows with no finite logit, so the caller can reject those requests first.
+    """Indices of token-sampler rows with no finite logit (a mask that excludes every token is refused earlier,
+    by the batch plan, so here it means NaN / +inf logits, which would otherwise sample garbage).
 
-    Tested as "the row's max is not finite": one reduction, and it also flags NaN / +inf rows, which would
-    otherwise sample garbage.
+    Tested as "the row's max is not finite": one reduction.
     """
     rows = [i for i, slot in enumerate(slots) if slot.kind.is_token]
     if not rows:
@@ -45,8 +45,7 @@ def run_slots(logits: torch.Tensor, slots: Sequence[Slot]) -> list[SlotOutput]:
     """logits: [N, V] float32 rows, ALREADY logit-masked by the caller (disallowed tokens are -inf).
 
     Row i is evaluated with slots[i]. Returns one SlotOutput per row, in order. Raises ValueError if a
-    token sampler's row has no finite logit (callers screen those out with ``check_rows_samplable``) or a
-    LOGPROBS label is outside the vocab.
+    token sampler's row has no finite logit or a LOGPROBS label is outside the vocab.
     """
     if logits.dim() != 2 or logits.shape[0] != len(slots):
         raise ValueError(f"expected [{len(slots)}, V] logits, got {list(logits.shape)}")
@@ -54,8 +53,8 @@ def run_slots(logits: torch.Tensor, slots: Sequence[Slot]) -> list[SlotOutput]:
     if any(not 0 <= t < vocab for s in slots if s.kind is SlotKind.LOGPROBS for t in s.token_ids):
         raise ValueError(f"logprobs label outside the vocab of {vocab}")
     logits = logits.float()
-    if check_rows_samplable(logits, slots):
-        raise ValueError("logit mask excludes every token")
+    if bad := check_rows_samplable(logits, slots):
+        raise ValueError(f"rows {bad} have no finite logit (NaN or infinite model output)")
     out = [SlotOutput() for _ in slots]
     by_kind: dict[str, list[int]] = {"greedy": [], "sampled": []}
     for i, slot in enumerate(slots):
