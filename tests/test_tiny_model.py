@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pie_workers import tiny_model
+from pie_workers import cache, tiny_model
 from pie_workers.tiny_model import VOCAB_SIZE, build_tiny_model, default_model_path
 
 ARCHS = ("llama", "qwen3")
@@ -169,7 +169,7 @@ def test_default_model_path_tolerates_a_concurrent_winner(built, tmp_path, monke
 
     def racing_build(out_dir, arch="llama", seed=0):
         real_build(final, arch=arch, seed=seed)  # the other builder finishes first...
-        (final / tiny_model._MARKER).write_text("v\n")
+        (final / cache.COMPLETE).write_text("v\n")
         return real_build(out_dir, arch=arch, seed=seed)  # ...while we are still building
 
     monkeypatch.setattr(tiny_model, "build_tiny_model", racing_build)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from inferlet.runtime import ModelEndpoint
-from pie_workers.tiny_model import cache_root
+from pie_workers.cache import build_once, cache_root
 
 NEEDED = ("config.json", "tokenizer.json")  # what the SDK cannot do without
 
@@ -45,23 +43,15 @@ class LocalModelFiles:
 
 
 def write_files(files: dict[str, bytes], root: Path | None = None) -> Path:
-    """Write ``files`` once into ``<root>/model-files/<digest of their names and bytes>`` (atomically: a directory
-    is renamed into place complete) and return that directory."""
+    """Write ``files`` once into ``<root>/model-files/<digest of their names and bytes>`` (atomically, see
+    ``cache.build_once``) and return that directory."""
     digest = hashlib.sha256()
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
     final = (root or cache_root()) / "model-files" / digest.hexdigest()[:32]
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=final.parent))
-    for name, data in files.items():
-        (staging / name).write_bytes(data)
-    staging.chmod(0o755)
-    try:
-        os.rename(staging, final)
-    except OSError:  # another writer won the race with the same content
-        for child in staging.iterdir():
-            child.unlink()
-        staging.rmdir()
-    return final
+
+    def write(directory: Path) -> None:
+        for name, data in files.items():
+            (directory / name).write_bytes(data)
+
+    return build_once(final, write)

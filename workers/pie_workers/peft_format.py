@@ -9,7 +9,6 @@ relative to it and cannot leave it.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path, PurePosixPath
 
@@ -18,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pie_workers.adapters import LoraAdapter, LoraConfig
+from pie_workers.cache import cache_root
 from pie_workers.layers.lora import PEFT_MODULES, ModuleWeights
 
 CONFIG_FILE = "adapter_config.json"
@@ -39,7 +39,7 @@ _UNSUPPORTED = {
 
 def default_root() -> Path:
     """``$PIE_CACHE_DIR/adapters``, else ``~/.cache/pie/adapters``."""
-    return Path(os.environ.get("PIE_CACHE_DIR") or Path.home() / ".cache" / "pie").expanduser() / "adapters"
+    return cache_root() / "adapters"
 
 
 def user_path(root: Path, username: str, path: str) -> Path:

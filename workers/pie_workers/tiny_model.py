@@ -11,12 +11,11 @@ stays cheap for callers that only need `default_model_path` of an already-built 
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from pie_workers.cache import build_once, cache_root
 
 # Bump whenever the bytes written by `build_tiny_model` change, so stale caches are not reused.
 BUILD_VERSION = "v1"
@@ -34,7 +33,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-_MARKER = ".pie-build-complete"
 _WEIGHT_STD = 0.02
 _NORM_JITTER = 0.1
 
@@ -169,38 +167,11 @@ def build_tiny_model(out_dir: Path, arch: Arch = "llama", seed: int = 0) -> Path
     return out_dir
 
 
-def cache_root() -> Path:
-    """This node's cache for Pie's own files: ``$PIE_CACHE_DIR`` if set, else ``~/.cache/pie``."""
-    return Path(os.environ.get("PIE_CACHE_DIR") or Path.home() / ".cache" / "pie").expanduser()
-
-
 def default_model_path(arch: Arch = "llama") -> Path:
-    """Return the cached default model for `arch`, building it once (atomically) if it is not there yet.
-
-    The cache root is `$PIE_CACHE_DIR` if set, else `~/.cache/pie`; the model lives in
-    `<root>/models/tiny-<arch>-<BUILD_VERSION>`. The build goes to a temporary sibling directory that is
-    renamed into place after its completion marker is written, so readers never see a partial model and a
-    concurrent builder that wins the race is simply reused.
-    """
+    """Return the cached default model for `arch`, building it once (atomically, see `cache.build_once`) if it is
+    not there yet: `<cache root>/models/tiny-<arch>-<BUILD_VERSION>`."""
     final = cache_root() / "models" / f"tiny-{arch}-{BUILD_VERSION}"
-    if (final / _MARKER).exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it 0700, which would hide the cached model from other users
-    try:
-        build_tiny_model(tmp, arch=arch)
-        (tmp / _MARKER).write_text(BUILD_VERSION + "\n", encoding="utf-8")
-        if final.exists() and not (final / _MARKER).exists():
-            shutil.rmtree(final, ignore_errors=True)  # a leftover without a marker is never complete
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _MARKER).exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(final, lambda out_dir: build_tiny_model(out_dir, arch=arch))
 
 
 @dataclass(frozen=True)
