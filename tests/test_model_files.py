@@ -11,7 +11,7 @@ import pytest
 from inferlet.instruct import Instruct
 from inferlet.runtime import ModelEndpoint
 from inferlet.tokenizer import Tokenizer
-from pie_cluster.model_files import LocalModelFiles, write_files
+from pie_cluster.model_files import local_endpoints, write_files
 from pie_workers.model_dir import description_files, local_model_dir
 from pie_workers.tiny_model import EmbeddedModel
 
@@ -42,8 +42,7 @@ def test_a_host_without_the_model_directory_fetches_its_files_once(ray_session, 
     files = ray_session.put(description_files(elsewhere))
     shutil.rmtree(elsewhere)
 
-    local = LocalModelFiles({"default": files})
-    got = asyncio.run(local.endpoints({"default": endpoint(str(elsewhere))}))["default"]
+    got = asyncio.run(local_endpoints({"default": endpoint(str(elsewhere))}, {"default": files}))["default"]
     assert got.model_dir.startswith(str(tmp_path / "cache" / "model-files"))
     assert (got.name, got.address, got.page_size) == ("default", "ipc:///nowhere", 16)
     text = "<|im_start|>user\nhello, nodes<|im_end|>"
@@ -55,8 +54,7 @@ def test_a_host_without_the_model_directory_fetches_its_files_once(ray_session, 
 
 
 def test_a_directory_present_on_this_node_is_used_as_it_is_and_a_missing_one_without_files_is_an_error(tiny_llama):
-    local = LocalModelFiles({})
-    got = asyncio.run(local.endpoints({"default": endpoint(str(tiny_llama))}))
+    got = asyncio.run(local_endpoints({"default": endpoint(str(tiny_llama))}, {}))
     assert got["default"].model_dir == str(tiny_llama)
     with pytest.raises(FileNotFoundError, match="'default': /gone/model is not on this node"):
-        asyncio.run(local.endpoints({"default": endpoint("/gone/model")}))
+        asyncio.run(local_endpoints({"default": endpoint("/gone/model")}, {}))

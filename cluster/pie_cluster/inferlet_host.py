@@ -17,7 +17,7 @@ from inferlet.runtime import ModelEndpoint
 
 from pie_cluster import stdio
 from pie_cluster.host import encode_return, run_inferlet
-from pie_cluster.model_files import LocalModelFiles
+from pie_cluster.model_files import local_endpoints
 from pie_cluster.programs import Program, ProgramError
 
 
@@ -55,7 +55,7 @@ class InferletHost:
     def __init__(self, launcher, services: NodeServices):
         self.launcher = launcher
         self.services = services
-        self._models = LocalModelFiles(services.model_files)
+        self._endpoints: dict[str, ModelEndpoint] | None = None  # services.endpoints as seen from this node
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
         self._outbox: list[tuple[str, str, str | bytes]] = []
@@ -93,12 +93,13 @@ class InferletHost:
         try:
             main = program.load_main()
             services = self.services
-            endpoints = await self._models.endpoints(services.endpoints)
+            if self._endpoints is None:
+                self._endpoints = await local_endpoints(services.endpoints, services.model_files)
             async with asyncio.timeout(deadline_s) as deadline:
                 result = await run_inferlet(
                     main,
                     input,
-                    endpoints,
+                    self._endpoints,
                     username,
                     instance_id=instance_id,
                     bus=services.bus,

@@ -2,7 +2,7 @@
 
 The SDK reads a model's tokenizer and chat template from a directory (``ModelEndpoint.model_dir``), and that
 directory is the replica's, on the replica's node. An inferlet host on a node that lacks it fetches the files
-through Ray (``RankWorker.model_files``) once, writes them into this node's cache under a name derived from their
+through Ray (``RankWorker.model_files``), writes them once into this node's cache under a name derived from their
 content, and points its inferlets there.
 """
 
@@ -19,27 +19,20 @@ from pie_workers.cache import build_once, cache_root
 NEEDED = ("config.json", "tokenizer.json")  # what the SDK cannot do without
 
 
-class LocalModelFiles:
-    """One host's view: ``sources`` maps a model name to a Ray reference to its files (``RankWorker.model_files``)."""
+async def local_endpoints(endpoints: dict[str, ModelEndpoint], sources: dict[str, object]) -> dict[str, ModelEndpoint]:
+    """``endpoints`` with each model_dir replaced by a directory that exists on this node: the replica's own when it
+    is here, else a copy of its files fetched from ``sources`` (model name -> Ray reference to
+    ``RankWorker.model_files``)."""
+    return {name: replace(e, model_dir=await _local_directory(name, e, sources)) for name, e in endpoints.items()}
 
-    def __init__(self, sources: dict[str, object]):
-        self._sources = sources
-        self._local: dict[str, str] = {}  # a replica's model_dir -> the directory holding its files on this node
 
-    async def endpoints(self, endpoints: dict[str, ModelEndpoint]) -> dict[str, ModelEndpoint]:
-        """``endpoints`` with each model_dir replaced by a directory that exists on this node."""
-        return {name: replace(e, model_dir=await self._directory(name, e.model_dir)) for name, e in endpoints.items()}
-
-    async def _directory(self, name: str, model_dir: str) -> str:
-        if model_dir not in self._local:
-            if all((Path(model_dir) / f).is_file() for f in NEEDED):
-                self._local[model_dir] = model_dir
-            elif name not in self._sources:
-                raise FileNotFoundError(f"model {name!r}: {model_dir} is not on this node and no copy was offered")
-            else:
-                files = await self._sources[name]
-                self._local[model_dir] = str(await asyncio.to_thread(write_files, files))
-        return self._local[model_dir]
+async def _local_directory(name: str, endpoint: ModelEndpoint, sources: dict[str, object]) -> str:
+    model_dir = endpoint.model_dir
+    if all((Path(model_dir) / f).is_file() for f in NEEDED):
+        return model_dir
+    if name not in sources:
+        raise FileNotFoundError(f"model {name!r}: {model_dir} is not on this node and no copy was offered")
+    return str(await asyncio.to_thread(write_files, await sources[name]))
 
 
 def write_files(files: dict[str, bytes], root: Path | None = None) -> Path:
