@@ -170,14 +170,15 @@ def render(tok, messages: list[dict], replies: list[list[int]]) -> list[int]:
 
 
 def record_forwarded_tokens(monkeypatch) -> list[int]:
-    """Patch ``Forward.execute`` to log how many input tokens each pass sends."""
+    """Patch ``Forward`` to log how many input tokens each pass that ran took (a chained pass has no tokens of its
+    own: it runs on the one token its predecessor sampled)."""
     from inferlet import Forward
 
-    sent, execute = [], Forward.execute
+    sent, finish = [], Forward._finish
 
-    async def logged(self):
-        sent.append(len(self._tokens))
-        return await execute(self)
+    def logged(self, reply):
+        sent.append(len(self._tokens) or 1)
+        return finish(self, reply)
 
-    monkeypatch.setattr(Forward, "execute", logged)
+    monkeypatch.setattr(Forward, "_finish", logged)
     return sent

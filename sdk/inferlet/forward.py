@@ -6,6 +6,7 @@ reports the context's new ``seq_len``. Sampler and probe handles index into the 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -141,14 +142,19 @@ class Forward:
         return ProbeHandle(len(self._slots) - 1, probe.kind)
 
     async def execute(self) -> Output:
-        if not self._tokens:
+        return self._finish(await self._send())
+
+    def _send(self, chained: list[int] | None = None) -> asyncio.Future:
+        """Queue the pass on the channel; the future's reply goes to ``_finish``. ``chained``: the Generator's stop
+        ids for a pass whose input is the token the previous pass sampled (see the replica's ``op_forward``)."""
+        if not self._tokens and chained is None:
             raise ValueError("forward pass has no input tokens: call input() or input_at() first")
         ctx = self._ctx
         ctx._check_live()
         if self._zo_seed is not None and self._adapter is None:
             raise ValueError("zo_seed perturbs an adapter: call adapter() on this pass too")
         adapter_id = None if self._adapter is None else self._adapter._id_for(ctx.model)
-        slots, self._walk, seq_len, self._next_drafts = await ctx.model.channel.call(
+        return ctx.model.channel.call(
             "forward",
             ctx._id,
             self._tokens,
@@ -158,12 +164,18 @@ class Forward:
             self._logit_mask,
             self._drafts,
             self._draft_positions,
-            len(self._drafts),  # accepted drafts may still be cut at a stop token: keep their pages uncommitted
+            # accepted drafts may still be cut at a stop token, and a chained pass's token undone: keep their pages
+            # uncommitted
+            len(self._drafts) + (chained is not None),
             adapter_id,
             self._zo_seed,
             None if self._draft_masks is None else [pack_brle(m, "draft mask") for m in self._draft_masks],
             self._draft_budget,
             self._bid,
+            chained,
         )
-        ctx._seq_len = seq_len
+
+    def _finish(self, reply: list) -> Output:
+        slots, self._walk, seq_len, self._next_drafts = reply
+        self._ctx._seq_len = seq_len
         return Output([output_from_wire(s) for s in slots])

@@ -18,6 +18,12 @@ and each draft is verified under the constraints' mask after the drafts before i
 ``max_tokens`` cuts inside the accepted drafts, the tokens past the cut are truncated from the KV again, so KV,
 ``seq_len`` and the buffer end exactly as a run without drafts leaves them.
 
+The collectors (``collect_tokens``, ``collect_text``) hand no step to user code, so when nothing else needs a step's
+token before the next step can go — no constraint, no speculation — they send each step before the previous one's
+output is back, as a pass *chained* on it: the replica feeds it the token the previous pass sampled, or skips it
+when that token is a stop token. The inferlet's round trip then overlaps the replica's batches instead of adding to
+them. Tokens, KV, ``seq_len`` and the buffer end exactly as with stepping one by one.
+
 Each step also bids for the context's pages on the KV-page market (``scheduling.default_bid`` from the balance and
 the tokens still expected), unless the inferlet set a bid itself or the context is idle; the bid rides with the
 step's forward.
@@ -25,8 +31,10 @@ step's forward.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from inferlet import chat, scheduling
@@ -40,6 +48,16 @@ if TYPE_CHECKING:
     from inferlet.context import Context
 
 SYSTEM_DRAFTS = 4  # n-gram drafts asked of the replica per step with system_speculation
+
+
+@dataclass
+class _Sent:
+    """A collector's step in flight: its pass, the auto sampler's handle, the reply to come, and its input."""
+
+    fwd: Forward
+    auto: SampleHandle
+    reply: asyncio.Future
+    fed: list[int] | None  # None until the token a chained pass feeds is known here
 
 
 class GenStep:
@@ -303,21 +321,117 @@ class Generator:
 
     async def collect_tokens(self) -> list[int]:
         tokens: list[int] = []
-        async for step in self:
-            tokens += (await step.execute()).tokens
+
+        def take(out: Output) -> bool:
+            tokens.extend(out.tokens)
+            return False
+
+        await self._drain(take)
         return tokens
 
     async def collect_text(self) -> str:
         """Drain and return the visible text (a chat decoder strips control tokens)."""
         decoder = chat.Decoder(self._ctx.model)
         parts: list[str] = []
-        async for step in self:
-            event = decoder.feed((await step.execute()).tokens)
+        done: list[str] = []
+
+        def take(out: Output) -> bool:
+            event = decoder.feed(out.tokens)
             if isinstance(event, chat.Delta):
                 parts.append(event.text)
             elif isinstance(event, chat.Done):
-                return event.text
-        return "".join(parts)
+                done.append(event.text)
+                return True
+            return False
+
+        await self._drain(take)
+        return done[0] if done else "".join(parts)
+
+    async def _drain(self, take: Callable[[Output], bool]) -> None:
+        """Step until done, handing each step's output to ``take`` (which returns True to stop early)."""
+        if self._constraints or self._speculator is not None or self._system_speculation:
+            async for step in self:
+                if take(await step.execute()):
+                    return
+            return
+        await self._drain_chained(take)
+
+    async def _drain_chained(self, take: Callable[[Output], bool]) -> None:
+        """Plain stepping with the next step always in flight (see the module docstring)."""
+        ctx = self._ctx
+        if self.is_done:
+            return
+        if not ctx._buffer:
+            self._done = True
+            return
+        cur: _Sent | None = await self._send_step(ctx.buffer(), ctx.seq_len)
+        ctx._buffer = []
+        nxt: _Sent | None = None
+        try:
+            while cur is not None:
+                if self._max_tokens is None or self._max_tokens - self._generated > 1:
+                    nxt = await self._send_step(None, cur.fwd._positions[-1] + 1)
+                out = self._read(cur, await asyncio.shield(cur.reply))
+                cur = None
+                if nxt is not None and not self._done:  # the chained pass feeds the token the buffer now holds
+                    nxt.fed, ctx._buffer = ctx._buffer, []
+                    if take(out):
+                        return
+                    cur, nxt = nxt, None
+                else:
+                    take(out)
+        finally:
+            await self._unchain(cur, nxt)
+
+    async def _send_step(self, tokens: list[int] | None, position: int) -> _Sent:
+        """Send a plain step: ``tokens`` from ``position`` on, or (None) a pass chained on the previous one."""
+        fwd = Forward(self._ctx)
+        if tokens is None:  # the replica supplies the token
+            fwd._positions, last = [position], 0
+        else:
+            fwd.input_at(tokens, list(range(position, position + len(tokens))))
+            last = len(tokens) - 1
+        if self._adapter is not None:
+            fwd.adapter(self._adapter)
+        if self._zo_seed is not None:
+            fwd.zo_seed(self._zo_seed)
+        for idx, probe in self._step_probes:
+            fwd.probe(last + idx, probe)
+        auto = fwd.sample([last], self._sampler)
+        bid = await self._default_bid()
+        if bid is not None and bid != self._ctx._bid:
+            fwd._bid = self._ctx._bid = bid
+        reply = fwd._send(chained=None if tokens is not None else sorted(self._stop))
+        return _Sent(fwd, auto, reply, tokens)
+
+    def _read(self, sent: _Sent, reply: list) -> Output:
+        out = sent.fwd._finish(reply)
+        out.auto_sampler = sent.auto
+        out.tokens, _ = self._fold([out.token(sent.auto)])
+        return out
+
+    async def _unchain(self, cur: _Sent | None, nxt: _Sent | None) -> None:
+        """Leave the context as stepping one by one would have: read a step whose reply was not read (the collector
+        was cancelled or failed while waiting), and undo a chained pass nobody will read (truncating the token it
+        fed back into the buffer). Replies are awaited to the end, so the state is known."""
+        ctx = self._ctx
+        if cur is not None:
+            try:
+                self._read(cur, await cur.reply)
+            except Exception:  # nothing of it reached the KV
+                ctx._buffer = cur.fed + ctx._buffer
+        if nxt is None:
+            return
+        try:
+            reply = await nxt.reply
+        except Exception:  # it failed, or followed a pass that did: nothing reached the KV
+            reply = []
+        if reply is None:  # skipped: the token it would have fed stops generation
+            return
+        if reply:
+            ctx._seq_len = await ctx.model.channel.call("truncate", ctx._id, 1)
+        if nxt.fed is not None:  # the token had moved from the buffer to the chained pass: put it back
+            ctx._buffer = nxt.fed + ctx._buffer
 
     async def collect_json(self, *, schema: str | dict | None = None, parse: Callable[[str], Any] | None = None) -> Any:
         """Constrain to JSON (matching ``schema`` if given), drain, and return ``json.loads`` of the text, or

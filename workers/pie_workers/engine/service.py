@@ -92,6 +92,8 @@ class ReplicaEngine:
         self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
         self._locks: dict[int, asyncio.Lock] = {}
         self._salts: dict[int, bytes] = {}
+        self._sampled: dict[int, int] = {}  # the token a context's latest pass sampled, for a pass chained on it
+        self.chained_passes = 0  # passes that ran on the token their predecessor sampled
         self._adapters: dict[int, NamedAdapter] = {}
         self._adapter_ids: dict[tuple[str, str], int] = {}  # (user, name) -> adapter id
         self._next_adapter = 1
@@ -167,6 +169,7 @@ class ReplicaEngine:
         session.contexts.discard(ctx)
         self._locks.pop(ctx, None)
         self._salts.pop(ctx, None)
+        self._sampled.pop(ctx, None)
         self.drafter.forget(ctx)
         self.residency.forget(ctx)
 
@@ -261,6 +264,7 @@ class ReplicaEngine:
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
         async with self._locks[self._own(session, ctx)]:
             self.drafter.forget(ctx)
+            self._sampled.pop(ctx, None)
             if ctx in self.residency.suspended:  # no need to recompute what is cut
                 self.residency.truncate(ctx, n)
             else:
@@ -284,6 +288,7 @@ class ReplicaEngine:
             "waiting": self.residency.waiting,
             "batches": self.scheduler.batches_fired,
             "requests": self.scheduler.requests_served,
+            "chained": self.chained_passes,
             "market_rounds": self.market.rounds if self.market else 0,
             "price": self.market.price if self.market else 0.0,
         }
@@ -307,9 +312,17 @@ class ReplicaEngine:
         draft_masks: list[bytes] | None = None,
         draft_budget: int = 0,
         bid: float | None = None,
-    ) -> list:
+        chained: list[int] | None = None,
+    ) -> list | None:
         """Run ``tokens`` (then ``drafts``) through the context; returns [slot outputs, verified walk, seq_len,
         next drafts].
+
+        A ``chained`` pass (a list of stop ids, maybe empty) takes as its input the token the context's previous
+        pass sampled (the end of its verified walk, else its first token slot's), so a Generator can send step
+        k + 1 before it has read step k: the inferlet's round trip then overlaps the batches instead of adding to
+        them. ``tokens`` must be empty and ``positions`` hold that token's position. When the token is one of the
+        stop ids, nothing runs and the answer is None; when the previous pass failed or sampled nothing, this one
+        fails too.
 
         Full pages are committed (shared through the prefix trie) right away, except pages touching the last
         ``hold`` tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``draft_masks``
@@ -319,6 +332,18 @@ class ReplicaEngine:
         ``bid`` (a Generator's default) is the context's bid from this pass on, as ``set_bid`` would make it.
         """
         async with self._locks[self._own(session, ctx)]:
+            sampled = self._sampled.pop(ctx, None)
+            if chained is not None:
+                if tokens:
+                    raise ValueError("a chained pass takes its input from the previous pass: send no tokens")
+                if sampled is None:
+                    raise ValueError(
+                        f"context {ctx}: a chained pass follows the previous one, which failed or sampled no token"
+                    )
+                if sampled in chained:
+                    return None
+                tokens = [sampled]
+                self.chained_passes += 1
             if bid is not None:
                 self.residency.set_bid(ctx, bid)
             if len(tokens) != len(positions):
@@ -369,16 +394,14 @@ class ReplicaEngine:
                 bind,
             )
             seq_len = self.contexts.view(ctx).seq_len
-            next_drafts = self._next_drafts(ctx, out, seq_len, draft_budget) if draft_budget > 0 else []
+            sampled = out.tokens[-1] if out.tokens else next((s.token for s in out.slots if s.token is not None), None)
+            next_drafts = []
+            if sampled is not None:
+                self._sampled[ctx] = sampled
+                if draft_budget > 0:
+                    text = lambda: self.contexts.tokens(ctx)  # noqa: E731 (read only when the index is rebuilt)
+                    next_drafts = self.drafter.draft(ctx, text, seq_len, sampled, draft_budget)
             return [[output_to_wire(s) for s in out.slots], out.tokens, seq_len, next_drafts]
-
-    def _next_drafts(self, ctx: int, out: RequestOutput, seq_len: int, budget: int) -> list[int]:
-        """N-gram drafts to follow the token this pass sampled (the end of the verified walk, else the first token
-        slot's)."""
-        sampled = out.tokens[-1:] or [s.token for s in out.slots if s.token is not None][:1]
-        if not sampled:
-            return []
-        return self.drafter.draft(ctx, lambda: self.contexts.tokens(ctx), seq_len, sampled[0], budget)
 
     def _reuse_cached_prefix(self, ctx, tokens, positions, decoded, salt: bytes):
         """A fresh context whose first pages match cached ones adopts them instead of recomputing them (prefix
