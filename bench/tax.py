@@ -1,11 +1,13 @@
 """The programmability tax: inferlets on a Ray replica vs the same model runner driven by a plain in-process loop.
 
-Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64]
+Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7]
 
 (a) per-token latency of one inferlet generating greedily vs the in-process loop at batch 1 — the difference is the
     tax in ms/token (channel round trip, engine bookkeeping, scheduling, SDK);
 (b) aggregate tokens/s of N concurrent inferlets vs the in-process loop decoding N sequences as one batch.
-Both sides use 2 torch threads; the inferlets run in this process, the model in the replica actor.
+Both sides use 2 torch threads; the inferlets run in this process, the model in the replica actor. Each round runs
+the loop and then the inferlets back to back, and the tables report medians over rounds: on a shared machine a
+burst of outside load then hits one round's pair, not one side of every comparison.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import asyncio
 import random
 import time
+from statistics import median
 
 from forward import paged_decode
 from inferlet import Context, Model, Sampler
@@ -70,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,8,32,64")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     levels = [int(n) for n in args.concurrency.split(",")]
     model_dir = default_model_path("llama")
@@ -82,27 +85,28 @@ def main() -> None:
     local = ModelRunner(model_dir, RunnerSettings(num_pages=pages))
     rng = random.Random(0)
 
-    rows = []
-    for n in levels:
-        prompts = [[rng.randrange(3, 4096) for _ in range(PROMPT)] for _ in range(n)]
-        base = max(paged_decode(local, prompts, args.tokens) for _ in range(args.repeats))
-        ours = max(asyncio.run(concurrent(endpoints, n, args.tokens, rng)) for _ in range(args.repeats))
-        rows.append((n, ours, base))
+    rounds = {n: [] for n in levels}  # (inferlets tokens/s, loop tokens/s) per round
+    for _ in range(args.rounds):
+        for n in levels:
+            prompts = [[rng.randrange(3, 4096) for _ in range(PROMPT)] for _ in range(n)]
+            base = paged_decode(local, prompts, args.tokens)
+            rounds[n].append((asyncio.run(concurrent(endpoints, n, args.tokens, rng)), base))
     replica.shutdown()
 
     console = Console()
-    n1 = next(r for r in rows if r[0] == 1) if 1 in levels else None
-    if n1:
-        tax = 1000 / n1[1] - 1000 / n1[2]
+    if 1 in levels:
+        ms = [(1000 / ours, 1000 / base) for ours, base in rounds[1]]
         console.print(
-            f"(a) one inferlet: {1000 / n1[1]:.3f} ms/token vs in-process loop {1000 / n1[2]:.3f} "
-            f"ms/token -> programmability tax {tax:.3f} ms/token"
+            f"(a) one inferlet: {median(o for o, _ in ms):.3f} ms/token vs in-process loop "
+            f"{median(b for _, b in ms):.3f} ms/token -> programmability tax {median(o - b for o, b in ms):.3f} "
+            f"ms/token (median of {args.rounds} rounds)"
         )
-    table = Table(title=f"(b) aggregate decode tokens/s, {args.tokens} tokens per sequence, tiny Llama")
+    table = Table(title=f"(b) aggregate decode tokens/s, {args.tokens} tokens per sequence, tiny Llama, medians")
     for col in ("inferlets / batch", "inferlets on Ray", "in-process loop", "ratio"):
         table.add_column(col, justify="right")
-    for n, ours, base in rows:
-        table.add_row(str(n), f"{ours:,.0f}", f"{base:,.0f}", f"{ours / base:.2f}")
+    for n, pairs in rounds.items():
+        ours, base = median(o for o, _ in pairs), median(b for _, b in pairs)
+        table.add_row(str(n), f"{ours:,.0f}", f"{base:,.0f}", f"{median(o / b for o, b in pairs):.2f}")
     console.print(table)
 
 

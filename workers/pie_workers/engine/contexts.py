@@ -14,6 +14,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
+from typing import NamedTuple
 
 from pie_workers.engine.page_store import Node, PageStore
 
@@ -24,9 +25,9 @@ class ContextError(ValueError):
     """A context operation the context's state does not allow; the message names the context and the problem."""
 
 
-@dataclass(frozen=True, slots=True)
-class ContextView:
-    """What a forward pass needs: every page of the context (committed chain, then working) and its KV length."""
+class ContextView(NamedTuple):
+    """What a forward pass needs: every page of the context (committed chain, then working) and its KV length.
+    A named tuple: the engine builds several per forward, and a frozen dataclass costs four times as much."""
 
     page_ids: tuple[int, ...]
     kv_len: int
@@ -278,6 +279,11 @@ class ContextTable:
     def view(self, ctx: int) -> ContextView:
         return self._view(self._get(ctx))
 
+    def seq_len(self, ctx: int) -> int:
+        """Tokens whose KV the context holds (``view(ctx).seq_len`` without building the view)."""
+        c = self._get(ctx)
+        return (0 if c.tail is None else c.tail.depth) * self.page_size + len(c.lineage)
+
     def view_snapshot(self, owner: str, name: str) -> ContextView:
         snap = self._snapshots.get((owner, name))
         if snap is None:
@@ -375,13 +381,7 @@ class ContextTable:
         chain = self.store.chain(h.tail)
         seq_len = len(chain) * self.page_size + len(h.lineage)
         return ContextView(
-            page_ids=chain + tuple(h.working),
-            kv_len=seq_len,
-            seq_len=seq_len,
-            committed_pages=len(chain),
-            working_pages=len(h.working),
-            working_tokens=len(h.lineage),
-            page_size=self.page_size,
+            chain + tuple(h.working), seq_len, seq_len, len(chain), len(h.working), len(h.lineage), self.page_size
         )
 
     def _text(self, h: _Holding) -> tuple[list[tuple[int, int]], int]:

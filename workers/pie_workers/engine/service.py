@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
 from pie_workers.engine.channel import ChannelServer
-from pie_workers.engine.contexts import ContextError, ContextTable
+from pie_workers.engine.contexts import ContextError, ContextTable, ContextView
 from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import OutOfPages, PageStore
@@ -66,6 +66,9 @@ class PassBinding:
     salt: bytes = b""
     adapter: int | None = None
     zo_seed: int | None = None
+
+
+PLAIN_PASS = PassBinding()
 
 
 class ReplicaEngine:
@@ -348,18 +351,11 @@ class ReplicaEngine:
                 self.residency.set_bid(ctx, bid)
             if len(tokens) != len(positions):
                 raise ValueError(f"{len(positions)} positions for {len(tokens)} input tokens")
-            await self._ensure_resident(ctx, len(tokens) + len(drafts))
+            if ctx in self.residency.suspended:
+                await self._ensure_resident(ctx, len(tokens) + len(drafts))
             decoded = [(int(row), slot_from_wire(s)) for row, s in slots]
-            adapter_salt = b"" if adapter is None else self._adapter(session, adapter).salt
-            if zo_seed is not None:
-                if adapter is None:
-                    raise ValueError("zo_seed perturbs an adapter: pass the adapter too")
-                if not isinstance(zo_seed, int) or not -(1 << 63) <= zo_seed < 1 << 63:
-                    raise ValueError(f"zo_seed must be a 64-bit integer, got {zo_seed!r}")
-            if attention_masks is not None or zo_seed is not None:  # such KV must never be shared by prefix
-                self._salts.setdefault(ctx, uuid.uuid4().bytes)
-            bind = PassBinding(self._salts.get(ctx, b"") + adapter_salt, adapter, zo_seed)
-            if self.contexts.view(ctx).seq_len == 0 and attention_masks is None and not drafts:
+            bind = self._binding(session, ctx, attention_masks is not None, adapter, zo_seed)
+            if attention_masks is None and not drafts and self.contexts.seq_len(ctx) == 0:
                 tokens, positions, decoded = self._reuse_cached_prefix(ctx, tokens, positions, decoded, bind.salt)
             chunk = self.scheduler.limits.max_tokens
             start = 0
@@ -380,12 +376,16 @@ class ReplicaEngine:
                     bind,
                 )
                 start += chunk
+            if start:
+                tokens, positions = tokens[start:], positions[start:]
+                decoded = [(row - start, s) for row, s in decoded]
+                attention_masks = attention_masks[start:] if attention_masks is not None else None
             out = await self._forward_once(
                 ctx,
-                tokens[start:],
-                positions[start:],
-                [(row - start, s) for row, s in decoded],
-                attention_masks[start:] if attention_masks is not None else None,
+                tokens,
+                positions,
+                decoded,
+                attention_masks,
                 logit_mask,
                 drafts,
                 draft_positions,
@@ -393,7 +393,7 @@ class ReplicaEngine:
                 hold,
                 bind,
             )
-            seq_len = self.contexts.view(ctx).seq_len
+            seq_len = self.contexts.seq_len(ctx)
             sampled = out.tokens[-1] if out.tokens else next((s.token for s in out.slots if s.token is not None), None)
             next_drafts = []
             if sampled is not None:
@@ -402,6 +402,21 @@ class ReplicaEngine:
                     text = lambda: self.contexts.tokens(ctx)  # noqa: E731 (read only when the index is rebuilt)
                     next_drafts = self.drafter.draft(ctx, text, seq_len, sampled, draft_budget)
             return [[output_to_wire(s) for s in out.slots], out.tokens, seq_len, next_drafts]
+
+    def _binding(
+        self, session: Session, ctx: int, masked: bool, adapter: int | None, zo_seed: int | None
+    ) -> PassBinding:
+        if adapter is None and zo_seed is None and not masked and ctx not in self._salts:
+            return PLAIN_PASS
+        adapter_salt = b"" if adapter is None else self._adapter(session, adapter).salt
+        if zo_seed is not None:
+            if adapter is None:
+                raise ValueError("zo_seed perturbs an adapter: pass the adapter too")
+            if not isinstance(zo_seed, int) or not -(1 << 63) <= zo_seed < 1 << 63:
+                raise ValueError(f"zo_seed must be a 64-bit integer, got {zo_seed!r}")
+        if masked or zo_seed is not None:  # such KV must never be shared by prefix
+            self._salts.setdefault(ctx, uuid.uuid4().bytes)
+        return PassBinding(self._salts.get(ctx, b"") + adapter_salt, adapter, zo_seed)
 
     def _reuse_cached_prefix(self, ctx, tokens, positions, decoded, salt: bytes):
         """A fresh context whose first pages match cached ones adopts them instead of recomputing them (prefix
@@ -428,8 +443,10 @@ class ReplicaEngine:
         bind: PassBinding,
         trim: bool = True,
     ):
-        await self._reserve(ctx, len(tokens) + len(drafts))
         view = self.contexts.view(ctx)
+        if -(-(view.seq_len + len(tokens) + len(drafts)) // self.page_size) > len(view.page_ids):
+            await self._reserve(ctx, len(tokens) + len(drafts))
+            view = self.contexts.view(ctx)
         request = ForwardRequest(
             token_ids=tokens,
             positions=positions,
@@ -447,16 +464,18 @@ class ReplicaEngine:
         out = await self.scheduler.submit(request)
         if out.error is None:
             accepted = len(out.tokens) - 1 if drafts else 0
-            written = tokens + drafts[:accepted]
-            self.contexts.record(ctx, written, positions + draft_positions[:accepted], bind.salt)
+            written = tokens + drafts[:accepted] if accepted else tokens
+            self.contexts.record(
+                ctx, written, positions + draft_positions[:accepted] if accepted else positions, bind.salt
+            )
             self.drafter.observe(ctx, written)
-            full = max(0, self.contexts.view(ctx).working_tokens - hold) // self.page_size
-            if full:
-                self.contexts.commit(ctx, full)
+        view = self.contexts.view(ctx)
         if trim or out.error is not None:
-            self._trim(ctx)
+            self._trim(ctx, view)  # committing full pages below leaves the count of empty ones as it is
         if out.error is not None:
             raise ValueError(out.error)
+        if full := max(0, view.working_tokens - hold) // self.page_size:
+            self.contexts.commit(ctx, full)
         return out
 
     # -- residency and the market -------------------------------------------------------------------------------
@@ -571,9 +590,10 @@ class ReplicaEngine:
         if full := (suspended.committed - reused) // self.page_size:
             self.contexts.commit(ctx, full)
 
-    def _trim(self, ctx: int) -> None:
-        """Give back working pages that hold no tokens (after a rejected draft, a failed pass, or a truncate)."""
-        view = self.contexts.view(ctx)
+    def _trim(self, ctx: int, view: ContextView | None = None) -> None:
+        """Give back working pages that hold no tokens (after a rejected draft, a failed pass, or a truncate).
+        ``view``: the context as it is now, when the caller has it."""
+        view = view or self.contexts.view(ctx)
         spare = view.working_pages - (-(-view.working_tokens // self.page_size))
         if spare > 0:
             self.contexts.release_working(ctx, spare)
