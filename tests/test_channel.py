@@ -1,16 +1,15 @@
-"""The inferlet channel under load: every request gets its reply, however requests and replies interleave.
-
-A regression test for a lost wakeup: sending on a raw shadow of a zmq.asyncio socket skipped the re-check of
-ZeroMQ's edge-triggered descriptor, so a reply that arrived during a send could leave the reader asleep for good.
-"""
+"""The inferlet channel under load: every request gets its reply, however requests and replies interleave, and
+a connection that sends garbage is dropped without disturbing the others."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import threading
 
-from inferlet._channel import Channel
+import pytest
+from inferlet._channel import Channel, ReplicaError
 from pie_workers.engine.channel import ChannelServer
 
 
@@ -58,3 +57,44 @@ def test_many_sessions_interleaving_requests_all_get_their_own_replies():
 
     for _ in range(5):
         asyncio.run(all_sessions())
+
+
+def test_a_malformed_frame_drops_only_that_connection():
+    address, _ = _serve()
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(address.removeprefix("ipc://"))
+    raw.settimeout(10)
+    raw.sendall(b"\xc1")  # a byte msgpack never uses
+    assert raw.recv(1) == b"", "the server closes the connection"
+
+    async def still_served():
+        channel = Channel(address, "bob/1/s")
+        try:
+            return await asyncio.wait_for(channel.call("echo", 7), 10)
+        finally:
+            channel.close()
+
+    assert asyncio.run(still_served()) == ["bob/1/s", 7]
+
+
+def test_a_lost_connection_fails_pending_calls_with_a_clear_error():
+    async def main():
+        async def handler(session: str, op: str, args: list):
+            await asyncio.sleep(30 if op == "hang" else 0)
+            return args[0]
+
+        server = ChannelServer(handler)
+        address = server.bind("127.0.0.1")["ipc"]
+        serving = asyncio.ensure_future(server.serve())
+        channel = Channel(address, "carol/1/s")
+        assert await asyncio.wait_for(channel.call("echo", 1), 10) == 1
+        hanging = channel.call("hang", 2)
+        await asyncio.sleep(0.05)
+        serving.cancel()
+        server.close()  # the replica goes away with a call in flight
+        with pytest.raises(ReplicaError, match="lost the connection"):
+            await asyncio.wait_for(hanging, 10)
+        with pytest.raises(ReplicaError, match="cannot reach the replica"):
+            await asyncio.wait_for(channel.call("echo", 3), 10)
+
+    asyncio.run(main())

@@ -1,23 +1,22 @@
-"""The inferlet's side of its channel to a replica: ZeroMQ DEALER sockets carrying batched msgpack requests.
+"""The inferlet's side of its channel to a replica: stream sockets carrying batched msgpack frames.
 
 Many inferlets share one process (and one event loop), and in lock-step decoding they all send a forward at once.
 So each process holds one *link* per (event loop, replica): every request made during one loop iteration goes out
 as a single frame ``[[request id, session, op, args], ...]`` and replies come back batched the same way. A session
 string ``user/instance/session`` in each request tells the replica whose contexts it touches. Synchronous control
 calls (``Context(model)``, ``fork``, ``open``...) use a blocking socket per (thread, replica) and cost one round
-trip (~0.1-0.2 ms).
+trip (~0.1 ms). Addresses are ``ipc://<unix socket path>`` (same node) or ``tcp://<host>:<port>``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import threading
 from typing import Any
 
 import msgpack
-import zmq
-import zmq.asyncio
 
 # Error types the replica reports that are the caller's fault: re-raised as ValueError with the replica's message.
 _CALLER_ERRORS = {"ValueError", "ContextError", "BatchError", "BrleError", "KeyError", "LookupError", "OutOfPages"}
@@ -27,38 +26,58 @@ class ReplicaError(RuntimeError):
     """The replica failed for a reason that is not the caller's input."""
 
 
-class _AsyncLink:
-    """One DEALER socket per (event loop, replica address); batches every request of a loop iteration into a frame."""
+class _AsyncLink(asyncio.Protocol):
+    """One connection per (event loop, replica address); batches every request of a loop iteration into a frame.
+    Requests made while it connects wait in the outbox; a lost connection fails what is pending, and the next call
+    opens a new link."""
 
     def __init__(self, address: str, loop: asyncio.AbstractEventLoop):
+        self.address = address
         self._loop = loop
-        self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop a send: the replica applies backpressure
-        self._sock.connect(address)
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._outbox: list[list] = []
-        self._reader = loop.create_task(self._read())
+        self._unpacker = msgpack.Unpacker()
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
         self.users = 0
+        self._connecting = loop.create_task(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            kind, where = _parse(self.address)
+            if kind == "ipc":
+                await self._loop.create_unix_connection(lambda: self, where)
+            else:
+                await self._loop.create_connection(lambda: self, *where)
+        except OSError as e:
+            self._fail(ReplicaError(f"cannot reach the replica at {self.address}: {e}"))
 
     def call(self, session: str, op: str, args: list) -> asyncio.Future:
-        rid = next(self._ids)
         fut = self._loop.create_future()
+        if self.closed:
+            fut.set_exception(ReplicaError(f"the connection to the replica at {self.address} is closed"))
+            return fut
+        rid = next(self._ids)
         self._pending[rid] = fut
-        if not self._outbox:
+        if not self._outbox and self._transport is not None:
             self._loop.call_soon(self._flush)
         self._outbox.append([rid, session, op, args])
         return fut
 
     def _flush(self) -> None:
-        batch, self._outbox = self._outbox, []
-        # the asyncio socket's own send: after it, it re-checks ZeroMQ's edge-triggered descriptor for replies that
-        # arrived meanwhile (a send on a raw shadow socket skips that, and the reader can then sleep forever)
-        self._sock.send(msgpack.packb(batch), zmq.NOBLOCK)
+        if self._transport is not None and self._outbox:
+            batch, self._outbox = self._outbox, []
+            self._transport.write(msgpack.packb(batch))
 
-    async def _read(self) -> None:
-        while True:
-            for rid, error, value in msgpack.unpackb(await self._sock.recv()):
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        self._unpacker.feed(data)
+        for frame in self._unpacker:
+            for rid, error, value in frame:
                 fut = self._pending.pop(rid, None)
                 if fut is None or fut.done():
                     continue
@@ -67,28 +86,72 @@ class _AsyncLink:
                 else:
                     fut.set_exception(_error(error, value))
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(ReplicaError(f"lost the connection to the replica at {self.address}"))
+
+    def _fail(self, error: Exception) -> None:
+        self.closed, self._transport, self._outbox = True, None, []
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+
     def close(self) -> None:
-        self._reader.cancel()
-        self._sock.close(linger=0)
+        self._connecting.cancel()
+        if self._transport is not None:
+            self._transport.close()
+        self.closed = True
 
 
 class _SyncLink:
-    """A blocking DEALER socket per (thread, replica address) for control calls that must answer before returning."""
+    """A blocking socket per (thread, replica address) for control calls that must answer before returning."""
 
     def __init__(self, address: str):
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.connect(address)
+        kind, where = _parse(address)
+        try:
+            if kind == "ipc":
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._sock.connect(where)
+            else:
+                self._sock = socket.create_connection(where)
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as e:
+            raise ReplicaError(f"cannot reach the replica at {address}: {e}") from None
+        self._address = address
+        self._unpacker = msgpack.Unpacker()
         self._ids = itertools.count()
+        self.closed = False
 
     def call(self, session: str, op: str, args: list) -> Any:
         rid = next(self._ids)
-        self._sock.send(msgpack.packb([[rid, session, op, args]]))
-        while True:
-            for got, error, value in msgpack.unpackb(self._sock.recv()):
-                if got == rid:
-                    if error is None:
-                        return value
-                    raise _error(error, value)
+        try:
+            self._sock.sendall(msgpack.packb([[rid, session, op, args]]))
+            while True:
+                for frame in self._unpacker:
+                    for got, error, value in frame:
+                        if got == rid:
+                            if error is None:
+                                return value
+                            raise _error(error, value)
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    raise OSError("closed by the replica")
+                self._unpacker.feed(data)
+        except OSError as e:
+            self.closed = True
+            self._sock.close()
+            raise ReplicaError(f"lost the connection to the replica at {self._address}: {e}") from None
+
+
+def _parse(address: str) -> tuple[str, Any]:
+    """``ipc://path`` -> ("ipc", path); ``tcp://host:port`` -> ("tcp", (host, port))."""
+    kind, _, where = address.partition("://")
+    if kind == "ipc":
+        return kind, where
+    if kind == "tcp":
+        host, _, port = where.rpartition(":")
+        return kind, (host, int(port))
+    raise ValueError(f"not a replica channel address: {address!r}")
 
 
 _async_links: dict[tuple[asyncio.AbstractEventLoop, str], _AsyncLink] = {}
@@ -106,17 +169,17 @@ class Channel:
     def call_sync(self, op: str, *args: Any) -> Any:
         links = _sync_links.__dict__
         link = links.get(self._address)
-        if link is None:
+        if link is None or link.closed:
             link = links[self._address] = _SyncLink(self._address)
         return link.call(self._session, op, list(args))
 
     def call(self, op: str, *args: Any) -> asyncio.Future:
         """Queue the request for this loop iteration's frame; await the returned future for the result."""
         link = self._link
-        if link is None:
+        if link is None or link.closed:
             loop = asyncio.get_running_loop()
             link = _async_links.get((loop, self._address))
-            if link is None:
+            if link is None or link.closed:
                 link = _async_links[(loop, self._address)] = _AsyncLink(self._address, loop)
             link.users += 1
             self._link = link
@@ -128,7 +191,8 @@ class Channel:
         if link is not None:
             link.users -= 1
             if link.users == 0:
-                _async_links.pop((link._loop, self._address), None)
+                if _async_links.get((link._loop, self._address)) is link:
+                    del _async_links[link._loop, self._address]
                 link.close()
 
 
