@@ -109,12 +109,16 @@ class _SyncLink:
     def __init__(self, address: str):
         kind, where = _parse(address)
         try:
-            if kind == "ipc":
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._sock.connect(where)
-            else:
+            if kind == "tcp":
                 self._sock = socket.create_connection(where)
                 self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    self._sock.connect(where)
+                except OSError:
+                    self._sock.close()
+                    raise
         except OSError as e:
             raise ReplicaError(f"cannot reach the replica at {address}: {e}") from None
         self._address = address
