@@ -27,22 +27,26 @@ async def continuation(ctx: Context, n: int = 6) -> list[int]:
     return await ctx.generate(Sampler.argmax(), max_tokens=n, stop=[], auto_flush=False).collect_tokens()
 
 
+async def both_ways(base: Context, chained_passes, **generate) -> tuple:
+    """Generate from two forks of ``base``, stepping one by one and collecting; returns (stepped tokens, collected
+    tokens, passes the replica chained meanwhile, each fork's (seq_len, buffer), each fork's continuation)."""
+    plain, chained = base.fork(), base.fork()
+    expect = await step_by_step(plain.generate(Sampler.argmax(), **generate))
+    before = chained_passes()
+    got = await chained.generate(Sampler.argmax(), **generate).collect_tokens()
+    passes = chained_passes() - before
+    states = [(c.seq_len, c.buffer()) for c in (plain, chained)]
+    return expect, got, passes, states, [await continuation(c) for c in (plain, chained)]
+
+
 def test_collect_chains_steps_and_ends_where_stepping_one_by_one_ends(served):
     async def main(input):
         model = Model.load("default")
         with Context(model) as base:
             base.user(PROMPT)
             await base.flush()
-            plain, chained = base.fork(), base.fork()
-            expect = await step_by_step(plain.generate(Sampler.argmax(), max_tokens=12, stop=[]))
-            before = served_stats()
-            got = await chained.generate(Sampler.argmax(), max_tokens=12, stop=[]).collect_tokens()
-            passes = served_stats()["chained"] - before["chained"]
-            states = [(c.seq_len, c.buffer()) for c in (plain, chained)]
-            after = [await continuation(c) for c in (plain, chained)]
-            return expect, got, passes, states, after
+            return await both_ways(base, lambda: served.stats()["chained"], max_tokens=12, stop=[])
 
-    served_stats = served.stats
     expect, got, passes, states, after = served.run(main)
     assert got == expect and len(got) == 12
     assert passes == 11, "every step after the first rides on its predecessor's token"
@@ -56,17 +60,8 @@ def test_a_stop_token_skips_the_chained_pass(served):
         with Context(model) as base:
             base.user(PROMPT)
             free = await base.fork().generate(Sampler.argmax(), max_tokens=10, stop=[]).collect_tokens()
-            stop = free[5]
-            plain, chained = base.fork(), base.fork()
-            expect = await step_by_step(plain.generate(Sampler.argmax(), stop=[stop]))
-            before = served_stats()["chained"]
-            got = await chained.generate(Sampler.argmax(), stop=[stop]).collect_tokens()
-            passes = served_stats()["chained"] - before
-            states = [(c.seq_len, c.buffer()) for c in (plain, chained)]
-            after = [await continuation(c) for c in (plain, chained)]
-            return free, expect, got, passes, states, after
+            return free, *await both_ways(base, lambda: served.stats()["chained"], stop=[free[5]])
 
-    served_stats = served.stats
     free, expect, got, passes, states, after = served.run(main)
     cut = free.index(free[5])
     assert got == expect == free[:cut]
