@@ -63,8 +63,9 @@ class KVPool:
 
     def move_to_host(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
         if pages.numel():
-            self.host_k[:, slots] = self.k[:, pages.to(self.k.device)].cpu()
-            self.host_v[:, slots] = self.v[:, pages.to(self.k.device)].cpu()
+            device_pages = pages.to(self.k.device)
+            self.host_k[:, slots] = self.k[:, device_pages].cpu()
+            self.host_v[:, slots] = self.v[:, device_pages].cpu()
 
     def move_from_host(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
         if pages.numel():
