@@ -112,12 +112,20 @@ def long_text(seed: int) -> list[int]:
 
 
 async def reader(input):
-    """Continues its own long text greedily at bid 1: two of them need twice the pool, one alone nearly all of it."""
+    """Continues its own long text greedily at bid 1: two of them need twice the pool, one alone nearly all of it.
+    Steps one by one, or (``chained``) collects, so the replica never sees it between passes."""
     with Context(Model.load("default")) as ctx:
         ctx.set_bid(1.0)
         ctx.append(long_text(input["seed"]))
+        gen = ctx.generate(Sampler.argmax(), max_tokens=60)
+        if input.get("chained"):
+            collecting = asyncio.ensure_future(gen.collect_tokens())
+            while ctx.seq_len <= len(long_text(0)) and not collecting.done():
+                await asyncio.sleep(0.002)
+            _readers_started.add(input["seed"])
+            return {"tokens": await collecting, "ended": time.monotonic()}
         tokens = []
-        async for step in ctx.generate(Sampler.argmax(), max_tokens=60):
+        async for step in gen:
             tokens += (await step.execute()).tokens
             _readers_started.add(input["seed"])
         return {"tokens": tokens, "ended": time.monotonic()}
@@ -134,14 +142,16 @@ async def latecomer(input):
     return await chat(input)
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["stepping", "chained"])
 @pytest.mark.parametrize("bid", [100.0, 0.5], ids=["outbids", "underbids"])
-def test_memory_goes_to_the_highest_bidder(scarce, bid):
+def test_memory_goes_to_the_highest_bidder(scarce, bid, chained):
     """Two readers at bid 1 each need most of the pool until they end. A latecomer outbidding them takes memory at
-    once and finishes before both; one underbidding them never gets the room it needs while either wants it, so it
-    finishes after both."""
+    once (from chained readers, at their next step) and finishes before both; one underbidding them never gets the
+    room it needs while either wants it, so it finishes after both."""
     _readers_started.clear()
     late = {"prompt": "The latecomer's story begins", "n": 80, "bid": bid}
-    results = scarce.run_many([(reader, {"seed": 0}), (reader, {"seed": 1}), (latecomer, late)])
+    readers = [(reader, {"seed": i, "chained": chained}) for i in range(2)]
+    results = scarce.run_many([*readers, (latecomer, late)])
     for r in results:
         if isinstance(r, BaseException):
             raise r
@@ -232,3 +242,39 @@ def test_a_bad_bid_is_refused_in_the_inferlet(scarce):
 
     with pytest.raises(ValueError, match="finite number of credits"):
         scarce.run(main)
+
+
+def test_a_context_with_a_pass_in_flight_gives_its_pages_up_when_its_next_pass_begins():
+    """Chained steps leave a generating context no moment between passes, so a suspension asked of it (by a higher
+    bidder making room, or by the market) waits for its next pass to begin instead of being dropped."""
+    from pie_workers.engine import ContextTable, PageStore
+    from pie_workers.engine.residency import Residency
+
+    contexts = ContextTable(PageStore(4, 16))
+    in_flight: set[int] = set()
+    residency = Residency(contexts, busy=in_flight.__contains__, clock=lambda: 0)
+    low, high = contexts.create("alice"), contexts.create("bob")
+    contexts.reserve(low, 4)
+    contexts.record(low, list(range(50)), list(range(50)))
+    residency.set_bid(low, 0.0)
+    residency.set_bid(high, 5.0)
+
+    in_flight.add(low)
+    assert not residency.try_now(high, 2), "pages in a running batch are not free yet"
+    assert low in residency.deferred and low not in residency.suspended
+    assert not residency.try_now(high, 2) and residency.deferred == {low}, "asked once, counted once"
+    residency.pass_begins(low)
+    assert low in residency.suspended and not residency.deferred
+    assert residency.try_now(high, 2)
+
+    idle, busy = contexts.create("carol"), contexts.create("dave")  # as the market's decisions are applied
+    for ctx in (idle, busy):
+        contexts.reserve(ctx, 1)
+        contexts.record(ctx, [1], [0])
+    in_flight.add(busy)
+    residency.suspend_or_defer(idle)
+    residency.suspend_or_defer(busy)
+    assert idle in residency.suspended, "an idle context goes at once"
+    assert busy in residency.deferred and busy not in residency.suspended
+    residency.forget(busy)
+    assert not residency.deferred, "a released context owes nothing"

@@ -8,7 +8,7 @@ process, bid, effective (Shapley) pages and whether it is resident, the pages ea
 * the market charges rent and make cost and pays dividends, so the processes' balances move;
 * its caps (what each process can afford per page) cap the bids ``Residency`` ranks by until the next round, so a
   process that cannot pay loses rank locally too;
-* losers that are idle now are suspended at once (a busy one is left to the next round), and the line is woken.
+* losers are suspended (a busy one when its next pass begins), and the line is woken.
 
 A suspended context is in the report only while it waits in line for memory: one whose inferlet is not asking for it
 competes for nothing and pays nothing. The market is an opaque Ray actor handle here (``pie_workers`` never imports
@@ -125,6 +125,6 @@ class MarketLink:
         self.price = float(decision["price"])
         self.residency.set_caps(decision["caps"])
         for ctx in decision["suspend"]:
-            if ctx in self.residency.owners and not self.residency.busy(ctx):
-                self.residency.suspend(ctx)
+            if ctx in self.residency.owners:
+                self.residency.suspend_or_defer(ctx)
         self.residency.wake()

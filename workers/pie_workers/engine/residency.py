@@ -4,10 +4,12 @@ Every context bids credits per page per tick (``set_bid``; 0 until its inferlet 
 process can afford when the replica reports to the market (``set_caps``: a process without credits loses rank).
 Allocation stays local and immediate while the pool has room and nobody is waiting. When it does not:
 
-* A requester that is first in line (no waiter outranks it) suspends idle contexts bidding less than it does, and
+* A requester that is first in line (no waiter outranks it) suspends contexts bidding less than it does, and
   those bidding the same that have not been used for ``IDLE_BATCHES`` batches, lowest bid and least recently used
-  first, until what it needs is available. (Equal bids displace only the idle: contexts generating side by side
-  do not evict each other every step, yet one that finished its work but was not released blocks nobody.)
+  first, until what it needs is available; one with a pass in flight gives its pages up when its next pass begins
+  (a pass is never cut short, and a Generator's chained steps leave no moment between passes). (Equal bids
+  displace only the idle: contexts generating side by side do not evict each other every step, yet one that
+  finished its work but was not released blocks nobody.)
 * Otherwise it waits in line, ordered by bid (highest first, first come first served among equals), after
   suspending itself if it holds pages, so a waiter never sits on memory someone ahead of it needs.
 * A suspended context gives up all its pages and keeps its text. Its pages' contents move to host memory when the
@@ -17,7 +19,7 @@ Allocation stays local and immediate while the pool has room and nobody is waiti
 
 The ordering property: a context is suspended only to make room for one bidding more per page (or as much, once it
 has been idle), or by its own choice when it has to wait. So it can be suspended while a lower per-page bidder stays
-resident only when that bidder had an operation in flight (a pass is never cut short) or its KV cannot be recomputed
+resident only until that bidder's next pass begins (when it had one in flight) or when its KV cannot be recomputed
 (written under a custom attention mask, an adapter or a zo seed: such contexts are never suspended). Snapshots are
 never suspended.
 """
@@ -69,6 +71,7 @@ class Residency:
         self.owners: dict[int, str] = {}  # ctx -> its process (inferlet instance), whose wallet pays its rent
         self._caps: dict[str, float] = {}  # process -> the highest bid per page it can afford; absent: no cap
         self.suspended: dict[int, Suspended] = {}
+        self.deferred: set[int] = set()  # busy contexts that suspend when their next pass begins
         self._line: list[_Waiter] = []
         self._arrivals = itertools.count()
         self.suspensions = 0
@@ -110,6 +113,7 @@ class Residency:
         self.owners.pop(ctx, None)
         if (gone := self.suspended.pop(ctx, None)) is not None and gone.host:
             self.release_host(gone.host)
+        self.deferred.discard(ctx)
         self._last_use.pop(ctx, None)
 
     @property
@@ -123,6 +127,7 @@ class Residency:
     def suspend(self, ctx: int) -> bool:
         """Give up the context's pages, keeping its text (and their contents in host memory when there is room);
         False if its KV could not be recomputed."""
+        self.deferred.discard(ctx)
         if ctx in self.suspended or not self.contexts.recomputable(ctx):
             return False
         view = self.contexts.view(ctx)
@@ -136,6 +141,19 @@ class Residency:
         self.suspended[ctx].host = host
         self.suspensions += 1
         return True
+
+    def suspend_or_defer(self, ctx: int) -> None:
+        """Suspend ``ctx`` now, or, while an operation on it is in flight, when its next pass begins. A Generator
+        chains its steps, so a generating context is never between operations: its step boundary is the moment."""
+        if self.busy(ctx):
+            self.deferred.add(ctx)
+        else:
+            self.suspend(ctx)
+
+    def pass_begins(self, ctx: int) -> None:
+        """A pass on ``ctx`` begins (nothing of it in a batch yet): carry out a suspension deferred until now."""
+        if ctx in self.deferred:
+            self.suspend(ctx)
 
     def release_host(self, slots: list[int]) -> None:
         self._free_host.extend(slots)
@@ -205,11 +223,15 @@ class Residency:
             if c != requester
             and c not in self.suspended
             and (self.bid(c) < bid or (self.bid(c) == bid and self._last_use.get(c, -1) <= idle_since))
-            and not self.busy(c)
             and self.contexts.holds_pages(c)
         ]
         victims.sort(key=lambda c: (self.bid(c), self._last_use.get(c, -1)))
+        coming = sum(len(self.contexts.view(c).page_ids) for c in self.deferred)  # at most, once they suspend
         for victim in victims:
-            if self.store.available >= pages:
+            if self.store.available + coming >= pages:
                 return
-            self.suspend(victim)
+            if victim in self.deferred:
+                continue
+            self.suspend_or_defer(victim)
+            if victim in self.deferred:
+                coming += len(self.contexts.view(victim).page_ids)

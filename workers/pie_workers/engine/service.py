@@ -360,6 +360,7 @@ class ReplicaEngine:
                 self.chained_passes += 1
             if bid is not None:
                 self.residency.set_bid(ctx, bid)
+            self.residency.pass_begins(ctx)
             if len(tokens) != len(positions):
                 raise ValueError(f"{len(positions)} positions for {len(tokens)} input tokens")
             if ctx in self.residency.suspended:
