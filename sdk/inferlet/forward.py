@@ -146,7 +146,7 @@ class Forward:
 
     def _send(self, chained: list[int] | None = None) -> asyncio.Future:
         """Queue the pass on the channel; the future's reply goes to ``_finish``. ``chained``: the Generator's stop
-        ids for a pass whose input is the token the previous pass sampled (see the replica's ``op_forward``)."""
+        ids for a pass whose input is the token the previous pass sampled (see the replica's ``PassArgs``)."""
         if not self._tokens and chained is None:
             raise ValueError("forward pass has no input tokens: call input() or input_at() first")
         ctx = self._ctx

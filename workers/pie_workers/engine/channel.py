@@ -4,8 +4,9 @@ A plain Ray actor call costs 0.6-1 ms; a forward pass per token cannot afford th
 node connect over a Unix socket, others over TCP. A frame is one msgpack value and carries every request a process
 made in one loop iteration, ``[[request id, session, op, args], ...]``; replies go back batched per connection the
 same way, each ``[request id, error type or None, result or message]``, written once per loop iteration (so the 32
-replies of one batch leave in one frame). Every request runs as its own task, so a slow operation (a forward waiting
-for its batch) never blocks the others.
+replies of one batch leave in one frame). The handler starts each request at once: what it has already put under
+way (a forward queued for its batch) is answered when done, anything else runs as its own task; either way a slow
+operation never blocks the others.
 
 The sockets are asyncio's own, read and written by the event loop's thread: no broker thread sits between the
 loop and the kernel. (ZeroMQ's I/O thread cost two thread wake-ups per frame; on a 2-core node whose cores the model
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -28,7 +30,8 @@ import msgpack
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[str, str, list], Awaitable[Any]]  # (session, op, args) -> result
+# (session, op, args) -> the operation's work: a future already under way, or an awaitable to run as a task
+Handler = Callable[[str, str, list], Awaitable[Any]]
 
 
 class _Connection(asyncio.Protocol):
@@ -89,26 +92,51 @@ class ChannelServer:
         await asyncio.gather(*(s.serve_forever() for s in self._servers))
 
     def _received(self, conn: _Connection, frame: list) -> None:
-        loop = asyncio.get_running_loop()
         for request in frame:
-            task = loop.create_task(self._dispatch(conn, request))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            rid = None
+            try:
+                rid, session, op, args = request
+                work = self._handler(session, op, args)
+            except Exception as e:
+                self._reply(conn, rid, e)
+                continue
+            if isinstance(work, asyncio.Future):  # already under way: answer when it is done, no task needed
+                work.add_done_callback(functools.partial(self._answer, conn, rid))
+            else:
+                task = asyncio.get_running_loop().create_task(self._run(conn, rid, work))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
-    async def _dispatch(self, conn: _Connection, request: list) -> None:
-        rid = None
+    async def _run(self, conn: _Connection, rid: int, work: Awaitable) -> None:
         try:
-            rid, session, op, args = request
-            reply = [rid, None, await self._handler(session, op, args)]
-        except Exception as e:  # every failure goes back to the inferlet that caused it
-            if not isinstance(e, (ValueError, KeyError, LookupError)):
-                log.exception("channel op failed")
-            reply = [rid, type(e).__name__, str(e)]
+            result = await work
+        except Exception as e:
+            self._reply(conn, rid, e)
+        else:
+            self._reply(conn, rid, None, result)
+
+    def _answer(self, conn: _Connection, rid: int, work: asyncio.Future) -> None:
+        if (e := work.exception()) is not None:
+            self._reply(conn, rid, e)
+        else:
+            self._reply(conn, rid, None, work.result())
+
+    def _reply(self, conn: _Connection, rid: int | None, error: BaseException | None, result: Any = None) -> None:
+        """Queue a reply for this loop iteration's frame to ``conn``; every failure goes back to the inferlet that
+        caused it."""
+        if error is None:
+            reply = [rid, None, result]
+        else:
+            if not isinstance(error, (ValueError, KeyError, LookupError)):
+                log.error("channel op failed", exc_info=error)
+            reply = [rid, type(error).__name__, str(error)]
         if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self.flush)
         self._outbox.setdefault(conn, []).append(reply)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send the replies queued so far (each connection's in one frame); otherwise they leave once the event
+        loop turns."""
         outbox, self._outbox = self._outbox, {}
         for conn, replies in outbox.items():
             if conn.transport is not None:  # else the inferlet's process is gone: nobody to tell

@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import groupby, repeat
 from typing import NamedTuple
 
 from pie_workers.engine.page_store import Node, PageStore
@@ -147,8 +147,7 @@ class ContextTable:
                 f"cannot record {len(tokens)} tokens into context {c.id}: its {len(c.working)} working pages "
                 f"have room for {room} more tokens"
             )
-        salt = _as_bytes(salt)
-        c.lineage.extend((int(t), int(p), salt) for t, p in zip(tokens, positions, strict=True))
+        c.lineage.extend(zip(map(int, tokens), map(int, positions), repeat(_as_bytes(salt), len(tokens)), strict=True))
 
     def truncate(self, ctx: int, n: int) -> None:
         """Drop the last n lineage tokens (speculative rollback); their pages stay reserved."""

@@ -30,7 +30,8 @@ class BatchLimits:
 class _Job:
     request: ForwardRequest | None  # None: a job that only moves pages
     copies: list[tuple[int, int]]
-    future: asyncio.Future
+    future: asyncio.Future | None  # resolves to the result, unless the job was queued with a ``then``
+    then: Callable[[RequestOutput | Exception], None] | None = None
     offloads: list[tuple[int, int]] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)
 
@@ -61,10 +62,16 @@ class BatchScheduler:
         """Queue one request and/or page moves; the future resolves to its RequestOutput (None without a request).
         Moves run in submission order: pages offloaded here are safe to reuse in any later job."""
         future = asyncio.get_running_loop().create_future()
-        job = _Job(request, list(copies), future, list(offloads), list(restores))
-        self._queue.append(job)
+        self._queue.append(_Job(request, list(copies), future, None, list(offloads), list(restores)))
         self._arrived.set()
-        return job.future
+        return future
+
+    def submit_then(self, request: ForwardRequest, then: Callable[[RequestOutput | Exception], None]) -> None:
+        """Queue a request whose batch calls ``then`` with its RequestOutput (or the batch's failure) the moment
+        it ends, before the event loop reads anything else: the engine's fast path settles a pass there, so the
+        next step's request, already waiting in the socket, finds its context free."""
+        self._queue.append(_Job(request, [], None, then))
+        self._arrived.set()
 
     async def run(self) -> None:
         while True:
@@ -83,9 +90,12 @@ class BatchScheduler:
             try:
                 outputs = await self._execute(batch)
             except Exception as e:  # a runner failure fails this batch's requests, not the replica
+                failure = RuntimeError(f"forward pass failed: {e}")
                 for j in jobs:
-                    if not j.future.done():
-                        j.future.set_exception(RuntimeError(f"forward pass failed: {e}"))
+                    if j.then is not None:
+                        j.then(failure)
+                    elif not j.future.done():
+                        j.future.set_exception(failure)
                 continue
             self.last_latency_s = time.perf_counter() - start
             self._recent_sizes.append(len(batch.requests))
@@ -93,10 +103,11 @@ class BatchScheduler:
             self.requests_served += len(batch.requests)
             results = iter(outputs)
             for j in jobs:
-                if not j.future.done():
-                    j.future.set_result(next(results) if j.request is not None else None)
-                elif j.request is not None:
-                    next(results)
+                result = next(results) if j.request is not None else None
+                if j.then is not None:
+                    j.then(result)
+                elif not j.future.done():
+                    j.future.set_result(result)
 
     async def _gather_stragglers(self) -> None:
         """Hold the batch open briefly while fewer requests are queued than recent batches carried."""

@@ -19,17 +19,20 @@ decisions.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
 from pie_workers.engine.channel import ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable, ContextView
+from pie_workers.engine.gate import Gate
 from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import OutOfPages, PageStore
@@ -78,6 +81,40 @@ class PassBinding:
 PLAIN_PASS = PassBinding()
 
 
+class PassArgs(NamedTuple):
+    """A ``forward`` operation's arguments, in their order on the wire.
+
+    A ``chained`` pass (a list of stop ids, maybe empty) takes as its input the token the context's previous pass
+    sampled (the end of its verified walk, else its first token slot's), so a Generator can send step k + 1 before
+    it has read step k: the inferlet's round trip then overlaps the batches instead of adding to them. ``tokens``
+    must be empty and ``positions`` hold that token's position. When the token is one of the stop ids, nothing
+    runs and the answer is None; when the previous pass failed or sampled nothing, this one fails too.
+
+    Full pages are committed (shared through the prefix trie) right away, except pages touching the last ``hold``
+    tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``draft_masks`` gives each
+    draft row its own logit mask (a grammar's, after that draft). ``adapter`` (an id from
+    ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass. With a
+    ``draft_budget``, up to that many n-gram drafts for the next step come back (``system_speculation``). A ``bid``
+    (a Generator's default) is the context's bid from this pass on, as ``set_bid`` would make it.
+    """
+
+    ctx: int
+    tokens: list[int]
+    positions: list[int]
+    slots: list  # [row, slot on the wire] per sampled or probed row
+    attention_masks: list[list[int]] | None
+    logit_mask: bytes | None
+    drafts: list[int]
+    draft_positions: list[int]
+    hold: int = 0
+    adapter: int | None = None
+    zo_seed: int | None = None
+    draft_masks: list[bytes] | None = None
+    draft_budget: int = 0
+    bid: float | None = None
+    chained: list[int] | None = None
+
+
 class ReplicaEngine:
     def __init__(self, runner: ModelRunner, limits: BatchLimits = BatchLimits(), market=None, device: str = "replica"):
         """``market``: the cluster's market actor (its handle), to report this device to; None runs without one
@@ -90,7 +127,7 @@ class ReplicaEngine:
         self.drafter = NgramDrafter()
         self.residency = Residency(
             self.contexts,
-            busy=lambda ctx: ctx in self._locks and self._locks[ctx].locked(),
+            busy=lambda ctx: ctx in self._gates and self._gates[ctx].locked(),
             clock=lambda: self.scheduler.batches_fired,
             host_pages=runner.kv.host_pages,
             offload=lambda pairs: self.scheduler.submit(None, offloads=pairs),
@@ -101,7 +138,8 @@ class ReplicaEngine:
             MarketLink(market, device, self.contexts, self.residency, self.scheduler) if market is not None else None
         )
         self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
-        self._locks: dict[int, asyncio.Lock] = {}
+        self._gates: dict[int, Gate] = {}  # each context's turn-taking
+        self._slow_passes: set[asyncio.Task] = set()
         self._salts: dict[int, bytes] = {}
         self._sampled: dict[int, int] = {}  # the token a context's latest pass sampled, for a pass chained on it
         self.chained_passes = 0  # passes that ran on the token their predecessor sampled
@@ -127,7 +165,11 @@ class ReplicaEngine:
 
     async def _execute(self, batch: ForwardBatch) -> list[RequestOutput]:
         """Runs the forward on the event loop's thread: a thread hop per batch costs more than it saves (the GIL
-        is contended either way), and inferlet messages simply queue in the socket until the batch is done."""
+        is contended either way), and inferlet messages simply queue in the socket until the batch is done. So
+        first let what is already due run, and send the replies it produced: the inferlets then make their next
+        requests while this batch runs, instead of after it."""
+        await asyncio.sleep(0)
+        self.channel.flush()
         if self._threads > 1:
             rows = sum(len(r.token_ids) + len(r.draft_tokens) for r in batch.requests)
             torch.set_num_threads(self._threads - 1 if rows < FEW_ROWS else self._threads)
@@ -135,17 +177,24 @@ class ReplicaEngine:
 
     # -- dispatch ----------------------------------------------------------------------------------------------
 
-    async def _handle(self, name: str, op: str, args: list):
-        """``name`` is the requesting session, ``user/instance/session``; it scopes every context operation."""
+    def _handle(self, name: str, op: str, args: list) -> Awaitable:
+        """``name`` is the requesting session, ``user/instance/session``; it scopes every context operation.
+        Returns the operation's work: a forward's future (the engine runs it without a task of its own), or a
+        coroutine for the channel to run as a task."""
         session = self._sessions.get(name)
         if session is None:
             username, instance, key = name.split("/", 2)
             session = self._sessions[name] = Session(name, username, instance, key)
+        if op == "forward":
+            return self._forward(session, PassArgs(*args))
         method = self._ops.get(op)
         if method is None:
             raise ValueError(f"unknown replica operation {op!r}")
+        return self._operation(method(session, *args))
+
+    async def _operation(self, work: Awaitable):
         try:
-            return await method(session, *args)
+            return await work
         finally:
             self.residency.wake()  # pages may have been freed
 
@@ -159,7 +208,7 @@ class ReplicaEngine:
         """``new_pages``: its working pages were allocated for it (a fork's or an open's copies), not handed over
         (a taken snapshot's): they count as pages its process made."""
         session.contexts.add(ctx)
-        self._locks[ctx] = asyncio.Lock()
+        self._gates[ctx] = Gate()
         self.residency.owners[ctx] = session.instance
         if new_pages:
             self._made(ctx, self.contexts.view(ctx).working_pages)
@@ -181,7 +230,7 @@ class ReplicaEngine:
     async def op_destroy(self, session: Session, ctx: int) -> None:
         self.contexts.destroy(self._own(session, ctx))
         session.contexts.discard(ctx)
-        self._locks.pop(ctx, None)
+        self._gates.pop(ctx, None)
         self._salts.pop(ctx, None)
         self._sampled.pop(ctx, None)
         self.drafter.forget(ctx)
@@ -205,7 +254,7 @@ class ReplicaEngine:
     async def op_fork(self, session: Session, ctx: int) -> list[int]:
         """A child sharing the context's pages. When memory is short the child is born suspended (it holds no
         pages and is recomputed on its first pass), so a fork never waits."""
-        async with self._locks[self._own(session, ctx)]:
+        async with self._gates[self._own(session, ctx)]:
             suspended = self.residency.suspended.get(ctx)
             if suspended is None and self.residency.try_now(ctx, self.contexts.view(ctx).working_pages):
                 child, copies = self.contexts.fork(ctx)
@@ -223,13 +272,13 @@ class ReplicaEngine:
         return [child, self._seq_len(child)]
 
     async def op_save(self, session: Session, ctx: int, name: str) -> None:
-        async with self._locks[self._own(session, ctx)]:
+        async with self._gates[self._own(session, ctx)]:
             await self._resident_now(ctx)
             copies = self.contexts.save(ctx, name)
         await self._run_copies(copies)
 
     async def op_snapshot(self, session: Session, ctx: int) -> str:
-        async with self._locks[self._own(session, ctx)]:
+        async with self._gates[self._own(session, ctx)]:
             await self._resident_now(ctx)
             name, copies = self.contexts.snapshot(ctx)
         await self._run_copies(copies)
@@ -276,7 +325,7 @@ class ReplicaEngine:
         self.contexts.delete(session.username, name)
 
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
-        async with self._locks[self._own(session, ctx)]:
+        async with self._gates[self._own(session, ctx)]:
             self.drafter.forget(ctx)
             self._sampled.pop(ctx, None)
             if ctx in self.residency.suspended:  # no need to recompute what is cut
@@ -309,70 +358,79 @@ class ReplicaEngine:
 
     # -- forward -----------------------------------------------------------------------------------------------
 
-    async def op_forward(
-        self,
-        session: Session,
-        ctx: int,
-        tokens: list[int],
-        positions: list[int],
-        slots: list,
-        attention_masks: list[list[int]] | None,
-        logit_mask: bytes | None,
-        drafts: list[int],
-        draft_positions: list[int],
-        hold: int = 0,
-        adapter: int | None = None,
-        zo_seed: int | None = None,
-        draft_masks: list[bytes] | None = None,
-        draft_budget: int = 0,
-        bid: float | None = None,
-        chained: list[int] | None = None,
-    ) -> list | None:
-        """Run ``tokens`` (then ``drafts``) through the context; returns [slot outputs, verified walk, seq_len,
-        next drafts].
+    def _forward(self, session: Session, a: PassArgs) -> asyncio.Future:
+        """Run a pass once it is the context's turn; the future resolves to [slot outputs, verified walk, seq_len,
+        next drafts], or None for a chained pass that stopped."""
+        gate = self._gates[self._own(session, a.ctx)]
+        reply = asyncio.get_running_loop().create_future()
+        gate.when_free(functools.partial(self._start_pass, session, a, gate, reply))
+        return reply
 
-        A ``chained`` pass (a list of stop ids, maybe empty) takes as its input the token the context's previous
-        pass sampled (the end of its verified walk, else its first token slot's), so a Generator can send step
-        k + 1 before it has read step k: the inferlet's round trip then overlaps the batches instead of adding to
-        them. ``tokens`` must be empty and ``positions`` hold that token's position. When the token is one of the
-        stop ids, nothing runs and the answer is None; when the previous pass failed or sampled nothing, this one
-        fails too.
+    def _start_pass(self, session: Session, a: PassArgs, gate: Gate, reply: asyncio.Future) -> None:
+        """The context's turn has come (this holds its gate). The common pass, on a resident context and needing no
+        prefix lookup, prefill chunking or wait for pages, goes straight into the next batch and settles the
+        moment the batch ends: no task, no wake-ups, and the next step's request finds the gate free. Any other
+        pass continues as a task (``_pass_slowly``)."""
+        ctx = a.ctx
+        try:
+            tokens = self._pass_input(ctx, a)
+            if tokens is None:
+                return self._end_pass(gate, reply, None)
+            bind = self._binding(session, ctx, a.attention_masks is not None, a.adapter, a.zo_seed)
+            slots = [(int(row), slot_from_wire(s)) for row, s in a.slots]
+            new_tokens = len(tokens) + len(a.drafts)
+            view = self.contexts.view(ctx)
+            need = -(-(view.seq_len + new_tokens) // self.page_size) - len(view.page_ids)
+            if (
+                ctx in self.residency.suspended
+                or view.seq_len == 0
+                or new_tokens > self.scheduler.limits.max_tokens
+                or (need > 0 and not self.residency.try_now(ctx, need))
+            ):
+                task = asyncio.get_running_loop().create_task(self._pass_slowly(a, tokens, slots, bind, gate, reply))
+                self._slow_passes.add(task)
+                task.add_done_callback(self._slow_passes.discard)
+                return None
+            if need > 0:
+                self._made(ctx, need)
+                self.contexts.reserve(ctx, need)
+                view = self.contexts.view(ctx)
+            request = self._pass_request(
+                view, tokens, a.positions, slots, a.attention_masks, a.logit_mask, a.drafts, a.draft_positions,
+                a.draft_masks, bind,
+            )  # fmt: skip
+        except Exception as e:
+            return self._end_pass(gate, reply, error=e)
 
-        Full pages are committed (shared through the prefix trie) right away, except pages touching the last
-        ``hold`` tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``draft_masks``
-        gives each draft row its own logit mask (a grammar's, after that draft). ``adapter`` (an id from
-        ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass. With a
-        ``draft_budget``, up to that many n-gram drafts for the next step come back (``system_speculation``). A
-        ``bid`` (a Generator's default) is the context's bid from this pass on, as ``set_bid`` would make it.
-        """
-        async with self._locks[self._own(session, ctx)]:
-            sampled = self._sampled.pop(ctx, None)
-            if chained is not None:
-                if tokens:
-                    raise ValueError("a chained pass takes its input from the previous pass: send no tokens")
-                if sampled is None:
-                    raise ValueError(
-                        f"context {ctx}: a chained pass follows the previous one, which failed or sampled no token"
-                    )
-                if sampled in chained:
-                    return None
-                tokens = [sampled]
-                self.chained_passes += 1
-            if bid is not None:
-                self.residency.set_bid(ctx, bid)
-            self.residency.pass_begins(ctx)
-            if len(tokens) != len(positions):
-                raise ValueError(f"{len(positions)} positions for {len(tokens)} input tokens")
+        def settle(out: RequestOutput | Exception) -> None:
+            try:
+                if isinstance(out, Exception):
+                    raise out
+                self._settle_pass(ctx, out, tokens, a.positions, a.drafts, a.draft_positions, a.hold, bind)
+                result = self._pass_reply(ctx, out, a.draft_budget)
+            except Exception as e:
+                self._end_pass(gate, reply, error=e)
+            else:
+                self._end_pass(gate, reply, result)
+
+        self.scheduler.submit_then(request, settle)
+        return None
+
+    async def _pass_slowly(
+        self, a: PassArgs, tokens: list[int], slots: list, bind: PassBinding, gate: Gate, reply: asyncio.Future
+    ) -> None:
+        """The general way through a pass: restore a suspended context, adopt cached prefix pages on a context's
+        first pass, split a long prefill into chunks, wait in line for pages."""
+        ctx, positions, attention_masks = a.ctx, a.positions, a.attention_masks
+        try:
             if ctx in self.residency.suspended:
-                await self._ensure_resident(ctx, len(tokens) + len(drafts))
-            decoded = [(int(row), slot_from_wire(s)) for row, s in slots]
-            bind = self._binding(session, ctx, attention_masks is not None, adapter, zo_seed)
-            if attention_masks is None and not drafts and self.contexts.seq_len(ctx) == 0:
-                tokens, positions, decoded = self._reuse_cached_prefix(ctx, tokens, positions, decoded, bind.salt)
+                await self._ensure_resident(ctx, len(tokens) + len(a.drafts))
+            if attention_masks is None and not a.drafts and self.contexts.seq_len(ctx) == 0:
+                tokens, positions, slots = self._reuse_cached_prefix(ctx, tokens, positions, slots, bind.salt)
             chunk = self.scheduler.limits.max_tokens
             start = 0
             while len(tokens) - start > chunk:  # chunked prefill: leading chunks carry no samplers
-                if any(row < start + chunk for row, _ in decoded):
+                if any(row < start + chunk for row, _ in slots):
                     break
                 await self._forward_once(
                     ctx,
@@ -390,30 +448,71 @@ class ReplicaEngine:
                 start += chunk
             if start:
                 tokens, positions = tokens[start:], positions[start:]
-                decoded = [(row - start, s) for row, s in decoded]
+                slots = [(row - start, s) for row, s in slots]
                 attention_masks = attention_masks[start:] if attention_masks is not None else None
             out = await self._forward_once(
                 ctx,
                 tokens,
                 positions,
-                decoded,
+                slots,
                 attention_masks,
-                logit_mask,
-                drafts,
-                draft_positions,
-                draft_masks,
-                hold,
+                a.logit_mask,
+                a.drafts,
+                a.draft_positions,
+                a.draft_masks,
+                a.hold,
                 bind,
             )
-            seq_len = self.contexts.seq_len(ctx)
-            sampled = out.tokens[-1] if out.tokens else next((s.token for s in out.slots if s.token is not None), None)
-            next_drafts = []
-            if sampled is not None:
-                self._sampled[ctx] = sampled
-                if draft_budget > 0:
-                    text = lambda: self.contexts.tokens(ctx)  # noqa: E731 (read only when the index is rebuilt)
-                    next_drafts = self.drafter.draft(ctx, text, seq_len, sampled, draft_budget)
-            return [[output_to_wire(s) for s in out.slots], out.tokens, seq_len, next_drafts]
+            result = self._pass_reply(ctx, out, a.draft_budget)
+        except Exception as e:
+            self._end_pass(gate, reply, error=e)
+        else:
+            self._end_pass(gate, reply, result)
+
+    def _end_pass(self, gate: Gate, reply: asyncio.Future, result=None, error: Exception | None = None) -> None:
+        """Answer the pass and hand the context's turn on (to its next request, when one waits)."""
+        if error is None:
+            reply.set_result(result)
+        else:
+            reply.set_exception(error)
+        gate.give()
+        self.residency.wake()  # pages may have been freed
+
+    def _pass_input(self, ctx: int, a: PassArgs) -> list[int] | None:
+        """The pass's input tokens, once it is the context's turn: a chained pass's is the token its predecessor
+        sampled, and None when that is a stop token (nothing runs). Applies the pass's bid, and a suspension
+        deferred until this pass began."""
+        sampled = self._sampled.pop(ctx, None)
+        tokens = a.tokens
+        if a.chained is not None:
+            if tokens:
+                raise ValueError("a chained pass takes its input from the previous pass: send no tokens")
+            if sampled is None:
+                raise ValueError(
+                    f"context {ctx}: a chained pass follows the previous one, which failed or sampled no token"
+                )
+            if sampled in a.chained:
+                return None
+            tokens = [sampled]
+            self.chained_passes += 1
+        if a.bid is not None:
+            self.residency.set_bid(ctx, a.bid)
+        self.residency.pass_begins(ctx)
+        if len(tokens) != len(a.positions):
+            raise ValueError(f"{len(a.positions)} positions for {len(tokens)} input tokens")
+        return tokens
+
+    def _pass_reply(self, ctx: int, out: RequestOutput, draft_budget: int) -> list:
+        """The pass's answer on the wire; remembers the token it sampled for a pass chained on it."""
+        seq_len = self.contexts.seq_len(ctx)
+        sampled = out.tokens[-1] if out.tokens else next((s.token for s in out.slots if s.token is not None), None)
+        next_drafts = []
+        if sampled is not None:
+            self._sampled[ctx] = sampled
+            if draft_budget > 0:
+                text = lambda: self.contexts.tokens(ctx)  # noqa: E731 (read only when the index is rebuilt)
+                next_drafts = self.drafter.draft(ctx, text, seq_len, sampled, draft_budget)
+        return [[output_to_wire(s) for s in out.slots], out.tokens, seq_len, next_drafts]
 
     def _binding(
         self, session: Session, ctx: int, masked: bool, adapter: int | None, zo_seed: int | None
@@ -456,12 +555,30 @@ class ReplicaEngine:
         hold,
         bind: PassBinding,
         trim: bool = True,
-    ):
-        view = self.contexts.view(ctx)
-        if -(-(view.seq_len + len(tokens) + len(drafts)) // self.page_size) > len(view.page_ids):
+    ) -> RequestOutput:
+        if self._pages_for(ctx, len(tokens) + len(drafts)) > 0:
             await self._reserve(ctx, len(tokens) + len(drafts))
-            view = self.contexts.view(ctx)
-        request = ForwardRequest(
+        request = self._pass_request(
+            self.contexts.view(ctx),
+            tokens,
+            positions,
+            slots,
+            masks,
+            logit_mask,
+            drafts,
+            draft_positions,
+            draft_masks,
+            bind,
+        )
+        out = await self.scheduler.submit(request)
+        return self._settle_pass(ctx, out, tokens, positions, drafts, draft_positions, hold, bind, trim)
+
+    @staticmethod
+    def _pass_request(
+        view: ContextView, tokens, positions, slots, masks, logit_mask, drafts, draft_positions, draft_masks, bind
+    ) -> ForwardRequest:
+        """The pass as the batch takes it, over the context's pages (``view``: with those it needs reserved)."""
+        return ForwardRequest(
             token_ids=tokens,
             positions=positions,
             page_ids=list(view.page_ids),
@@ -475,7 +592,12 @@ class ReplicaEngine:
             adapter=bind.adapter,
             zo_seed=bind.zo_seed,
         )
-        out = await self.scheduler.submit(request)
+
+    def _settle_pass(
+        self, ctx, out: RequestOutput, tokens, positions, drafts, draft_positions, hold, bind, trim: bool = True
+    ) -> RequestOutput:
+        """Record what the pass wrote (inputs and accepted drafts), give back pages it left empty, and commit full
+        pages except those touching the last ``hold`` tokens; a failed pass raises its error."""
         if out.error is None:
             accepted = len(out.tokens) - 1 if drafts else 0
             written = tokens + drafts[:accepted] if accepted else tokens
@@ -516,7 +638,7 @@ class ReplicaEngine:
     async def op_suspend(self, session: Session, ctx: int) -> None:
         """Give the context's pages up now (kept in host memory when there is room); its next operation restores
         it. A no-op for a context that is already suspended."""
-        async with self._locks[self._own(session, ctx)]:
+        async with self._gates[self._own(session, ctx)]:
             if ctx in self.residency.suspended:
                 return
             if not self.contexts.recomputable(ctx):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from pie_workers.wire.batch import Slot, SlotKind, SlotOutput
 
 _KINDS = list(SlotKind)
@@ -14,9 +16,16 @@ def slot_to_wire(slot: Slot) -> list:
 
 def slot_from_wire(data: list) -> Slot:
     code, temperature, top_k, top_p, min_p, seed, token_ids = data
+    return _slot(code, temperature, top_k, top_p, min_p, seed, tuple(token_ids))
+
+
+@functools.lru_cache(maxsize=4096)
+def _slot(code, temperature, top_k, top_p, min_p, seed, token_ids: tuple) -> Slot:
+    """Decoded once per distinct sampler: a Generator sends the same one every step, and building a frozen
+    dataclass costs more than the lookup."""
     if not isinstance(code, int) or not 0 <= code < len(_KINDS):
         raise ValueError(f"unknown sampler kind code {code!r}")
-    return Slot(_KINDS[code], float(temperature), int(top_k), float(top_p), float(min_p), int(seed), tuple(token_ids))
+    return Slot(_KINDS[code], float(temperature), int(top_k), float(top_p), float(min_p), int(seed), token_ids)
 
 
 def output_to_wire(out: SlotOutput) -> list:
