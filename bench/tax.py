@@ -5,7 +5,8 @@ Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7]
 (a) per-token latency of one inferlet generating greedily vs the in-process loop at batch 1 — the difference is the
     tax in ms/token (channel round trip, engine bookkeeping, scheduling, SDK);
 (b) aggregate tokens/s of N concurrent inferlets vs the in-process loop decoding N sequences as one batch.
-Both sides use 2 torch threads; the inferlets run in this process, the model in the replica actor. Each round runs
+Both sides use 2 torch threads; the inferlets run in this process on uvloop (as in an inferlet host: Ray's async
+actors run on it, and ray[serve] installs it), the model in the replica actor. Each round runs
 the loop and then the inferlets back to back, and the tables report medians over rounds: on a shared machine a
 burst of outside load then hits one round's pair, not one side of every comparison.
 """
@@ -18,6 +19,7 @@ import random
 import time
 from statistics import median
 
+import uvloop
 from forward import paged_decode
 from inferlet import Context, Model, Sampler
 from pie_cluster.host import endpoints_for, run_inferlet
@@ -90,7 +92,7 @@ def main() -> None:
         for n in levels:
             prompts = [[rng.randrange(3, 4096) for _ in range(PROMPT)] for _ in range(n)]
             base = paged_decode(local, prompts, args.tokens)
-            rounds[n].append((asyncio.run(concurrent(endpoints, n, args.tokens, rng)), base))
+            rounds[n].append((uvloop.run(concurrent(endpoints, n, args.tokens, rng)), base))
     replica.shutdown()
 
     console = Console()

@@ -13,8 +13,23 @@ from inferlet._channel import Channel, ReplicaError
 from pie_workers.engine.channel import ChannelServer
 
 
-async def _echo(session: str, op: str, args: list):
-    if random.random() < 0.3:  # some replies leave in a later loop iteration than their request arrived in
+def _echo(session: str, op: str, args: list, answer):
+    """Half the requests run as tasks, half are answered through the callback (as the engine answers forwards);
+    some replies leave in a later loop iteration than their request arrived in."""
+    if random.random() < 0.5:
+        return _echo_task(session, op, args)
+    if op == "fail":
+        raise ValueError(f"{session} asked to fail")
+    reply = [session, args[0]]
+    if random.random() < 0.3:
+        asyncio.get_running_loop().call_soon(answer, None, reply)
+    else:
+        answer(None, reply)
+    return None
+
+
+async def _echo_task(session: str, op: str, args: list):
+    if random.random() < 0.3:
         await asyncio.sleep(0)
     if op == "fail":
         raise ValueError(f"{session} asked to fail")
@@ -79,9 +94,12 @@ def test_a_malformed_frame_drops_only_that_connection():
 
 def test_a_lost_connection_fails_pending_calls_with_a_clear_error():
     async def main():
-        async def handler(session: str, op: str, args: list):
+        async def work(op: str, args: list):
             await asyncio.sleep(30 if op == "hang" else 0)
             return args[0]
+
+        def handler(session: str, op: str, args: list, answer):
+            return work(op, args)
 
         server = ChannelServer(handler)
         address = server.bind("127.0.0.1")["ipc"]

@@ -367,10 +367,11 @@ class Generator:
         cur: _Sent | None = await self._send_step(ctx.buffer(), ctx.seq_len)
         ctx._buffer = []
         nxt: _Sent | None = None
+        stop_ids = sorted(self._stop)  # nothing can change them while this runs
         try:
             while cur is not None:
                 if self._max_tokens is None or self._max_tokens - self._generated > 1:
-                    nxt = await self._send_step(None, cur.fwd._positions[-1] + 1)
+                    nxt = await self._send_step(None, cur.fwd._positions[-1] + 1, stop_ids)
                 out = self._read(cur, await asyncio.shield(cur.reply))
                 cur = None
                 if nxt is not None and not self._done:  # the chained pass feeds the token the buffer now holds
@@ -383,8 +384,9 @@ class Generator:
         finally:
             await self._unchain(cur, nxt)
 
-    async def _send_step(self, tokens: list[int] | None, position: int) -> _Sent:
-        """Send a plain step: ``tokens`` from ``position`` on, or (None) a pass chained on the previous one."""
+    async def _send_step(self, tokens: list[int] | None, position: int, stop_ids: list[int] = ()) -> _Sent:
+        """Send a plain step: ``tokens`` from ``position`` on, or (None) a pass chained on the previous one, which
+        the replica skips when the token it would take is one of ``stop_ids``."""
         fwd = Forward(self._ctx)
         if tokens is None:  # the replica supplies the token
             fwd._positions, last = [position], 0
@@ -401,7 +403,7 @@ class Generator:
         bid = await self._default_bid()
         if bid is not None and bid != self._ctx._bid:
             fwd._bid = self._ctx._bid = bid
-        reply = fwd._send(chained=None if tokens is not None else sorted(self._stop))
+        reply = fwd._send(chained=None if tokens is not None else stop_ids)
         return _Sent(fwd, auto, reply, tokens)
 
     def _read(self, sent: _Sent, reply: list) -> Output:

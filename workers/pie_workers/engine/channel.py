@@ -4,9 +4,9 @@ A plain Ray actor call costs 0.6-1 ms; a forward pass per token cannot afford th
 node connect over a Unix socket, others over TCP. A frame is one msgpack value and carries every request a process
 made in one loop iteration, ``[[request id, session, op, args], ...]``; replies go back batched per connection the
 same way, each ``[request id, error type or None, result or message]``, written once per loop iteration (so the 32
-replies of one batch leave in one frame). The handler starts each request at once: what it has already put under
-way (a forward queued for its batch) is answered when done, anything else runs as its own task; either way a slow
-operation never blocks the others.
+replies of one batch leave in one frame). The handler starts each request at once: an operation it takes on itself
+(a forward, queued for its batch) it answers through a callback, anything else runs as its own task; either way a
+slow operation never blocks the others.
 
 The sockets are asyncio's own, read and written by the event loop's thread: no broker thread sits between the
 loop and the kernel. (ZeroMQ's I/O thread cost two thread wake-ups per frame; on a 2-core node whose cores the model
@@ -30,8 +30,10 @@ import msgpack
 
 log = logging.getLogger(__name__)
 
-# (session, op, args) -> the operation's work: a future already under way, or an awaitable to run as a task
-Handler = Callable[[str, str, list], Awaitable[Any]]
+Answer = Callable[[BaseException | None, Any], None]  # (error or None, result): the reply to one request
+# (session, op, args, answer) -> the operation as an awaitable to run as a task, whose outcome is the reply; or
+# None when the handler took the operation on itself and will call ``answer``
+Handler = Callable[[str, str, list, Answer], Awaitable[Any] | None]
 
 
 class _Connection(asyncio.Protocol):
@@ -96,13 +98,11 @@ class ChannelServer:
             rid = None
             try:
                 rid, session, op, args = request
-                work = self._handler(session, op, args)
+                work = self._handler(session, op, args, functools.partial(self._reply, conn, rid))
             except Exception as e:
                 self._reply(conn, rid, e)
                 continue
-            if isinstance(work, asyncio.Future):  # already under way: answer when it is done, no task needed
-                work.add_done_callback(functools.partial(self._answer, conn, rid))
-            else:
+            if work is not None:
                 task = asyncio.get_running_loop().create_task(self._run(conn, rid, work))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -114,12 +114,6 @@ class ChannelServer:
             self._reply(conn, rid, e)
         else:
             self._reply(conn, rid, None, result)
-
-    def _answer(self, conn: _Connection, rid: int, work: asyncio.Future) -> None:
-        if (e := work.exception()) is not None:
-            self._reply(conn, rid, e)
-        else:
-            self._reply(conn, rid, None, work.result())
 
     def _reply(self, conn: _Connection, rid: int | None, error: BaseException | None, result: Any = None) -> None:
         """Queue a reply for this loop iteration's frame to ``conn``; every failure goes back to the inferlet that

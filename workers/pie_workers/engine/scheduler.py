@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
 
@@ -26,14 +26,14 @@ class BatchLimits:
     max_wait_s: float = 0.005  # upper bound on holding a batch open for stragglers
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     request: ForwardRequest | None  # None: a job that only moves pages
-    copies: list[tuple[int, int]]
     future: asyncio.Future | None  # resolves to the result, unless the job was queued with a ``then``
     then: Callable[[RequestOutput | Exception], None] | None = None
-    offloads: list[tuple[int, int]] = field(default_factory=list)
-    restores: list[tuple[int, int]] = field(default_factory=list)
+    copies: Sequence[tuple[int, int]] = ()
+    offloads: Sequence[tuple[int, int]] = ()
+    restores: Sequence[tuple[int, int]] = ()
 
 
 class BatchScheduler:
@@ -62,7 +62,7 @@ class BatchScheduler:
         """Queue one request and/or page moves; the future resolves to its RequestOutput (None without a request).
         Moves run in submission order: pages offloaded here are safe to reuse in any later job."""
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(request, list(copies), future, None, list(offloads), list(restores)))
+        self._queue.append(_Job(request, future, None, list(copies), list(offloads), list(restores)))
         self._arrived.set()
         return future
 
@@ -70,7 +70,7 @@ class BatchScheduler:
         """Queue a request whose batch calls ``then`` with its RequestOutput (or the batch's failure) the moment
         it ends, before the event loop reads anything else: the engine's fast path settles a pass there, so the
         next step's request, already waiting in the socket, finds its context free."""
-        self._queue.append(_Job(request, [], None, then))
+        self._queue.append(_Job(request, None, then))
         self._arrived.set()
 
     async def run(self) -> None:

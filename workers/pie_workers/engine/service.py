@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
-from pie_workers.engine.channel import ChannelServer
+from pie_workers.engine.channel import Answer, ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable, ContextView
 from pie_workers.engine.gate import Gate
 from pie_workers.engine.market_link import MarketLink
@@ -177,16 +177,16 @@ class ReplicaEngine:
 
     # -- dispatch ----------------------------------------------------------------------------------------------
 
-    def _handle(self, name: str, op: str, args: list) -> Awaitable:
+    def _handle(self, name: str, op: str, args: list, answer: Answer) -> Awaitable | None:
         """``name`` is the requesting session, ``user/instance/session``; it scopes every context operation.
-        Returns the operation's work: a forward's future (the engine runs it without a task of its own), or a
-        coroutine for the channel to run as a task."""
+        Returns the operation as a coroutine for the channel to run as a task, or None for a forward: the engine
+        runs those without a task and calls ``answer`` itself."""
         session = self._sessions.get(name)
         if session is None:
             username, instance, key = name.split("/", 2)
             session = self._sessions[name] = Session(name, username, instance, key)
         if op == "forward":
-            return self._forward(session, PassArgs(*args))
+            return self._forward(session, PassArgs(*args), answer)
         method = self._ops.get(op)
         if method is None:
             raise ValueError(f"unknown replica operation {op!r}")
@@ -358,15 +358,16 @@ class ReplicaEngine:
 
     # -- forward -----------------------------------------------------------------------------------------------
 
-    def _forward(self, session: Session, a: PassArgs) -> asyncio.Future:
-        """Run a pass once it is the context's turn; the future resolves to [slot outputs, verified walk, seq_len,
-        next drafts], or None for a chained pass that stopped."""
+    def _forward(self, session: Session, a: PassArgs, answer: Answer) -> None:
+        """Run a pass once it is the context's turn; its answer is [slot outputs, verified walk, seq_len, next
+        drafts], or None for a chained pass that stopped."""
         gate = self._gates[self._own(session, a.ctx)]
-        reply = asyncio.get_running_loop().create_future()
-        gate.when_free(functools.partial(self._start_pass, session, a, gate, reply))
-        return reply
+        if gate.take_now():
+            self._start_pass(session, a, gate, answer)
+        else:
+            gate.when_free(functools.partial(self._start_pass, session, a, gate, answer))
 
-    def _start_pass(self, session: Session, a: PassArgs, gate: Gate, reply: asyncio.Future) -> None:
+    def _start_pass(self, session: Session, a: PassArgs, gate: Gate, answer: Answer) -> None:
         """The context's turn has come (this holds its gate). The common pass, on a resident context and needing no
         prefix lookup, prefill chunking or wait for pages, goes straight into the next batch and settles the
         moment the batch ends: no task, no wake-ups, and the next step's request finds the gate free. Any other
@@ -375,7 +376,7 @@ class ReplicaEngine:
         try:
             tokens = self._pass_input(ctx, a)
             if tokens is None:
-                return self._end_pass(gate, reply, None)
+                return self._end_pass(gate, answer, None)
             bind = self._binding(session, ctx, a.attention_masks is not None, a.adapter, a.zo_seed)
             slots = [(int(row), slot_from_wire(s)) for row, s in a.slots]
             new_tokens = len(tokens) + len(a.drafts)
@@ -387,7 +388,7 @@ class ReplicaEngine:
                 or new_tokens > self.scheduler.limits.max_tokens
                 or (need > 0 and not self.residency.try_now(ctx, need))
             ):
-                task = asyncio.get_running_loop().create_task(self._pass_slowly(a, tokens, slots, bind, gate, reply))
+                task = asyncio.get_running_loop().create_task(self._pass_slowly(a, tokens, slots, bind, gate, answer))
                 self._slow_passes.add(task)
                 task.add_done_callback(self._slow_passes.discard)
                 return None
@@ -400,7 +401,7 @@ class ReplicaEngine:
                 a.draft_masks, bind,
             )  # fmt: skip
         except Exception as e:
-            return self._end_pass(gate, reply, error=e)
+            return self._end_pass(gate, answer, error=e)
 
         def settle(out: RequestOutput | Exception) -> None:
             try:
@@ -409,15 +410,15 @@ class ReplicaEngine:
                 self._settle_pass(ctx, out, tokens, a.positions, a.drafts, a.draft_positions, a.hold, bind)
                 result = self._pass_reply(ctx, out, a.draft_budget)
             except Exception as e:
-                self._end_pass(gate, reply, error=e)
+                self._end_pass(gate, answer, error=e)
             else:
-                self._end_pass(gate, reply, result)
+                self._end_pass(gate, answer, result)
 
         self.scheduler.submit_then(request, settle)
         return None
 
     async def _pass_slowly(
-        self, a: PassArgs, tokens: list[int], slots: list, bind: PassBinding, gate: Gate, reply: asyncio.Future
+        self, a: PassArgs, tokens: list[int], slots: list, bind: PassBinding, gate: Gate, answer: Answer
     ) -> None:
         """The general way through a pass: restore a suspended context, adopt cached prefix pages on a context's
         first pass, split a long prefill into chunks, wait in line for pages."""
@@ -465,18 +466,17 @@ class ReplicaEngine:
             )
             result = self._pass_reply(ctx, out, a.draft_budget)
         except Exception as e:
-            self._end_pass(gate, reply, error=e)
+            self._end_pass(gate, answer, error=e)
         else:
-            self._end_pass(gate, reply, result)
+            self._end_pass(gate, answer, result)
 
-    def _end_pass(self, gate: Gate, reply: asyncio.Future, result=None, error: Exception | None = None) -> None:
+    def _end_pass(self, gate: Gate, answer: Answer, result=None, error: Exception | None = None) -> None:
         """Answer the pass and hand the context's turn on (to its next request, when one waits)."""
-        if error is None:
-            reply.set_result(result)
-        else:
-            reply.set_exception(error)
-        gate.give()
-        self.residency.wake()  # pages may have been freed
+        try:
+            answer(error, result)
+        finally:
+            gate.give()
+            self.residency.wake()  # pages may have been freed
 
     def _pass_input(self, ctx: int, a: PassArgs) -> list[int] | None:
         """The pass's input tokens, once it is the context's turn: a chained pass's is the token its predecessor
