@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import time
 from statistics import median
@@ -85,6 +86,7 @@ def main() -> None:
     replica = Replica(model_dir, 1, RunnerSettings(num_pages=pages), cpus_per_rank=2, engine=BatchLimits())
     endpoints = endpoints_for("default", replica)
     local = ModelRunner(model_dir, RunnerSettings(num_pages=pages))
+    gc.freeze()  # as an inferlet host and the replica's ranks do after start-up (the loop runs here too)
     rng = random.Random(0)
 
     rounds = {n: [] for n in levels}  # (inferlets tokens/s, loop tokens/s) per round

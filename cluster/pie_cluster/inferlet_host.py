@@ -9,6 +9,7 @@ launcher as events, batched per event-loop turn into one actor call.
 from __future__ import annotations
 
 import asyncio
+import gc
 import traceback
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ class InferletHost:
         self._abort_reasons: dict[str, str] = {}
         self._outbox: list[tuple[str, str, str | bytes]] = []
         stdio.install_router()
+        gc.freeze()  # the imports live as long as the host: full collections need not scan them (see RankWorker.start)
 
     async def start(
         self,
