@@ -384,7 +384,7 @@ class Generator:
         finally:
             await self._unchain(cur, nxt)
 
-    async def _send_step(self, tokens: list[int] | None, position: int, stop_ids: list[int] = ()) -> _Sent:
+    async def _send_step(self, tokens: list[int] | None, position: int, stop_ids: list[int] | None = None) -> _Sent:
         """Send a plain step: ``tokens`` from ``position`` on, or (None) a pass chained on the previous one, which
         the replica skips when the token it would take is one of ``stop_ids``."""
         fwd = Forward(self._ctx)
@@ -403,7 +403,7 @@ class Generator:
         bid = await self._default_bid()
         if bid is not None and bid != self._ctx._bid:
             fwd._bid = self._ctx._bid = bid
-        reply = fwd._send(chained=None if tokens is not None else stop_ids)
+        reply = fwd._send(chained=stop_ids if tokens is None else None)
         return _Sent(fwd, auto, reply, tokens)
 
     def _read(self, sent: _Sent, reply: list) -> Output:

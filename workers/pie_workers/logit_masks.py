@@ -30,8 +30,7 @@ class ExpandedMask:
 def expand(mask: bytes | Sequence[int], vocab: int, what: str) -> ExpandedMask:
     """A packed mask, or its runs; raises ``BrleError`` if it is not run lengths or spans more than ``vocab``."""
     packed = mask if isinstance(mask, bytes) else brle.pack(mask, what)
-    if len(packed) % brle.PACKED_RUN_BYTES:
-        raise brle.BrleError(f"malformed {what}: {len(packed)} bytes do not hold whole uint32 run lengths")
+    brle.check_packed(packed, what)  # here, where ``what`` is known: the expansion is cached without it
     expanded = _expand(packed, vocab)
     if expanded.penalty is None:
         raise brle.BrleError(f"malformed {what}: covers {expanded.covered} tokens, vocabulary has {vocab}")

@@ -29,8 +29,7 @@ class BatchLimits:
 @dataclass(slots=True)
 class _Job:
     request: ForwardRequest | None  # None: a job that only moves pages
-    future: asyncio.Future | None  # resolves to the result, unless the job was queued with a ``then``
-    then: Callable[[RequestOutput | Exception], None] | None = None
+    then: Callable[[RequestOutput | Exception | None], None]  # called with the result the moment the batch ends
     copies: Sequence[tuple[int, int]] = ()
     offloads: Sequence[tuple[int, int]] = ()
     restores: Sequence[tuple[int, int]] = ()
@@ -62,7 +61,16 @@ class BatchScheduler:
         """Queue one request and/or page moves; the future resolves to its RequestOutput (None without a request).
         Moves run in submission order: pages offloaded here are safe to reuse in any later job."""
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(request, future, None, list(copies), list(offloads), list(restores)))
+
+        def resolve(result: RequestOutput | Exception | None) -> None:
+            if future.done():  # its awaiter was cancelled
+                return
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        self._queue.append(_Job(request, resolve, list(copies), list(offloads), list(restores)))
         self._arrived.set()
         return future
 
@@ -70,7 +78,7 @@ class BatchScheduler:
         """Queue a request whose batch calls ``then`` with its RequestOutput (or the batch's failure) the moment
         it ends, before the event loop reads anything else: the engine's fast path settles a pass there, so the
         next step's request, already waiting in the socket, finds its context free."""
-        self._queue.append(_Job(request, None, then))
+        self._queue.append(_Job(request, then))
         self._arrived.set()
 
     async def run(self) -> None:
@@ -92,10 +100,7 @@ class BatchScheduler:
             except Exception as e:  # a runner failure fails this batch's requests, not the replica
                 failure = RuntimeError(f"forward pass failed: {e}")
                 for j in jobs:
-                    if j.then is not None:
-                        j.then(failure)
-                    elif not j.future.done():
-                        j.future.set_exception(failure)
+                    j.then(failure)
                 continue
             self.last_latency_s = time.perf_counter() - start
             self._recent_sizes.append(len(batch.requests))
@@ -103,11 +108,7 @@ class BatchScheduler:
             self.requests_served += len(batch.requests)
             results = iter(outputs)
             for j in jobs:
-                result = next(results) if j.request is not None else None
-                if j.then is not None:
-                    j.then(result)
-                elif not j.future.done():
-                    j.future.set_result(result)
+                j.then(next(results) if j.request is not None else None)
 
     async def _gather_stragglers(self) -> None:
         """Hold the batch open briefly while fewer requests are queued than recent batches carried."""

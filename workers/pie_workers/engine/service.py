@@ -381,7 +381,7 @@ class ReplicaEngine:
             slots = [(int(row), slot_from_wire(s)) for row, s in a.slots]
             new_tokens = len(tokens) + len(a.drafts)
             view = self.contexts.view(ctx)
-            need = -(-(view.seq_len + new_tokens) // self.page_size) - len(view.page_ids)
+            need = self._pages_for(ctx, new_tokens, view)
             if (
                 ctx in self.residency.suspended
                 or view.seq_len == 0
@@ -556,19 +556,10 @@ class ReplicaEngine:
         bind: PassBinding,
         trim: bool = True,
     ) -> RequestOutput:
-        if self._pages_for(ctx, len(tokens) + len(drafts)) > 0:
-            await self._reserve(ctx, len(tokens) + len(drafts))
+        await self._reserve(ctx, len(tokens) + len(drafts))
+        view = self.contexts.view(ctx)
         request = self._pass_request(
-            self.contexts.view(ctx),
-            tokens,
-            positions,
-            slots,
-            masks,
-            logit_mask,
-            drafts,
-            draft_positions,
-            draft_masks,
-            bind,
+            view, tokens, positions, slots, masks, logit_mask, drafts, draft_positions, draft_masks, bind
         )
         out = await self.scheduler.submit(request)
         return self._settle_pass(ctx, out, tokens, positions, drafts, draft_positions, hold, bind, trim)
@@ -656,9 +647,10 @@ class ReplicaEngine:
         suspended = self.residency.suspended.get(ctx)
         return len(suspended.text) if suspended else self.contexts.view(ctx).seq_len
 
-    def _pages_for(self, ctx: int, new_tokens: int) -> int:
-        """Working pages ``ctx`` still has to reserve to take ``new_tokens`` more tokens."""
-        view = self.contexts.view(ctx)
+    def _pages_for(self, ctx: int, new_tokens: int, view: ContextView | None = None) -> int:
+        """Working pages ``ctx`` still has to reserve to take ``new_tokens`` more tokens (``view``: the context as
+        it is now, when the caller has it)."""
+        view = view or self.contexts.view(ctx)
         return -(-(view.seq_len + new_tokens) // self.page_size) - len(view.page_ids)
 
     async def _reserve(self, ctx: int, new_tokens: int) -> None:

@@ -74,10 +74,15 @@ def pack(runs: Sequence[int], what: str = "BRLE") -> bytes:
     return packed.tobytes()
 
 
-def unpack(packed: bytes, what: str = "BRLE") -> np.ndarray:
-    """The runs of a :func:`pack` ed mask, read in place (uint32: non-negative by construction)."""
+def check_packed(packed: bytes, what: str = "BRLE") -> None:
+    """Raise ``BrleError`` unless ``packed`` holds whole run lengths."""
     if len(packed) % PACKED_RUN_BYTES:
         raise BrleError(f"malformed {what}: {len(packed)} bytes do not hold whole uint32 run lengths")
+
+
+def unpack(packed: bytes, what: str = "BRLE") -> np.ndarray:
+    """The runs of a :func:`pack` ed mask, read in place (uint32: non-negative by construction)."""
+    check_packed(packed, what)
     return np.frombuffer(packed, dtype="<u4")
 
 
