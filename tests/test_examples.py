@@ -171,13 +171,13 @@ def render(tok, messages: list[dict], replies: list[list[int]]) -> list[int]:
 
 def record_forwarded_tokens(monkeypatch) -> list[int]:
     """Patch ``Forward`` to log how many input tokens each pass that ran took (a chained pass has no tokens of its
-    own: it runs on the one token its predecessor sampled)."""
+    own: each of its steps runs on the token the step before sampled, and its reply lists one token per step)."""
     from inferlet import Forward
 
     sent, finish = [], Forward._finish
 
     def logged(self, reply):
-        sent.append(len(self._tokens) or 1)
+        sent.append(len(self._tokens) or len(reply[1]))
         return finish(self, reply)
 
     monkeypatch.setattr(Forward, "_finish", logged)

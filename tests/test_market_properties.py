@@ -96,7 +96,10 @@ def affordable_bids(market, processes, owners, bids, pages, made, ticks):
     capped = []
     for owner, bid in zip(owners, bids, strict=True):
         slot = market.wallets.slot(processes[owner])
-        balance = 0 if slot is None else max(int(market.wallets.balance[slot]) - made[owner] * MICRO, 0)
+        if slot is None:  # a process the market does not know affords nothing, whatever it holds
+            capped.append(0.0)
+            continue
+        balance = max(int(market.wallets.balance[slot]) - made[owner] * MICRO, 0)
         demand = sum(p for o, p in zip(owners, pages, strict=True) if o == owner) * ticks
         capped.append(min(bid, balance / MICRO / demand) if demand else bid)
     return capped

@@ -144,9 +144,11 @@ class Forward:
     async def execute(self) -> Output:
         return self._finish(await self._send())
 
-    def _send(self, chained: list[int] | None = None) -> asyncio.Future:
+    def _send(self, chained: list[int] | None = None, steps: int = 1, hold: int = 0) -> asyncio.Future:
         """Queue the pass on the channel; the future's reply goes to ``_finish``. ``chained``: the Generator's stop
-        ids for a pass whose input is the token the previous pass sampled (see the replica's ``PassArgs``)."""
+        ids for a pass whose input is the token the previous pass sampled, run for up to ``steps`` steps (see the
+        replica's ``PassArgs``). ``hold``: tokens at the end whose pages stay uncommitted, as the Generator may
+        still undo them."""
         if not self._tokens and chained is None:
             raise ValueError("forward pass has no input tokens: call input() or input_at() first")
         ctx = self._ctx
@@ -164,15 +166,14 @@ class Forward:
             self._logit_mask,
             self._drafts,
             self._draft_positions,
-            # accepted drafts may still be cut at a stop token, and a chained pass's token undone: keep their pages
-            # uncommitted
-            len(self._drafts) + (chained is not None),
+            len(self._drafts) + hold,  # accepted drafts may still be cut at a stop token
             adapter_id,
             self._zo_seed,
             None if self._draft_masks is None else [pack_brle(m, "draft mask") for m in self._draft_masks],
             self._draft_budget,
             self._bid,
             chained,
+            steps,
         )
 
     def _finish(self, reply: list) -> Output:

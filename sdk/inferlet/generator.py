@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from inferlet.context import Context
 
 SYSTEM_DRAFTS = 4  # n-gram drafts asked of the replica per step with system_speculation
+CHAIN_STEPS = 16  # steps a collector asks of one chained pass
 
 
 @dataclass
@@ -58,6 +59,8 @@ class _Sent:
     auto: SampleHandle
     reply: asyncio.Future
     fed: list[int] | None  # None until the token a chained pass feeds is known here
+    steps: int  # steps the replica runs at most (each one input token)
+    end: int  # the position after its last step's input
 
 
 class GenStep:
@@ -357,7 +360,7 @@ class Generator:
         await self._drain_chained(take)
 
     async def _drain_chained(self, take: Callable[[Output], bool]) -> None:
-        """Plain stepping with the next step always in flight (see the module docstring)."""
+        """Plain stepping with the next run of steps always in flight (see the module docstring)."""
         ctx = self._ctx
         if self.is_done:
             return
@@ -370,23 +373,32 @@ class Generator:
         stop_ids = sorted(self._stop)  # nothing can change them while this runs
         try:
             while cur is not None:
-                if self._max_tokens is None or self._max_tokens - self._generated > 1:
-                    nxt = await self._send_step(None, cur.fwd._positions[-1] + 1, stop_ids)
-                out = self._read(cur, await asyncio.shield(cur.reply))
-                cur = None
+                room = CHAIN_STEPS if self._max_tokens is None else self._max_tokens - self._generated - cur.steps
+                if room > 0:
+                    nxt = await self._send_step(None, cur.end, stop_ids, min(room, CHAIN_STEPS), cur.steps)
+                reply = await asyncio.shield(cur.reply)
+                steps, cur = self._read(cur, reply), None
+                for surplus, out in steps:
+                    if take(out):
+                        if nxt is not None:
+                            surplus += await self._undo(nxt)
+                            nxt = None
+                        if surplus:
+                            ctx._seq_len = await ctx.model.channel.call("truncate", ctx._id, surplus)
+                        return
                 if nxt is not None and not self._done:  # the chained pass feeds the token the buffer now holds
                     nxt.fed, ctx._buffer = ctx._buffer, []
-                    if take(out):
-                        return
                     cur, nxt = nxt, None
-                else:
-                    take(out)
         finally:
             await self._unchain(cur, nxt)
 
-    async def _send_step(self, tokens: list[int] | None, position: int, stop_ids: list[int] | None = None) -> _Sent:
+    async def _send_step(
+        self, tokens: list[int] | None, position: int, stop_ids: list[int] | None = None, steps: int = 1, after: int = 0
+    ) -> _Sent:
         """Send a plain step: ``tokens`` from ``position`` on, or (None) a pass chained on the previous one, which
-        the replica skips when the token it would take is one of ``stop_ids``."""
+        the replica runs for up to ``steps`` steps, each on the token the step before sampled, ending after one
+        that samples a token of ``stop_ids`` (and skipping the pass if its first input is one). ``after``: the
+        steps of the pass it is chained on, whose tokens it may have to let be undone too."""
         fwd = Forward(self._ctx)
         if tokens is None:  # the replica supplies the token
             fwd._positions, last = [position], 0
@@ -403,35 +415,47 @@ class Generator:
         bid = await self._default_bid()
         if bid is not None and bid != self._ctx._bid:
             fwd._bid = self._ctx._bid = bid
-        reply = fwd._send(chained=stop_ids if tokens is None else None)
-        return _Sent(fwd, auto, reply, tokens)
+        reply = fwd._send() if tokens is not None else fwd._send(chained=stop_ids, steps=steps, hold=steps + after)
+        return _Sent(fwd, auto, reply, tokens, steps, fwd._positions[-1] + steps)
 
-    def _read(self, sent: _Sent, reply: list) -> Output:
+    def _read(self, sent: _Sent, reply: list) -> Iterator[tuple[int, Output]]:
+        """Fold a sent pass's tokens in one by one, as single steps would, each token moving from the buffer into
+        the KV as the next step ran; yields, per token, its Output (the last one carries the pass's slots) and how
+        many tokens after it the KV holds already."""
         out = sent.fwd._finish(reply)
         out.auto_sampler = sent.auto
-        out.tokens, _ = self._fold([out.token(sent.auto)])
-        return out
+        walk = sent.fwd._walk if not sent.fwd._tokens else [out.token(sent.auto)]  # a chained pass lists its tokens
+        for i, token in enumerate(walk):
+            step = out if i == len(walk) - 1 else Output([], auto_sampler=sent.auto)
+            if i:
+                self._ctx._buffer = []
+            step.tokens, _ = self._fold([token])
+            yield len(walk) - 1 - i, step
+
+    async def _undo(self, sent: _Sent) -> int:
+        """Wait for a chained pass nobody will read; returns how many tokens it wrote to the KV."""
+        try:
+            reply = await sent.reply
+        except Exception:  # it failed, or followed a pass that did: nothing reached the KV
+            return 0
+        return 0 if reply is None else len(reply[1])  # None: skipped, as the token it would feed stops generation
 
     async def _unchain(self, cur: _Sent | None, nxt: _Sent | None) -> None:
-        """Leave the context as stepping one by one would have: read a step whose reply was not read (the collector
-        was cancelled or failed while waiting), and undo a chained pass nobody will read (truncating the token it
-        fed back into the buffer). Replies are awaited to the end, so the state is known."""
+        """Leave the context as stepping one by one would have: read a pass whose reply was not read (the collector
+        was cancelled or failed while waiting), and undo a chained pass nobody will read (truncating the tokens it
+        wrote, and putting the token it fed back into the buffer). Replies are awaited to the end, so the state is
+        known."""
         ctx = self._ctx
         if cur is not None:
             try:
-                self._read(cur, await cur.reply)
+                for _ in self._read(cur, await cur.reply):
+                    pass
             except Exception:  # nothing of it reached the KV
                 ctx._buffer = cur.fed + ctx._buffer
         if nxt is None:
             return
-        try:
-            reply = await nxt.reply
-        except Exception:  # it failed, or followed a pass that did: nothing reached the KV
-            reply = []
-        if reply is None:  # skipped: the token it would have fed stops generation
-            return
-        if reply:
-            ctx._seq_len = await ctx.model.channel.call("truncate", ctx._id, 1)
+        if written := await self._undo(nxt):
+            ctx._seq_len = await ctx.model.channel.call("truncate", ctx._id, written)
         if nxt.fed is not None:  # the token had moved from the buffer to the chained pass: put it back
             ctx._buffer = nxt.fed + ctx._buffer
 

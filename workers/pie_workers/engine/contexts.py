@@ -147,7 +147,10 @@ class ContextTable:
                 f"cannot record {len(tokens)} tokens into context {c.id}: its {len(c.working)} working pages "
                 f"have room for {room} more tokens"
             )
-        c.lineage.extend(zip(map(int, tokens), map(int, positions), repeat(_as_bytes(salt), len(tokens)), strict=True))
+        if len(tokens) == 1:  # a decode step
+            c.lineage.append((int(tokens[0]), int(positions[0]), _as_bytes(salt)))
+        else:
+            c.lineage.extend(zip(map(int, tokens), map(int, positions), repeat(_as_bytes(salt)), strict=False))
 
     def truncate(self, ctx: int, n: int) -> None:
         """Drop the last n lineage tokens (speculative rollback); their pages stay reserved."""

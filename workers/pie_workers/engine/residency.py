@@ -143,8 +143,9 @@ class Residency:
         return True
 
     def suspend_or_defer(self, ctx: int) -> None:
-        """Suspend ``ctx`` now, or, while an operation on it is in flight, when its next pass begins. A Generator
-        chains its steps, so a generating context is never between operations: its step boundary is the moment."""
+        """Suspend ``ctx`` now, or, while an operation on it is in flight, when its next pass begins or the operation
+        ends with none after it. A Generator chains its steps, so a generating context is never between operations:
+        its step boundary is the moment."""
         if self.busy(ctx):
             self.deferred.add(ctx)
         else:
@@ -204,7 +205,10 @@ class Residency:
             self.wake()
 
     def wake(self) -> None:
-        """Pages or the line changed: let the first waiter look again."""
+        """Pages, the line or what is busy changed: carry out suspensions deferred for contexts no longer busy (an
+        operation that ended with no pass after it), and let the first waiter look again."""
+        for ctx in [c for c in self.deferred if not self.busy(c)]:
+            self.suspend(ctx)
         if self._line:
             self._line[0].event.set()
 

@@ -81,6 +81,25 @@ class PassBinding:
 PLAIN_PASS = PassBinding()
 
 
+@dataclass(slots=True, eq=False)
+class _Steps:
+    """A chained pass past its first step: what each further step reuses, and the context as the last step left it
+    (only this pass changes the context while it holds the context's gate)."""
+
+    session: Session
+    a: PassArgs
+    gate: Gate
+    answer: Answer
+    slots: list
+    bind: PassBinding
+    walk: list[int]  # every step's token so far
+    left: int  # steps still to run
+    position: int  # the next step's input position
+    token: int  # the next step's input
+    page_ids: list[int] = field(default_factory=list)
+    seq_len: int = 0
+
+
 class PassArgs(NamedTuple):
     """A ``forward`` operation's arguments, in their order on the wire.
 
@@ -88,7 +107,10 @@ class PassArgs(NamedTuple):
     sampled (the end of its verified walk, else its first token slot's), so a Generator can send step k + 1 before
     it has read step k: the inferlet's round trip then overlaps the batches instead of adding to them. ``tokens``
     must be empty and ``positions`` hold that token's position. When the token is one of the stop ids, nothing
-    runs and the answer is None; when the previous pass failed or sampled nothing, this one fails too.
+    runs and the answer is None; when the previous pass failed or sampled nothing, this one fails too. A chained
+    pass may run several ``steps``, each on the token the step before sampled, ending after a step that samples a
+    stop id; its answer is the last step's, with every step's token as the walk. It takes no attention masks or
+    drafts, commits its pages when it ends, and is all or nothing: a failed step undoes the steps before it.
 
     Full pages are committed (shared through the prefix trie) right away, except pages touching the last ``hold``
     tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``draft_masks`` gives each
@@ -113,6 +135,13 @@ class PassArgs(NamedTuple):
     draft_budget: int = 0
     bid: float | None = None
     chained: list[int] | None = None
+    steps: int = 1
+
+
+def _held(a: PassArgs) -> int:
+    """Tokens at the end whose pages a pass leaves uncommitted: ``hold``, and a chained pass of several steps keeps
+    all it may write until it ends, so that it can undo them."""
+    return a.hold + a.steps if a.steps > 1 else a.hold
 
 
 class ReplicaEngine:
@@ -326,14 +355,17 @@ class ReplicaEngine:
 
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
         async with self._gates[self._own(session, ctx)]:
-            self.drafter.forget(ctx)
-            self._sampled.pop(ctx, None)
-            if ctx in self.residency.suspended:  # no need to recompute what is cut
-                self.residency.truncate(ctx, n)
-            else:
-                self.contexts.truncate(ctx, n)
-                self._trim(ctx)
+            self._truncate(ctx, n)
             return self._seq_len(ctx)
+
+    def _truncate(self, ctx: int, n: int) -> None:
+        self.drafter.forget(ctx)
+        self._sampled.pop(ctx, None)
+        if ctx in self.residency.suspended:  # no need to recompute what is cut
+            self.residency.truncate(ctx, n)
+        else:
+            self.contexts.truncate(ctx, n)
+            self._trim(ctx)
 
     async def op_stats(self, session: Session) -> dict:
         s = self.store.stats()
@@ -367,7 +399,9 @@ class ReplicaEngine:
         else:
             gate.when_free(functools.partial(self._start_pass, session, a, gate, answer))
 
-    def _start_pass(self, session: Session, a: PassArgs, gate: Gate, answer: Answer) -> None:
+    def _start_pass(
+        self, session: Session, a: PassArgs, gate: Gate, answer: Answer, walk: list[int] | None = None
+    ) -> None:
         """The context's turn has come (this holds its gate). The common pass, on a resident context and needing no
         prefix lookup, prefill chunking or wait for pages, goes straight into the next batch and settles the
         moment the batch ends: no task, no wake-ups, and the next step's request finds the gate free. Any other
@@ -388,7 +422,9 @@ class ReplicaEngine:
                 or new_tokens > self.scheduler.limits.max_tokens
                 or (need > 0 and not self.residency.try_now(ctx, need))
             ):
-                task = asyncio.get_running_loop().create_task(self._pass_slowly(a, tokens, slots, bind, gate, answer))
+                task = asyncio.get_running_loop().create_task(
+                    self._pass_slowly(session, a, tokens, slots, bind, gate, answer, walk)
+                )
                 self._slow_passes.add(task)
                 task.add_done_callback(self._slow_passes.discard)
                 return None
@@ -401,24 +437,32 @@ class ReplicaEngine:
                 a.draft_masks, bind,
             )  # fmt: skip
         except Exception as e:
-            return self._end_pass(gate, answer, error=e)
+            return self._fail_pass(ctx, gate, answer, e, walk)
 
         def settle(out: RequestOutput | Exception) -> None:
             try:
                 if isinstance(out, Exception):
                     raise out
-                self._settle_pass(ctx, out, tokens, a.positions, a.drafts, a.draft_positions, a.hold, bind)
+                self._settle_pass(ctx, out, tokens, a.positions, a.drafts, a.draft_positions, _held(a), bind)
                 result = self._pass_reply(ctx, out, a.draft_budget)
             except Exception as e:
-                self._end_pass(gate, answer, error=e)
+                self._fail_pass(ctx, gate, answer, e, walk)
             else:
-                self._end_pass(gate, answer, result)
+                self._pass_done(session, a, gate, answer, result, walk, slots, bind)
 
         self.scheduler.submit_then(request, settle)
         return None
 
     async def _pass_slowly(
-        self, a: PassArgs, tokens: list[int], slots: list, bind: PassBinding, gate: Gate, answer: Answer
+        self,
+        session: Session,
+        a: PassArgs,
+        tokens: list[int],
+        slots: list,
+        bind: PassBinding,
+        gate: Gate,
+        answer: Answer,
+        walk: list[int] | None,
     ) -> None:
         """The general way through a pass: restore a suspended context, adopt cached prefix pages on a context's
         first pass, split a long prefill into chunks, wait in line for pages."""
@@ -461,14 +505,87 @@ class ReplicaEngine:
                 a.drafts,
                 a.draft_positions,
                 a.draft_masks,
-                a.hold,
+                _held(a),
                 bind,
             )
             result = self._pass_reply(ctx, out, a.draft_budget)
         except Exception as e:
-            self._end_pass(gate, answer, error=e)
+            self._fail_pass(ctx, gate, answer, e, walk)
         else:
-            self._end_pass(gate, answer, result)
+            self._pass_done(session, a, gate, answer, result, walk, slots, bind)
+
+    def _pass_done(
+        self, session: Session, a: PassArgs, gate: Gate, answer: Answer, result: list, walk, slots, bind
+    ) -> None:
+        """A pass ended well: answer it, or run a chained pass's next step on the token this one sampled. ``walk``:
+        the tokens of a chained pass's steps before this one."""
+        if a.chained is None:
+            return self._end_pass(gate, answer, result)
+        sampled = self._sampled.get(a.ctx)
+        walk = result[1] = walk if walk is not None else []
+        if sampled is not None:
+            walk.append(sampled)
+        if a.steps > 1 and sampled is not None and sampled not in a.chained:
+            view = self.contexts.view(a.ctx)
+            run = _Steps(session, a, gate, answer, slots, bind, walk, a.steps - 1, a.positions[0] + 1, sampled)
+            run.page_ids, run.seq_len = list(view.page_ids), view.seq_len
+            return self._next_step(run)
+        self._end_pass(gate, answer, result)
+
+    def _next_step(self, run: _Steps) -> None:
+        """A chained pass's next step, on the token the step before sampled. The plain case (the context resident,
+        no suspension due, its pages at hand) goes straight into the next batch with what the pass already knows;
+        anything else goes the general way, ``_start_pass``, holding back the pages of the steps so far."""
+        ctx = run.a.ctx
+        need = -(-(run.seq_len + 1) // self.page_size) - len(run.page_ids)
+        residency = self.residency
+        if ctx in residency.deferred or ctx in residency.suspended or (need > 0 and not residency.try_now(ctx, need)):
+            a = run.a._replace(positions=[run.position], steps=run.left, hold=run.a.hold + len(run.walk))
+            return self._start_pass(run.session, a, run.gate, run.answer, run.walk)
+        if need > 0:
+            self._made(ctx, need)
+            run.page_ids = run.page_ids + self.contexts.reserve(ctx, need)
+        del self._sampled[ctx]
+        residency.touch(ctx)
+        self.chained_passes += 1
+        request = ForwardRequest(
+            [run.token], [run.position], run.page_ids, run.seq_len, run.slots, None, run.a.logit_mask,
+            adapter=run.bind.adapter, zo_seed=run.bind.zo_seed,
+        )  # fmt: skip
+        self.scheduler.submit_then(request, functools.partial(self._step_ended, run))
+
+    def _step_ended(self, run: _Steps, out: RequestOutput | Exception) -> None:
+        """Settle a step ``_next_step`` sent: record its token, and run the next step or end the pass (committing
+        its full pages, as ``_settle_pass`` would, only then: a failed step undoes the steps before it)."""
+        ctx = run.a.ctx
+        try:
+            if isinstance(out, Exception):
+                raise out
+            if out.error is not None:
+                raise ValueError(out.error)
+            self.contexts.record(ctx, [run.token], [run.position], run.bind.salt)
+            self.drafter.observe(ctx, [run.token])
+            run.seq_len += 1
+            sampled = next((s.token for s in out.slots if s.token is not None), None)
+            run.left -= 1
+            run.position += 1
+            if sampled is not None:
+                self._sampled[ctx] = run.token = sampled
+                run.walk.append(sampled)
+                if run.left and sampled not in run.a.chained:
+                    self.residency.wake()  # a waiter may find room now (as between single passes)
+                    return self._next_step(run)
+            self._commit_full(ctx, run.a.hold)
+        except Exception as e:
+            return self._fail_pass(ctx, run.gate, run.answer, e, run.walk)
+        self._end_pass(run.gate, run.answer, [[output_to_wire(s) for s in out.slots], run.walk, run.seq_len, []])
+
+    def _fail_pass(self, ctx: int, gate: Gate, answer: Answer, error: Exception, walk: list[int] | None) -> None:
+        """A pass failed: a chained pass undoes the steps it ran before (``walk``: their tokens), so that nothing of
+        it is in the KV, and the pass chained on it fails too."""
+        if walk and ctx in self._gates:  # the context is still there
+            self._truncate(ctx, len(walk))
+        self._end_pass(gate, answer, error=error)
 
     def _end_pass(self, gate: Gate, answer: Answer, result=None, error: Exception | None = None) -> None:
         """Answer the pass and hand the context's turn on (to its next request, when one waits)."""
@@ -484,6 +601,11 @@ class ReplicaEngine:
         deferred until this pass began."""
         sampled = self._sampled.pop(ctx, None)
         tokens = a.tokens
+        if a.steps != 1:
+            if a.chained is None or not isinstance(a.steps, int) or a.steps < 1:
+                raise ValueError(f"a pass runs one step, a chained pass one or more: got {a.steps!r} steps")
+            if a.attention_masks is not None or a.drafts:
+                raise ValueError("a chained pass of several steps takes no attention masks or drafts")
         if a.chained is not None:
             if tokens:
                 raise ValueError("a chained pass takes its input from the previous pass: send no tokens")
@@ -601,9 +723,14 @@ class ReplicaEngine:
             self._trim(ctx, view)  # committing full pages below leaves the count of empty ones as it is
         if out.error is not None:
             raise ValueError(out.error)
+        self._commit_full(ctx, hold, view)
+        return out
+
+    def _commit_full(self, ctx: int, hold: int, view: ContextView | None = None) -> None:
+        """Commit the context's full working pages but those touching its last ``hold`` tokens."""
+        view = view or self.contexts.view(ctx)
         if full := max(0, view.working_tokens - hold) // self.page_size:
             self.contexts.commit(ctx, full)
-        return out
 
     # -- residency and the market -------------------------------------------------------------------------------
 
