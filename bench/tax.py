@@ -3,7 +3,8 @@
 Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7]
 
 (a) per-token latency of one inferlet generating greedily vs the in-process loop at batch 1 — the difference is the
-    tax in ms/token (channel round trip, engine bookkeeping, scheduling, SDK);
+    tax in ms/token (channel round trip, engine bookkeeping, scheduling, SDK) — both collecting (``collect_tokens``,
+    which chains its steps) and stepping with ``async for`` (a round trip per token);
 (b) aggregate tokens/s of N concurrent inferlets vs the in-process loop decoding N sequences as one batch.
 Both sides use 2 torch threads; the inferlets run in this process on uvloop (as in an inferlet host: Ray's async
 actors run on it, and ray[serve] installs it), the model in the replica actor. Each round runs
@@ -45,15 +46,17 @@ async def timed_generation(input: dict) -> tuple[float, float]:
         input["ready"].set_result(None) if not input["ready"].done() else None
         await input["go"]
         start = time.perf_counter()
-        got = await ctx.generate(
-            Sampler.argmax(), max_tokens=input["tokens"], stop=[], auto_flush=False
-        ).collect_tokens()
+        gen = ctx.generate(Sampler.argmax(), max_tokens=input["tokens"], stop=[], auto_flush=False)
+        if input["stepping"]:  # a round trip per token, as an inferlet that looks at every step makes
+            got = [t async for step in gen for t in (await step.execute()).tokens]
+        else:
+            got = await gen.collect_tokens()
         assert len(got) == input["tokens"]
         return start, time.perf_counter()
 
 
-async def concurrent(endpoints, n: int, tokens: int, rng: random.Random) -> float:
-    """Aggregate tokens/s of n inferlets decoding together."""
+async def concurrent(endpoints, n: int, tokens: int, rng: random.Random, stepping: bool = False) -> float:
+    """Aggregate tokens/s of n inferlets decoding together (``stepping``: one step at a time, else collecting)."""
     loop = asyncio.get_running_loop()
     go = loop.create_future()
     inputs = [
@@ -62,6 +65,7 @@ async def concurrent(endpoints, n: int, tokens: int, rng: random.Random) -> floa
             "tokens": tokens,
             "ready": loop.create_future(),
             "go": go,
+            "stepping": stepping,
         }
         for _ in range(n)
     ]
@@ -90,18 +94,23 @@ def main() -> None:
     rng = random.Random(0)
 
     rounds = {n: [] for n in levels}  # (inferlets tokens/s, loop tokens/s) per round
+    stepping = []  # (one inferlet stepping tokens/s, loop tokens/s) per round
     for _ in range(args.rounds):
         for n in levels:
             prompts = [[rng.randrange(3, 4096) for _ in range(PROMPT)] for _ in range(n)]
             base = paged_decode(local, prompts, args.tokens)
             rounds[n].append((uvloop.run(concurrent(endpoints, n, args.tokens, rng)), base))
+            if n == 1:
+                stepping.append((uvloop.run(concurrent(endpoints, 1, args.tokens, rng, stepping=True)), base))
     replica.shutdown()
 
     console = Console()
-    if 1 in levels:
-        ms = [(1000 / ours, 1000 / base) for ours, base in rounds[1]]
+    for label, pairs in (("collecting", rounds.get(1)), ("stepping with async for", stepping)):
+        if not pairs:
+            continue
+        ms = [(1000 / ours, 1000 / base) for ours, base in pairs]
         console.print(
-            f"(a) one inferlet: {median(o for o, _ in ms):.3f} ms/token vs in-process loop "
+            f"(a) one inferlet {label}: {median(o for o, _ in ms):.3f} ms/token vs in-process loop "
             f"{median(b for _, b in ms):.3f} ms/token -> programmability tax {median(o - b for o, b in ms):.3f} "
             f"ms/token (median of {args.rounds} rounds)"
         )

@@ -19,10 +19,11 @@ and each draft is verified under the constraints' mask after the drafts before i
 ``seq_len`` and the buffer end exactly as a run without drafts leaves them.
 
 The collectors (``collect_tokens``, ``collect_text``) hand no step to user code, so when nothing else needs a step's
-token before the next step can go — no constraint, no speculation — they send each step before the previous one's
-output is back, as a pass *chained* on it: the replica feeds it the token the previous pass sampled, or skips it
-when that token is a stop token. The inferlet's round trip then overlaps the replica's batches instead of adding to
-them. Tokens, KV, ``seq_len`` and the buffer end exactly as with stepping one by one.
+token before the next step can go — no constraint, no speculation — they let the replica run up to 16 steps per
+pass, each on the token the step before sampled (a *chained* pass, ending at a stop token), and send the next such
+pass before the previous one's output is back. The inferlet's round trip then overlaps the replica's batches instead
+of adding to them, and the replica's bookkeeping per step is a fraction of a pass's. Tokens, KV, ``seq_len`` and the
+buffer end exactly as with stepping one by one, also when a collector returns early or is cancelled.
 
 Each step also bids for the context's pages on the KV-page market (``scheduling.default_bid`` from the balance and
 the tokens still expected), unless the inferlet set a bid itself or the context is idle; the bid rides with the
@@ -58,7 +59,7 @@ class _Sent:
     fwd: Forward
     auto: SampleHandle
     reply: asyncio.Future
-    fed: list[int] | None  # None until the token a chained pass feeds is known here
+    fed: list[int] | None  # its input; for a chained pass None until the token it feeds is known here
     steps: int  # steps the replica runs at most (each one input token)
     end: int  # the position after its last step's input
 
@@ -443,8 +444,7 @@ class Generator:
     async def _unchain(self, cur: _Sent | None, nxt: _Sent | None) -> None:
         """Leave the context as stepping one by one would have: read a pass whose reply was not read (the collector
         was cancelled or failed while waiting), and undo a chained pass nobody will read (truncating the tokens it
-        wrote, and putting the token it fed back into the buffer). Replies are awaited to the end, so the state is
-        known."""
+        wrote). Replies are awaited to the end, so the state is known."""
         ctx = self._ctx
         if cur is not None:
             try:
@@ -454,10 +454,8 @@ class Generator:
                 ctx._buffer = cur.fed + ctx._buffer
         if nxt is None:
             return
-        if written := await self._undo(nxt):
+        if written := await self._undo(nxt):  # the token it fed stays in the buffer, as it never moved from there
             ctx._seq_len = await ctx.model.channel.call("truncate", ctx._id, written)
-        if nxt.fed is not None:  # the token had moved from the buffer to the chained pass: put it back
-            ctx._buffer = nxt.fed + ctx._buffer
 
     async def collect_json(self, *, schema: str | dict | None = None, parse: Callable[[str], Any] | None = None) -> Any:
         """Constrain to JSON (matching ``schema`` if given), drain, and return ``json.loads`` of the text, or

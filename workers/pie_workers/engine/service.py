@@ -545,7 +545,7 @@ class ReplicaEngine:
         if need > 0:
             self._made(ctx, need)
             run.page_ids = run.page_ids + self.contexts.reserve(ctx, need)
-        del self._sampled[ctx]
+        self._sampled.pop(ctx, None)  # this step consumes it
         residency.touch(ctx)
         self.chained_passes += 1
         request = ForwardRequest(
