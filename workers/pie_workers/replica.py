@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +23,6 @@ from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.model_dir import ModelSource, description_files, local_model_dir
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
-
-# libgomp's threads spin about 300k iterations after each parallel region before they sleep. After a batch that spin
-# holds a core the engine's own Python and the inferlets' processes need next (on a 2-core machine it cost a tenth of
-# the throughput at 32 inferlets); 10k keeps them hot across the back-to-back kernels of one forward. An operator's
-# own setting in the driver's environment wins.
-RANK_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 
 @dataclass(frozen=True)
@@ -157,7 +150,6 @@ class Replica:
             actor.options(
                 num_cpus=cpus_per_rank,
                 num_gpus=1 if use_gpu else 0,
-                runtime_env={"env_vars": {k: v for k, v in RANK_ENV.items() if k not in os.environ}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=bundle
                 ),
