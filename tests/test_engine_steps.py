@@ -17,6 +17,7 @@ from pie_workers.wire.codec import slot_to_wire
 # a seeded draw: reproducible, and unlike greedy decoding the tiny random model's tokens do not settle into a loop
 SAMPLER = slot_to_wire(Slot(SlotKind.MULTINOMIAL, temperature=1.0, seed=1234))
 PAGES = 64
+SESSION = "alice/run/s"  # user/instance/session, as the channel names a request's sender
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +32,10 @@ class Engine:
         self.engine = ReplicaEngine(runner, BatchLimits())
         self.batches = asyncio.get_running_loop().create_task(self.engine.scheduler.run())
 
-    async def call(self, op: str, *args, session: str = "alice/run/s"):
-        return await self.engine._handle(session, op, list(args), None)
+    async def call(self, op: str, *args):
+        return await self.engine._handle(SESSION, op, list(args), None)
 
-    def forward(self, ctx: int, tokens, position: int, *, chained=None, steps=1, hold=0, session="alice/run/s"):
+    def forward(self, ctx: int, tokens, position: int, *, chained=None, steps=1, hold=0, sampler=SAMPLER):
         """Send a pass sampling its last row; a future of its answer."""
         future = asyncio.get_running_loop().create_future()
 
@@ -43,8 +44,8 @@ class Engine:
 
         rows = max(len(tokens), 1)
         positions = list(range(position, position + rows))
-        args = [ctx, tokens, positions, [[rows - 1, SAMPLER]], None, None, [], [], hold, None, None, None, 0, None]
-        self.engine._handle(session, "forward", [*args, chained, steps], answer)
+        args = [ctx, tokens, positions, [[rows - 1, sampler]], None, None, [], [], hold, None, None, None, 0, None]
+        self.engine._handle(SESSION, "forward", [*args, chained, steps], answer)
         return future
 
     async def prefilled(self, prompt: list[int]) -> tuple[int, int]:
@@ -180,6 +181,24 @@ def test_malformed_step_counts_are_refused(runner, kwargs, message):
         tokens = [] if "chained" in kwargs else [5]
         with pytest.raises(ValueError, match=message):
             await e.forward(ctx, tokens, len(PROMPT), **kwargs)
+        [_, _, seq_len, _] = await e.forward(ctx, [5], len(PROMPT))
+        return seq_len
+
+    assert run(runner, body) == len(PROMPT) + 1
+
+
+@pytest.mark.parametrize(
+    ("sampler", "message"),
+    [
+        ([99, 1.0, 0, 1.0, 0.0, 0, []], "unknown sampler kind code 99"),
+        ([0, [1.0], 0, 1.0, 0.0, 0, []], "malformed sampler on the wire"),
+    ],
+)
+def test_malformed_samplers_are_refused(runner, sampler, message):
+    async def body(e: Engine):
+        ctx, _ = await e.prefilled(PROMPT)
+        with pytest.raises(ValueError, match=message):
+            await e.forward(ctx, [5], len(PROMPT), sampler=sampler)
         [_, _, seq_len, _] = await e.forward(ctx, [5], len(PROMPT))
         return seq_len
 

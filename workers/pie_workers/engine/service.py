@@ -96,8 +96,8 @@ class _Steps:
     left: int  # steps still to run
     position: int  # the next step's input position
     token: int  # the next step's input
-    page_ids: list[int] = field(default_factory=list)
-    seq_len: int = 0
+    page_ids: list[int]  # the context's pages, as the batch takes them
+    seq_len: int
 
 
 class PassArgs(NamedTuple):
@@ -394,10 +394,7 @@ class ReplicaEngine:
         """Run a pass once it is the context's turn; its answer is [slot outputs, verified walk, seq_len, next
         drafts], or None for a chained pass that stopped."""
         gate = self._gates[self._own(session, a.ctx)]
-        if gate.take_now():
-            self._start_pass(session, a, gate, answer)
-        else:
-            gate.when_free(functools.partial(self._start_pass, session, a, gate, answer))
+        gate.when_free(functools.partial(self._start_pass, session, a, gate, answer))
 
     def _start_pass(
         self, session: Session, a: PassArgs, gate: Gate, answer: Answer, walk: list[int] | None = None
@@ -527,8 +524,10 @@ class ReplicaEngine:
             walk.append(sampled)
         if a.steps > 1 and sampled is not None and sampled not in a.chained:
             view = self.contexts.view(a.ctx)
-            run = _Steps(session, a, gate, answer, slots, bind, walk, a.steps - 1, a.positions[0] + 1, sampled)
-            run.page_ids, run.seq_len = list(view.page_ids), view.seq_len
+            left, position = a.steps - 1, a.positions[0] + 1
+            run = _Steps(
+                session, a, gate, answer, slots, bind, walk, left, position, sampled, list(view.page_ids), view.seq_len
+            )
             return self._next_step(run)
         self._end_pass(gate, answer, result)
 

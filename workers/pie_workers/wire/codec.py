@@ -16,7 +16,10 @@ def slot_to_wire(slot: Slot) -> list:
 
 def slot_from_wire(data: list) -> Slot:
     code, temperature, top_k, top_p, min_p, seed, token_ids = data
-    return _slot(code, temperature, top_k, top_p, min_p, seed, tuple(token_ids))
+    try:
+        return _slot(code, temperature, top_k, top_p, min_p, seed, tuple(token_ids))
+    except TypeError:  # a list where a number belongs: unhashable, so the cache refuses it
+        raise ValueError(f"malformed sampler on the wire: {data!r}") from None
 
 
 @functools.lru_cache(maxsize=4096)
