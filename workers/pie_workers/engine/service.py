@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-
 from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
 from pie_workers.engine.channel import Answer, ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable, ContextView
@@ -44,11 +42,6 @@ from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
 
 log = logging.getLogger(__name__)
-
-# On CPU, a batch of fewer rows than this runs on one thread fewer than the rank has. Its forward hardly gains from
-# the thread (one row: 1.16 ms on two threads, 1.25 on one), while the core it frees runs the inferlets' processes
-# and the channel, whose work overlaps the forward (one inferlet on 2 cores: tax 0.76 -> 0.48 ms/token).
-FEW_ROWS = 3
 
 
 @dataclass
@@ -150,7 +143,6 @@ class ReplicaEngine:
         (bids still rank contexts locally, nobody pays rent)."""
         self.runner = runner
         self.page_size = runner.page_size
-        self._threads = torch.get_num_threads() if runner.device.type == "cpu" else 0
         self.store = PageStore(runner.num_pages, runner.page_size)
         self.contexts = ContextTable(self.store)
         self.drafter = NgramDrafter()
@@ -199,9 +191,6 @@ class ReplicaEngine:
         requests while this batch runs, instead of after it."""
         await asyncio.sleep(0)
         self.channel.flush()
-        if self._threads > 1:
-            rows = sum(len(r.token_ids) + len(r.draft_tokens) for r in batch.requests)
-            torch.set_num_threads(self._threads - 1 if rows < FEW_ROWS else self._threads)
         return self.runner.execute(batch)
 
     # -- dispatch ----------------------------------------------------------------------------------------------
