@@ -1,15 +1,17 @@
 """The programmability tax: inferlets on a Ray replica vs the same model runner driven by a plain in-process loop.
 
-Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7]
+Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7] [--threads 2]
 
 (a) per-token latency of one inferlet generating greedily vs the in-process loop at batch 1 — the difference is the
     tax in ms/token (channel round trip, engine bookkeeping, scheduling, SDK) — both collecting (``collect_tokens``,
-    which chains its steps) and stepping with ``async for`` (a round trip per token);
+    which chains its steps) and stepping with ``async for`` (a round trip per token, which the replica's step run
+    ahead overlaps with the forward when a core is free for it);
 (b) aggregate tokens/s of N concurrent inferlets vs the in-process loop decoding N sequences as one batch.
-Both sides use 2 torch threads; the inferlets run in this process on uvloop (as in an inferlet host: Ray's async
-actors run on it, and ray[serve] installs it), the model in the replica actor. Each round runs
-the loop and then the inferlets back to back, and the tables report medians over rounds: on a shared machine a
-burst of outside load then hits one round's pair, not one side of every comparison.
+Both sides use ``--threads`` torch threads: the forward takes that many cores of this 2-core machine, and with 1 a
+core is left to the inferlets and the engine, as on a GPU host. The inferlets run in this process on uvloop (as in
+an inferlet host: Ray's async actors run on it, and ray[serve] installs it), the model in the replica actor. Each
+round runs the loop and then the inferlets back to back, and the tables report medians over rounds: on a shared
+machine a burst of outside load then hits one round's pair, not one side of every comparison.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import random
 import time
 from statistics import median
 
+import torch
 import uvloop
 from forward import paged_decode
 from inferlet import Context, Model, Sampler
@@ -81,13 +84,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the replica's rank and of the loop")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     levels = [int(n) for n in args.concurrency.split(",")]
     model_dir = default_model_path("llama")
     pages = levels[-1] * (-(-(PROMPT + args.tokens + 2) // 16)) + 64
 
     init_ray(num_cpus=4)
-    replica = Replica(model_dir, 1, RunnerSettings(num_pages=pages), cpus_per_rank=2, engine=BatchLimits())
+    replica = Replica(model_dir, 1, RunnerSettings(num_pages=pages), cpus_per_rank=args.threads, engine=BatchLimits())
     endpoints = endpoints_for("default", replica)
     local = ModelRunner(model_dir, RunnerSettings(num_pages=pages))
     gc.freeze()  # as an inferlet host and the replica's ranks do after start-up (the loop runs here too)
@@ -114,7 +119,10 @@ def main() -> None:
             f"{median(b for _, b in ms):.3f} ms/token -> programmability tax {median(o - b for o, b in ms):.3f} "
             f"ms/token (median of {args.rounds} rounds)"
         )
-    table = Table(title=f"(b) aggregate decode tokens/s, {args.tokens} tokens per sequence, tiny Llama, medians")
+    table = Table(
+        title=f"(b) aggregate decode tokens/s, {args.tokens} tokens per sequence, tiny Llama, {args.threads} "
+        "threads, medians"
+    )
     for col in ("inferlets / batch", "inferlets on Ray", "in-process loop", "ratio"):
         table.add_column(col, justify="right")
     for n, pairs in rounds.items():

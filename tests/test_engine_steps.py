@@ -5,71 +5,15 @@ middle; its context can go away under it; and malformed requests are refused."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
-from pie_workers.engine.scheduler import BatchLimits
-from pie_workers.engine.service import ReplicaEngine
+from engine_harness import PAGES, PROMPT, Engine, run
 from pie_workers.runner import ModelRunner, RunnerSettings
-from pie_workers.wire.batch import Slot, SlotKind
-from pie_workers.wire.codec import slot_to_wire
-
-# a seeded draw: reproducible, and unlike greedy decoding the tiny random model's tokens do not settle into a loop
-SAMPLER = slot_to_wire(Slot(SlotKind.MULTINOMIAL, temperature=1.0, seed=1234))
-PAGES = 64
-SESSION = "alice/run/s"  # user/instance/session, as the channel names a request's sender
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama):
     return ModelRunner(tiny_llama, RunnerSettings(num_pages=PAGES))
-
-
-class Engine:
-    """The engine with its batch scheduler running, driven as the channel drives it."""
-
-    def __init__(self, runner: ModelRunner):
-        self.engine = ReplicaEngine(runner, BatchLimits())
-        self.batches = asyncio.get_running_loop().create_task(self.engine.scheduler.run())
-
-    async def call(self, op: str, *args):
-        return await self.engine._handle(SESSION, op, list(args), None)
-
-    def forward(self, ctx: int, tokens, position: int, *, chained=None, steps=1, hold=0, sampler=SAMPLER):
-        """Send a pass sampling its last row; a future of its answer."""
-        future = asyncio.get_running_loop().create_future()
-
-        def answer(error, result):
-            future.set_exception(error) if error else future.set_result(result)
-
-        rows = max(len(tokens), 1)
-        positions = list(range(position, position + rows))
-        args = [ctx, tokens, positions, [[rows - 1, sampler]], None, None, [], [], hold, None, None, None, 0, None]
-        self.engine._handle(SESSION, "forward", [*args, chained, steps], answer)
-        return future
-
-    async def prefilled(self, prompt: list[int]) -> tuple[int, int]:
-        """A context holding ``prompt``, whose last pass sampled a token; returns (context, that token)."""
-        ctx = await self.call("create")
-        [slots, _, _, _] = await self.forward(ctx, prompt, 0)
-        return ctx, slots[0][1]
-
-    def stop(self) -> None:
-        self.batches.cancel()
-
-
-def run(runner, body):
-    async def main():
-        engine = Engine(runner)
-        try:
-            return await body(engine)
-        finally:
-            engine.stop()
-
-    return asyncio.run(main())
-
-
-PROMPT = [random.Random(7).randrange(3, 4000) for _ in range(29)]
 
 
 def test_one_pass_of_many_steps_ends_where_single_steps_end(runner):

@@ -86,6 +86,7 @@ class Forward:
         self._walk: list[int] = []  # the verified walk: accepted drafts, then the sampler's next token
         self._next_drafts: list[int] = []
         self._bid: float | None = None  # set by a Generator: the context's default bid from this pass on
+        self._ahead: list[int] | None = None  # set by a Generator: stop ids, to have the next step run ahead
 
     def start_position(self) -> int:
         """Position the first auto-input token occupies: the context's ``seq_len`` when ``forward()`` was called."""
@@ -174,6 +175,7 @@ class Forward:
             self._bid,
             chained,
             steps,
+            self._ahead,
         )
 
     def _finish(self, reply: list) -> Output:

@@ -25,6 +25,12 @@ pass before the previous one's output is back. The inferlet's round trip then ov
 of adding to them, and the replica's bookkeeping per step is a fraction of a pass's. Tokens, KV, ``seq_len`` and the
 buffer end exactly as with stepping one by one, also when a collector returns early or is cancelled.
 
+Stepping with ``async for`` needs each step's token in user code, so each step is a round trip; but a plain step
+(auto sampler, no constraint or speculation, more than one token left) asks the replica to run the next step
+*ahead*, on the token it sampled, while its answer travels. If the next step is exactly that step (the user appended
+nothing, cleared no sampler and added no probe), the replica answers it from the step run ahead; otherwise that step
+is dropped and never reaches the KV.
+
 Each step also bids for the context's pages on the KV-page market (``scheduling.default_bid`` from the balance and
 the tokens still expected), unless the inferlet set a bid itself or the context is idle; the bid rides with the
 step's forward.
@@ -230,6 +236,8 @@ class Generator:
         proposed = self._draft(fwd) if auto is not None else 0
         if self._system_speculation and auto is not None:
             fwd._draft_budget = SYSTEM_DRAFTS
+        elif auto is not None and mask is None and not fwd._drafts and self._more_than_one_left():
+            fwd._ahead = sorted(self._stop)  # the replica runs the next step while this one's answer travels
         ctx._buffer = []
         bid = await self._default_bid()
         if bid is not None and bid != ctx._bid:
@@ -251,6 +259,9 @@ class Generator:
                 if proposed > len(walk) - 1:
                     self._speculator.rollback(proposed - (len(walk) - 1))
         return out
+
+    def _more_than_one_left(self) -> bool:
+        return self._max_tokens is None or self._max_tokens - self._generated > 1
 
     async def _default_bid(self) -> float | None:
         """This step's bid (Pie's rule), unless the inferlet set one or is idle; None without a market.

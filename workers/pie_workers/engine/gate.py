@@ -24,6 +24,10 @@ class Gate:
     def locked(self) -> bool:
         return self._held
 
+    def waiting(self) -> bool:
+        """Whether someone waits for the gate (maybe one who gave up: ``give`` skips those)."""
+        return bool(self._waiters)
+
     def take_now(self) -> bool:
         """Take the gate if it is free; False if someone holds it (or it was handed to a waiter)."""
         if self._held:

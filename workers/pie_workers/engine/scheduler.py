@@ -81,6 +81,20 @@ class BatchScheduler:
         self._queue.append(_Job(request, then))
         self._arrived.set()
 
+    def withdraw(self, pages: set[int], error: Exception) -> None:
+        """Fail the queued requests that write to any of ``pages`` (a destroyed context's working pages, back in
+        the pool): one still queued could otherwise share a batch with the next owner of a page, both writing it.
+        A batch already taken runs before any later request can use the pages."""
+        if not pages:
+            return
+        kept: deque[_Job] = deque()
+        for job in self._queue:
+            if job.request is not None and not pages.isdisjoint(job.request.page_ids):
+                job.then(error)
+            else:
+                kept.append(job)
+        self._queue = kept
+
     async def run(self) -> None:
         while True:
             if not self._queue:

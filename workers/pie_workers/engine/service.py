@@ -12,17 +12,19 @@ share it.
 
 When the pool runs short, ``Residency`` decides by bid who keeps pages; every operation on a suspended context first
 restores it (copying its pages back from host memory, or recomputing them), so inferlets never see a suspension
-except as a slower step. With a market actor, ``MarketLink`` reports the device to it every round and applies its
+except as a slower step. A plain step that asks for it has the next one run *ahead*, before the inferlet asks for it
+(see ``PassArgs``). With a market actor, ``MarketLink`` reports the device to it every round and applies its
 decisions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -75,6 +77,35 @@ PLAIN_PASS = PassBinding()
 
 
 @dataclass(slots=True, eq=False)
+class _Ahead:
+    """A step run before the inferlet asked for it: the next step of a plain pass, on the token that pass sampled,
+    with the same samplers and probes. Its KV lies past the context's end, where nothing reads it, until a request
+    that repeats it (``repeats``) adopts it; any other turn on the context drops it."""
+
+    token: int
+    position: int
+    slots: list  # the pass's slots on the wire, as a request for this step carries them
+    seq_len: int  # the context's length it ran at
+    out: RequestOutput | Exception | None = None  # None while its batch runs
+
+    def repeats(self, a: PassArgs) -> bool:
+        return (
+            a.tokens == [self.token]
+            and a.positions == [self.position]
+            and a.slots == self.slots
+            and a.chained is None
+            and a.attention_masks is None
+            and a.logit_mask is None
+            and not a.drafts
+            and a.draft_budget == 0
+            and a.adapter is None
+            and a.zo_seed is None
+            and isinstance(self.out, RequestOutput)
+            and self.out.error is None
+        )
+
+
+@dataclass(slots=True, eq=False)
 class _Steps:
     """A chained pass past its first step: what each further step reuses, and the context as the last step left it
     (only this pass changes the context while it holds the context's gate)."""
@@ -105,6 +136,12 @@ class PassArgs(NamedTuple):
     stop id; its answer is the last step's, with every step's token as the walk. It takes no attention masks or
     drafts, commits its pages when it ends, and is all or nothing: a failed step undoes the steps before it.
 
+    A plain pass (one step, samplers and probes on its last row only, no masks, drafts, adapter or zo seed) may ask
+    for the next step ``ahead`` (a list of stop ids): once it is answered, the replica runs the next step on the
+    token it sampled, unless that is a stop id, into the KV past the context's end. A request for exactly that step
+    (the token, the next position, the same slots) is then answered from it when its batch ends, so an inferlet
+    stepping token by token has its round trip overlap the batches; anything else on the context drops it.
+
     Full pages are committed (shared through the prefix trie) right away, except pages touching the last ``hold``
     tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``draft_masks`` gives each
     draft row its own logit mask (a grammar's, after that draft). ``adapter`` (an id from
@@ -129,6 +166,7 @@ class PassArgs(NamedTuple):
     bid: float | None = None
     chained: list[int] | None = None
     steps: int = 1
+    ahead: list[int] | None = None
 
 
 def _held(a: PassArgs) -> int:
@@ -164,6 +202,9 @@ class ReplicaEngine:
         self._salts: dict[int, bytes] = {}
         self._sampled: dict[int, int] = {}  # the token a context's latest pass sampled, for a pass chained on it
         self.chained_passes = 0  # passes that ran on the token their predecessor sampled
+        self._ahead: dict[int, _Ahead] = {}  # a context's step run ahead
+        self.steps_ahead = 0  # steps run before they were asked for
+        self.steps_ahead_taken = 0  # ... that a request then adopted
         self._adapters: dict[int, NamedAdapter] = {}
         self._adapter_ids: dict[tuple[str, str], int] = {}  # (user, name) -> adapter id
         self._next_adapter = 1
@@ -222,6 +263,14 @@ class ReplicaEngine:
         self.residency.touch(ctx)
         return ctx
 
+    @contextlib.asynccontextmanager
+    async def _turn(self, session: Session, ctx: int):
+        """Hold the context's gate for an operation other than a pass (which drops a step run ahead: it would no
+        longer follow)."""
+        async with self._gates[self._own(session, ctx)]:
+            self._drop_ahead(ctx)
+            yield
+
     def _adopt(self, session: Session, ctx: int, new_pages: bool = False) -> int:
         """``new_pages``: its working pages were allocated for it (a fork's or an open's copies), not handed over
         (a taken snapshot's): they count as pages its process made."""
@@ -246,13 +295,17 @@ class ReplicaEngine:
         return self._adopt(session, self.contexts.create(session.username, session.key))
 
     async def op_destroy(self, session: Session, ctx: int) -> None:
-        self.contexts.destroy(self._own(session, ctx))
+        view = self.contexts.view(self._own(session, ctx))
+        self.contexts.destroy(ctx)
         session.contexts.discard(ctx)
         self._gates.pop(ctx, None)
         self._salts.pop(ctx, None)
         self._sampled.pop(ctx, None)
+        self._ahead.pop(ctx, None)
         self.drafter.forget(ctx)
         self.residency.forget(ctx)
+        working = view.page_ids[len(view.page_ids) - view.working_pages :]
+        self.scheduler.withdraw(set(working), ContextError(f"context {ctx} was destroyed"))
 
     async def op_close(self, session: Session) -> int:
         """The inferlet ended: release every context it still holds (snapshots survive)."""
@@ -272,7 +325,7 @@ class ReplicaEngine:
     async def op_fork(self, session: Session, ctx: int) -> list[int]:
         """A child sharing the context's pages. When memory is short the child is born suspended (it holds no
         pages and is recomputed on its first pass), so a fork never waits."""
-        async with self._gates[self._own(session, ctx)]:
+        async with self._turn(session, ctx):
             suspended = self.residency.suspended.get(ctx)
             if suspended is None and self.residency.try_now(ctx, self.contexts.view(ctx).working_pages):
                 child, copies = self.contexts.fork(ctx)
@@ -290,13 +343,13 @@ class ReplicaEngine:
         return [child, self._seq_len(child)]
 
     async def op_save(self, session: Session, ctx: int, name: str) -> None:
-        async with self._gates[self._own(session, ctx)]:
+        async with self._turn(session, ctx):
             await self._resident_now(ctx)
             copies = self.contexts.save(ctx, name)
         await self._run_copies(copies)
 
     async def op_snapshot(self, session: Session, ctx: int) -> str:
-        async with self._gates[self._own(session, ctx)]:
+        async with self._turn(session, ctx):
             await self._resident_now(ctx)
             name, copies = self.contexts.snapshot(ctx)
         await self._run_copies(copies)
@@ -343,7 +396,7 @@ class ReplicaEngine:
         self.contexts.delete(session.username, name)
 
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
-        async with self._gates[self._own(session, ctx)]:
+        async with self._turn(session, ctx):
             self._truncate(ctx, n)
             return self._seq_len(ctx)
 
@@ -373,6 +426,8 @@ class ReplicaEngine:
             "batches": self.scheduler.batches_fired,
             "requests": self.scheduler.requests_served,
             "chained": self.chained_passes,
+            "ahead": self.steps_ahead,
+            "ahead_taken": self.steps_ahead_taken,
             "market_rounds": self.market.rounds if self.market else 0,
             "price": self.market.price if self.market else 0.0,
         }
@@ -393,12 +448,17 @@ class ReplicaEngine:
         moment the batch ends: no task, no wake-ups, and the next step's request finds the gate free. Any other
         pass continues as a task (``_pass_slowly``)."""
         ctx = a.ctx
+        ahead = self._ahead.get(ctx)
         try:
             tokens = self._pass_input(ctx, a)
             if tokens is None:
                 return self._end_pass(gate, answer, None)
             bind = self._binding(session, ctx, a.attention_masks is not None, a.adapter, a.zo_seed)
             slots = [(int(row), slot_from_wire(s)) for row, s in a.slots]
+            if ahead is not None:
+                if ahead.repeats(a) and self._drop_ahead(ctx, adopted=True):
+                    return self._settle_start(session, a, gate, answer, walk, tokens, slots, bind, ahead.out)
+                self._drop_ahead(ctx)
             new_tokens = len(tokens) + len(a.drafts)
             view = self.contexts.view(ctx)
             need = self._pages_for(ctx, new_tokens, view)
@@ -424,20 +484,23 @@ class ReplicaEngine:
             )  # fmt: skip
         except Exception as e:
             return self._fail_pass(ctx, gate, answer, e, walk)
-
-        def settle(out: RequestOutput | Exception) -> None:
-            try:
-                if isinstance(out, Exception):
-                    raise out
-                self._settle_pass(ctx, out, tokens, a.positions, a.drafts, a.draft_positions, _held(a), bind)
-                result = self._pass_reply(ctx, out, a.draft_budget)
-            except Exception as e:
-                self._fail_pass(ctx, gate, answer, e, walk)
-            else:
-                self._pass_done(session, a, gate, answer, result, walk, slots, bind)
-
+        settle = functools.partial(self._settle_start, session, a, gate, answer, walk, tokens, slots, bind)
         self.scheduler.submit_then(request, settle)
         return None
+
+    def _settle_start(
+        self, session: Session, a: PassArgs, gate: Gate, answer: Answer, walk, tokens, slots, bind, out
+    ) -> None:
+        """Settle a pass ``_start_pass`` sent (or adopted from a step run ahead) the moment its batch ends."""
+        try:
+            if isinstance(out, Exception):
+                raise out
+            self._settle_pass(a.ctx, out, tokens, a.positions, a.drafts, a.draft_positions, _held(a), bind)
+            result = self._pass_reply(a.ctx, out, a.draft_budget)
+        except Exception as e:
+            self._fail_pass(a.ctx, gate, answer, e, walk)
+        else:
+            self._pass_done(session, a, gate, answer, result, walk, slots, bind)
 
     async def _pass_slowly(
         self,
@@ -506,7 +569,8 @@ class ReplicaEngine:
         """A pass ended well: answer it, or run a chained pass's next step on the token this one sampled. ``walk``:
         the tokens of a chained pass's steps before this one."""
         if a.chained is None:
-            return self._end_pass(gate, answer, result)
+            ahead = functools.partial(self._step_ahead, a, slots, bind) if a.ahead is not None else None
+            return self._end_pass(gate, answer, result, ahead=ahead)
         sampled = self._sampled.get(a.ctx)
         walk = result[1] = walk if walk is not None else []
         if sampled is not None:
@@ -575,13 +639,78 @@ class ReplicaEngine:
             self._truncate(ctx, len(walk))
         self._end_pass(gate, answer, error=error)
 
-    def _end_pass(self, gate: Gate, answer: Answer, result=None, error: Exception | None = None) -> None:
-        """Answer the pass and hand the context's turn on (to its next request, when one waits)."""
+    def _end_pass(
+        self, gate: Gate, answer: Answer, result=None, error: Exception | None = None, ahead: Callable | None = None
+    ) -> None:
+        """Answer the pass and hand the context's turn on (to its next request, when one waits), or keep it for
+        the next step run ``ahead``."""
         try:
             answer(error, result)
         finally:
-            gate.give()
+            if ahead is None or gate.waiting() or not self._started(ahead, gate):
+                gate.give()
             self.residency.wake()  # pages may have been freed
+
+    @staticmethod
+    def _started(step_ahead: Callable[[Gate], bool], gate: Gate) -> bool:
+        try:
+            return step_ahead(gate)
+        except Exception:  # a mere optimisation: never leave the gate held over it
+            log.exception("could not run a step ahead")
+            return False
+
+    def _step_ahead(self, a: PassArgs, slots: list, bind: PassBinding, gate: Gate) -> bool:
+        """Run the next step of a plain pass that asked for it (see ``PassArgs``), holding the context's gate until
+        its batch ends; False (nothing runs) when the pass is not plain, sampled a stop id, or the step would wait
+        for a page."""
+        ctx = a.ctx
+        sampled = self._sampled.get(ctx)
+        last = len(a.tokens) - 1
+        if (
+            sampled is None
+            or sampled in a.ahead
+            or a.attention_masks is not None
+            or a.logit_mask is not None
+            or a.drafts
+            or bind.adapter is not None
+            or bind.zo_seed is not None
+            or any(row != last for row, _ in a.slots)
+            or ctx in self.residency.deferred
+            or ctx in self.residency.suspended
+        ):
+            return False
+        view = self.contexts.view(ctx)
+        if need := self._pages_for(ctx, 1, view):
+            if not self.residency.try_now(ctx, need):
+                return False
+            self._made(ctx, need)
+            self.contexts.reserve(ctx, need)
+            view = self.contexts.view(ctx)
+        position = a.positions[-1] + 1
+        ahead = self._ahead[ctx] = _Ahead(sampled, position, [[0, s] for _, s in a.slots], view.seq_len)
+        self.steps_ahead += 1
+        request = ForwardRequest(
+            [sampled], [position], list(view.page_ids), view.seq_len, [(0, s) for _, s in slots], None, None
+        )
+        self.scheduler.submit_then(request, functools.partial(self._ahead_ended, ahead, gate))
+        return True
+
+    def _ahead_ended(self, ahead: _Ahead, gate: Gate, out: RequestOutput | Exception) -> None:
+        ahead.out = out
+        gate.give()  # to the request for this step, when it came meanwhile
+        self.residency.wake()
+
+    def _drop_ahead(self, ctx: int, adopted: bool = False) -> bool:
+        """Forget the context's step run ahead, giving back a page only it used, unless ``adopted`` (a request
+        repeats it: True if it still fits the context, which a suspension since would have changed)."""
+        ahead = self._ahead.pop(ctx, None)
+        if ahead is None or ctx in self.residency.suspended:
+            return False
+        if adopted and self.contexts.seq_len(ctx) == ahead.seq_len:
+            self.steps_ahead_taken += 1
+            return True
+        self._trim(ctx)
+        return False
 
     def _pass_input(self, ctx: int, a: PassArgs) -> list[int] | None:
         """The pass's input tokens, once it is the context's turn: a chained pass's is the token its predecessor
@@ -589,6 +718,8 @@ class ReplicaEngine:
         deferred until this pass began."""
         sampled = self._sampled.pop(ctx, None)
         tokens = a.tokens
+        if a.ahead is not None and (a.chained is not None or a.steps != 1 or not isinstance(a.ahead, list)):
+            raise ValueError(f"only a plain pass of one step takes stop ids to run the next step ahead: {a.ahead!r}")
         if a.steps != 1:
             if a.chained is None or not isinstance(a.steps, int) or a.steps < 1:
                 raise ValueError(f"a pass runs one step, a chained pass one or more: got {a.steps!r} steps")
@@ -744,7 +875,7 @@ class ReplicaEngine:
     async def op_suspend(self, session: Session, ctx: int) -> None:
         """Give the context's pages up now (kept in host memory when there is room); its next operation restores
         it. A no-op for a context that is already suspended."""
-        async with self._gates[self._own(session, ctx)]:
+        async with self._turn(session, ctx):
             if ctx in self.residency.suspended:
                 return
             if not self.contexts.recomputable(ctx):

@@ -1,0 +1,66 @@
+"""The replica engine in this process, over a real runner, with its batch scheduler running, driven as the channel
+drives it: for tests of the engine's pass machinery (chained steps, steps run ahead)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from pie_workers.engine.scheduler import BatchLimits
+from pie_workers.engine.service import ReplicaEngine
+from pie_workers.runner import ModelRunner
+from pie_workers.wire.batch import Slot, SlotKind
+from pie_workers.wire.codec import slot_to_wire
+
+# a seeded draw: reproducible, and unlike greedy decoding the tiny random model's tokens do not settle into a loop
+SAMPLER = slot_to_wire(Slot(SlotKind.MULTINOMIAL, temperature=1.0, seed=1234))
+PAGES = 64
+SESSION = "alice/run/s"  # user/instance/session, as the channel names a request's sender
+PROMPT = [random.Random(7).randrange(3, 4000) for _ in range(29)]
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner):
+        self.engine = ReplicaEngine(runner, BatchLimits())
+        self.batches = asyncio.get_running_loop().create_task(self.engine.scheduler.run())
+
+    async def call(self, op: str, *args):
+        return await self.engine._handle(SESSION, op, list(args), None)
+
+    def forward(
+        self, ctx: int, tokens, position: int, *, chained=None, steps=1, hold=0, sampler=SAMPLER, ahead=None, slots=None
+    ):
+        """Send a pass sampling its last row (or with the given ``slots``); a future of its answer."""
+        future = asyncio.get_running_loop().create_future()
+
+        def answer(error, result):
+            future.set_exception(error) if error else future.set_result(result)
+
+        rows = max(len(tokens), 1)
+        positions = list(range(position, position + rows))
+        slots = [[rows - 1, sampler]] if slots is None else slots
+        args = [ctx, tokens, positions, slots, None, None, [], [], hold, None, None, None, 0, None]
+        self.engine._handle(SESSION, "forward", [*args, chained, steps, ahead], answer)
+        return future
+
+    async def prefilled(self, prompt: list[int]) -> tuple[int, int]:
+        """A context holding ``prompt``, whose last pass sampled a token; returns (context, that token)."""
+        ctx = await self.call("create")
+        [slots, _, _, _] = await self.forward(ctx, prompt, 0)
+        return ctx, slots[0][1]
+
+    def stop(self) -> None:
+        self.batches.cancel()
+
+
+def run(runner: ModelRunner, body):
+    """Run ``body(engine)`` on a fresh engine over ``runner``; returns what it returns."""
+
+    async def main():
+        engine = Engine(runner)
+        try:
+            return await body(engine)
+        finally:
+            engine.stop()
+
+    return asyncio.run(main())
