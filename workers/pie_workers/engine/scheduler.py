@@ -1,8 +1,9 @@
 """Collects forward requests from every inferlet on a replica into ragged batches (continuous batching).
 
 One batch runs at a time. While it runs, new requests queue up; when it finishes, the next batch fires as soon as
-the queue holds as many requests as recent batches did (so N inferlets stepping in lock-step stay in one batch), or
-after a short wait bounded by the last batch's latency (so a lone request is never held long). Batches respect
+the queue holds as many requests as recent batches did (so N inferlets stepping in lock-step stay in one batch) or
+as there are contexts to make them, or after a short wait bounded by the last batch's latency (so a lone request is
+never held long). Batches respect
 limits on tokens, requests and page references; page copies (forks) and moves to and from host memory ride with
 the next batch, in the order they were submitted.
 """
@@ -36,9 +37,17 @@ class _Job:
 
 
 class BatchScheduler:
-    def __init__(self, execute: Callable[[ForwardBatch], Awaitable[list[RequestOutput]]], limits: BatchLimits):
+    def __init__(
+        self,
+        execute: Callable[[ForwardBatch], Awaitable[list[RequestOutput]]],
+        limits: BatchLimits,
+        contexts: Callable[[], int] = lambda: 1 << 30,
+    ):
+        """``contexts``: how many contexts there are; each has at most one request in a batch, so after a burst
+        of many a batch waits for no more stragglers than there are contexts left."""
         self._execute = execute
         self.limits = limits
+        self._contexts = contexts
         self._queue: deque[_Job] = deque()
         self._arrived = asyncio.Event()
         self._recent_sizes: deque[int] = deque(maxlen=8)
@@ -126,7 +135,7 @@ class BatchScheduler:
 
     async def _gather_stragglers(self) -> None:
         """Hold the batch open briefly while fewer requests are queued than recent batches carried."""
-        target = max(self._recent_sizes, default=1)
+        target = min(max(self._recent_sizes, default=1), self._contexts())
         deadline = time.perf_counter() + min(self.limits.max_wait_s, self.last_latency_s)
         while len(self._queue) < target and time.perf_counter() < deadline:
             self._arrived.clear()

@@ -191,7 +191,7 @@ class ReplicaEngine:
             host_pages=runner.kv.host_pages,
             offload=lambda pairs: self.scheduler.submit(None, offloads=pairs),
         )
-        self.scheduler = BatchScheduler(self._execute, limits)
+        self.scheduler = BatchScheduler(self._execute, limits, contexts=lambda: len(self._gates))
         self.channel = ChannelServer(self._handle)
         self.market = (
             MarketLink(market, device, self.contexts, self.residency, self.scheduler) if market is not None else None
