@@ -3,9 +3,8 @@
 One batch runs at a time. While it runs, new requests queue up; when it finishes, the next batch fires as soon as
 the queue holds as many requests as recent batches did (so N inferlets stepping in lock-step stay in one batch) or
 as there are contexts to make them, or after a short wait bounded by the last batch's latency (so a lone request is
-never held long). Batches respect
-limits on tokens, requests and page references; page copies (forks) and moves to and from host memory ride with
-the next batch, in the order they were submitted.
+never held long). Batches respect limits on tokens, requests and page references; page copies (forks) and moves to
+and from host memory ride with the next batch, in the order they were submitted.
 """
 
 from __future__ import annotations
@@ -94,15 +93,13 @@ class BatchScheduler:
         """Fail the queued requests that write to any of ``pages`` (a destroyed context's working pages, back in
         the pool): one still queued could otherwise share a batch with the next owner of a page, both writing it.
         A batch already taken runs before any later request can use the pages."""
-        if not pages:
+        hit = [j.request is not None and not pages.isdisjoint(j.request.page_ids) for j in self._queue]
+        if not any(hit):
             return
-        kept: deque[_Job] = deque()
-        for job in self._queue:
-            if job.request is not None and not pages.isdisjoint(job.request.page_ids):
-                job.then(error)
-            else:
-                kept.append(job)
-        self._queue = kept
+        withdrawn = [j for j, h in zip(self._queue, hit, strict=True) if h]
+        self._queue = deque(j for j, h in zip(self._queue, hit, strict=True) if not h)
+        for job in withdrawn:  # after the queue is settled: a callback may queue new requests
+            job.then(error)
 
     async def run(self) -> None:
         while True:
