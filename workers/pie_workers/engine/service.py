@@ -90,16 +90,10 @@ class _Ahead:
 
     def repeats(self, a: PassArgs) -> bool:
         return (
-            a.tokens == [self.token]
+            _plain(a)
+            and a.tokens == [self.token]
             and a.positions == [self.position]
             and a.slots == self.slots
-            and a.chained is None
-            and a.attention_masks is None
-            and a.logit_mask is None
-            and not a.drafts
-            and a.draft_budget == 0
-            and a.adapter is None
-            and a.zo_seed is None
             and isinstance(self.out, RequestOutput)
             and self.out.error is None
         )
@@ -167,6 +161,20 @@ class PassArgs(NamedTuple):
     chained: list[int] | None = None
     steps: int = 1
     ahead: list[int] | None = None
+
+
+def _plain(a: PassArgs) -> bool:
+    """A pass a step run ahead can stand for, and run after: one step of tokens alone (no masks, drafts, adapter or
+    zo seed)."""
+    return (
+        a.chained is None
+        and a.attention_masks is None
+        and a.logit_mask is None
+        and not a.drafts
+        and a.draft_budget == 0
+        and a.adapter is None
+        and a.zo_seed is None
+    )
 
 
 def _held(a: PassArgs) -> int:
@@ -268,7 +276,7 @@ class ReplicaEngine:
         """Hold the context's gate for an operation other than a pass (which drops a step run ahead: it would no
         longer follow)."""
         async with self._gates[self._own(session, ctx)]:
-            self._drop_ahead(ctx)
+            self._take_ahead(ctx)
             yield
 
     def _adopt(self, session: Session, ctx: int, new_pages: bool = False) -> int:
@@ -448,17 +456,14 @@ class ReplicaEngine:
         moment the batch ends: no task, no wake-ups, and the next step's request finds the gate free. Any other
         pass continues as a task (``_pass_slowly``)."""
         ctx = a.ctx
-        ahead = self._ahead.get(ctx)
         try:
             tokens = self._pass_input(ctx, a)
             if tokens is None:
                 return self._end_pass(gate, answer, None)
             bind = self._binding(session, ctx, a.attention_masks is not None, a.adapter, a.zo_seed)
             slots = [(int(row), slot_from_wire(s)) for row, s in a.slots]
-            if ahead is not None:
-                if ahead.repeats(a) and self._drop_ahead(ctx, adopted=True):
-                    return self._settle_start(session, a, gate, answer, walk, tokens, slots, bind, ahead.out)
-                self._drop_ahead(ctx)
+            if (ran_ahead := self._take_ahead(ctx, a)) is not None:
+                return self._settle_start(session, a, gate, answer, walk, tokens, slots, bind, ran_ahead)
             new_tokens = len(tokens) + len(a.drafts)
             view = self.contexts.view(ctx)
             need = self._pages_for(ctx, new_tokens, view)
@@ -569,7 +574,7 @@ class ReplicaEngine:
         """A pass ended well: answer it, or run a chained pass's next step on the token this one sampled. ``walk``:
         the tokens of a chained pass's steps before this one."""
         if a.chained is None:
-            ahead = functools.partial(self._step_ahead, a, slots, bind) if a.ahead is not None else None
+            ahead = functools.partial(self._step_ahead, a, slots) if a.ahead is not None else None
             return self._end_pass(gate, answer, result, ahead=ahead)
         sampled = self._sampled.get(a.ctx)
         walk = result[1] = walk if walk is not None else []
@@ -659,7 +664,7 @@ class ReplicaEngine:
             log.exception("could not run a step ahead")
             return False
 
-    def _step_ahead(self, a: PassArgs, slots: list, bind: PassBinding, gate: Gate) -> bool:
+    def _step_ahead(self, a: PassArgs, slots: list, gate: Gate) -> bool:
         """Run the next step of a plain pass that asked for it (see ``PassArgs``), holding the context's gate until
         its batch ends; False (nothing runs) when the pass is not plain, sampled a stop id, or the step would wait
         for a page."""
@@ -667,13 +672,9 @@ class ReplicaEngine:
         sampled = self._sampled.get(ctx)
         last = len(a.tokens) - 1
         if (
-            sampled is None
+            not _plain(a)
+            or sampled is None
             or sampled in a.ahead
-            or a.attention_masks is not None
-            or a.logit_mask is not None
-            or a.drafts
-            or bind.adapter is not None
-            or bind.zo_seed is not None
             or any(row != last for row, _ in a.slots)
             or ctx in self.residency.deferred
             or ctx in self.residency.suspended
@@ -700,17 +701,17 @@ class ReplicaEngine:
         gate.give()  # to the request for this step, when it came meanwhile
         self.residency.wake()
 
-    def _drop_ahead(self, ctx: int, adopted: bool = False) -> bool:
-        """Forget the context's step run ahead, giving back a page only it used, unless ``adopted`` (a request
-        repeats it: True if it still fits the context, which a suspension since would have changed)."""
+    def _take_ahead(self, ctx: int, a: PassArgs | None = None) -> RequestOutput | None:
+        """Take the context's step run ahead off it: its output if pass ``a`` repeats it and it still fits the
+        context (a suspension since changes that), else None, giving back a page only it used."""
         ahead = self._ahead.pop(ctx, None)
         if ahead is None or ctx in self.residency.suspended:
-            return False
-        if adopted and self.contexts.seq_len(ctx) == ahead.seq_len:
+            return None
+        if a is not None and ahead.repeats(a) and self.contexts.seq_len(ctx) == ahead.seq_len:
             self.steps_ahead_taken += 1
-            return True
+            return ahead.out
         self._trim(ctx)
-        return False
+        return None
 
     def _pass_input(self, ctx: int, a: PassArgs) -> list[int] | None:
         """The pass's input tokens, once it is the context's turn: a chained pass's is the token its predecessor
