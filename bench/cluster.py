@@ -49,6 +49,7 @@ from pie_cluster.client import PieClient
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.controller import LAUNCHER, start_controller
 from pie_cluster.http_app import serve_http, stop_http
+from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.local_ray import NAMESPACE
 from rich.console import Console
 from rich.table import Table
@@ -205,7 +206,8 @@ def rss(pid: int) -> tuple[int, int]:
 def idle_memory(launcher, node: str, k: int, console: Console) -> dict:
     program = upload(launcher, IDLE, name="idle")
     # warm-up: the first instance on a host imports the session machinery; keep that out of the per-instance cost
-    warm = ray.get(launcher.launch.remote(USER, program, {}, DEADLINE_S, node))
+    request = LaunchRequest(program=program, deadline_s=DEADLINE_S, node_id=node)
+    warm = ray.get(launcher.launch.remote(USER, request))
     pid = int(wait_for_message(launcher, [warm])[warm])
     ray.get(launcher.abort.remote(USER, warm))
     run_to_end(launcher, USER, warm)
@@ -213,7 +215,7 @@ def idle_memory(launcher, node: str, k: int, console: Console) -> dict:
     running_before = ray.get(launcher.stats.remote())["running"]
     before = rss(pid)
 
-    ids = ray.get([launcher.launch.remote(USER, program, {}, DEADLINE_S, node) for _ in range(k)])
+    ids = ray.get([launcher.launch.remote(USER, request) for _ in range(k)])
     pids = wait_for_message(launcher, ids)
     if {int(p) for p in pids.values()} != {pid}:
         raise RuntimeError(f"idle inferlets ran in processes {set(pids.values())}, not the pooled host {pid}")
@@ -246,7 +248,7 @@ def idle_memory(launcher, node: str, k: int, console: Console) -> dict:
 def http_launch_ms(client: PieClient, program: str) -> float:
     """HTTP POST /v1/instances -> first SSE event, in ms; follows the stream to its end (the instance is done)."""
     start = time.perf_counter()
-    instance_id = client.launch(program, {})
+    instance_id = client.launch(LaunchRequest(program=program))
     first, last = None, None
     for _, kind, value in client.events(instance_id):
         if first is None:
@@ -261,7 +263,7 @@ def streamed_launch_ms(client: PieClient, program: str) -> float:
     """HTTP POST /v1/instances?stream=true -> the first event after ``launched``, in ms; follows it to the end."""
     start = time.perf_counter()
     first, last = None, None
-    for _, kind, value in client.launch_and_follow(program, {}):
+    for _, kind, value in client.launch_and_follow(LaunchRequest(program=program)):
         if first is None and kind != "launched":
             first = time.perf_counter()
         last = (kind, value)
@@ -273,7 +275,7 @@ def streamed_launch_ms(client: PieClient, program: str) -> float:
 def direct_launch_ms(launcher, program: str) -> float:
     """launcher.launch (a Ray call) -> first event from launcher.events (a long poll), in ms."""
     start = time.perf_counter()
-    instance_id = ray.get(launcher.launch.remote(USER, program, {}, DEADLINE_S, None))
+    instance_id = ray.get(launcher.launch.remote(USER, LaunchRequest(program=program, deadline_s=DEADLINE_S)))
     while not (got := ray.get(launcher.events.remote(USER, instance_id, 0, 30.0)))["events"]:
         pass
     first = time.perf_counter()
@@ -329,12 +331,16 @@ def topics_on_shard(user: str, shard: int, shards: int) -> dict[str, str]:
     return {topic: name(topic) for topic in BUS_TOPICS}
 
 
+def pair_request(program: str, input: dict, node: str) -> LaunchRequest:
+    return LaunchRequest(program=program, input=input, deadline_s=DEADLINE_S, node_id=node)
+
+
 def bus_pair(launcher, program: str, user: str, topics: dict, nodes: tuple[str, str], first: dict, second: dict):
     """Launch ``first`` on nodes[0] and ``second`` on nodes[1]; both results ({"pid", "value"})."""
     ids = ray.get(
         [
-            launcher.launch.remote(user, program, {**first, "topics": topics}, DEADLINE_S, nodes[0]),
-            launcher.launch.remote(user, program, {**second, "topics": topics}, DEADLINE_S, nodes[1]),
+            launcher.launch.remote(user, pair_request(program, {**first, "topics": topics}, nodes[0])),
+            launcher.launch.remote(user, pair_request(program, {**second, "topics": topics}, nodes[1])),
         ]
     )
     return [returned(launcher, user, i) for i in ids]

@@ -13,6 +13,7 @@ import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.controller import Controller, start_controller
+from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import NotFound
 
 
@@ -33,6 +34,10 @@ def launcher(cluster):
 
 def upload(launcher, source: str, user: str = "alice", filename: str = "prog.py") -> str:
     return ray.get(launcher.upload.remote(user, filename, textwrap.dedent(source).encode()))["program"]
+
+
+def launch(launcher, program: str, input: dict | None = None, user: str = "alice", **fields) -> str:
+    return ray.get(launcher.launch.remote(user, LaunchRequest(program=program, input=input or {}, **fields)))
 
 
 def run_to_end(launcher, instance_id: str, user: str = "alice", timeout: float = 120) -> list[list]:
@@ -67,7 +72,7 @@ def test_launch_runs_the_program_and_returns_what_pie_run_returns(cluster, launc
     from pie_cluster.programs import Program
 
     program = upload(launcher, GREEDY)
-    instance = ray.get(launcher.launch.remote("alice", program, {"prompt": "hello there", "n": 12}))
+    instance = launch(launcher, program, {"prompt": "hello there", "n": 12})
     events = run_to_end(launcher, instance)
     assert [e[1] for e in events] == ["return"]
     main = Program.from_upload("prog.py", textwrap.dedent(GREEDY).encode()).load_main()
@@ -105,7 +110,7 @@ def test_replicas_on_two_nodes_each_load_their_own_copy_and_serve_their_nodes_in
     expected = served.run(main, {"prompt": "two nodes", "n": 10})
     for node in (head, second):
         before = {r["node"]: r["batches"] for r in engine_stats(cluster)}
-        instance = ray.get(launcher.launch.remote("alice", program, {"prompt": "two nodes", "n": 10}, None, node))
+        instance = launch(launcher, program, {"prompt": "two nodes", "n": 10}, node_id=node)
         assert json.loads(run_to_end(launcher, instance)[-1][2]) == expected
         after = {r["node"]: r["batches"] for r in engine_stats(cluster)}
         assert after[node] > before[node]  # served by its own node's replica...
@@ -135,7 +140,7 @@ async def main(input):
 
 
 def test_session_messages_files_and_output_stream_in_order(launcher):
-    instance = ray.get(launcher.launch.remote("alice", upload(launcher, SESSION), {"who": "bob"}))
+    instance = launch(launcher, upload(launcher, SESSION), {"who": "bob"})
     first = ray.get(launcher.events.remote("alice", instance, 0, 30.0))
     while len(first["events"]) < 3:  # stdout, stderr, message
         more = ray.get(launcher.events.remote("alice", instance, first["next"], 30.0))
@@ -175,7 +180,7 @@ def test_an_inferlet_that_is_aborted_times_out_or_raises_leaves_nothing_behind(c
     bus_before = ray.get(cluster.status.remote())["bus"]
     program = upload(launcher, LONG)
     deadline = 3.0 if how == "deadline" else None
-    instance = ray.get(launcher.launch.remote("alice", program, {"how": how}, deadline))
+    instance = launch(launcher, program, {"how": how}, deadline_s=deadline)
     if how == "abort":
         time.sleep(2.0)  # let it generate for a while
         assert ray.get(launcher.abort.remote("alice", instance)) is True
@@ -214,7 +219,7 @@ def test_a_token_budget_endows_the_instance_and_its_wallet_closes_when_it_ends(c
     market = ray.get_actor("pie-market")
     ledger_before = ray.get(market.ledger.remote())
     program = upload(launcher, BUDGETED)
-    instance = ray.get(launcher.launch.remote("alice", program, {}, token_budget=1000))
+    instance = launch(launcher, program, token_budget=1000)
     events = run_to_end(launcher, instance)
     assert events[-1][1] == "return", events
     import json
@@ -226,12 +231,12 @@ def test_a_token_budget_endows_the_instance_and_its_wallet_closes_when_it_ends(c
     assert (ledger.burned - ledger_before.burned) / 1_000_000 == got["pages"]  # settled before its wallet closed
     assert ledger.held == 0 and ledger.balanced  # its balance went out with it
     with pytest.raises(ValueError, match="token_budget"):
-        ray.get(launcher.launch.remote("alice", program, {}, token_budget=-5))
+        ray.get(launcher.launch.remote("alice", {"program": program, "token_budget": -5}))
 
 
 def test_other_users_cannot_see_attach_to_message_or_abort_an_instance(launcher):
     program = upload(launcher, "async def main(input):\n    return 'mine'\n")
-    instance = ray.get(launcher.launch.remote("alice", program, {}))
+    instance = launch(launcher, program)
     run_to_end(launcher, instance)
     assert instance in [i["id"] for i in ray.get(launcher.list.remote("alice"))]
     assert instance not in [i["id"] for i in ray.get(launcher.list.remote("bob"))]
@@ -250,9 +255,9 @@ def test_bad_programs_and_launches_get_clear_errors(launcher):
     with pytest.raises(ProgramError, match="line 1"):
         ray.get(launcher.upload.remote("alice", "bad.py", b"async def main(input) return 1\n"))
     with pytest.raises(NotFound, match="upload it first"):
-        ray.get(launcher.launch.remote("alice", "no-such-program", {}))
+        launch(launcher, "no-such-program")
     program = upload(launcher, "def main(input):\n    return 1\n")
-    events = run_to_end(launcher, ray.get(launcher.launch.remote("alice", program, {})))
+    events = run_to_end(launcher, launch(launcher, program))
     assert events[-1][1] == "error" and "async def main(input)" in events[-1][2]
 
 
@@ -285,10 +290,8 @@ def test_an_isolated_directory_program_runs_in_its_own_process(launcher):
     pooled = upload(launcher, "import os\nasync def main(input):\n    return {'pid': os.getpid()}\n")
     import json
 
-    isolated_pid = json.loads(
-        run_to_end(launcher, ray.get(launcher.launch.remote("alice", uploaded["program"], {"text": "hey"})))[-1][2]
-    )
-    pooled_pid = json.loads(run_to_end(launcher, ray.get(launcher.launch.remote("alice", pooled, {})))[-1][2])
+    isolated_pid = json.loads(run_to_end(launcher, launch(launcher, uploaded["program"], {"text": "hey"}))[-1][2])
+    pooled_pid = json.loads(run_to_end(launcher, launch(launcher, pooled))[-1][2])
     assert isolated_pid["text"] == "HEY"
     assert isolated_pid["pid"] != pooled_pid["pid"]
 
@@ -303,7 +306,7 @@ def test_a_program_whose_host_cannot_start_ends_with_an_error_event(cluster, lau
     """
     data = zip_program({"pie.toml": manifest, "main.py": "async def main(input):\n    return 'never'\n"})
     program = ray.get(launcher.upload.remote("alice", "unbuildable.zip", data))["program"]
-    instance = ray.get(launcher.launch.remote("alice", program, {}))  # the launch itself is accepted...
+    instance = launch(launcher, program)  # the launch itself is accepted...
     (event,) = run_to_end(launcher, instance)  # ...and the instance ends saying why it never ran
     assert event[1] == "error" and "could not start the instance" in event[2] and "runtime env" in event[2]
     assert ray.get(launcher.abort.remote("alice", instance)) is False
@@ -354,22 +357,17 @@ def test_inferlets_on_different_nodes_play_ping_pong_and_swarm_over_the_bus(clus
     assert len(nodes) == 2
     program = upload(launcher, PING)
     rounds = 50
-    ping = ray.get(
-        launcher.launch.remote("alice", program, {"me": "ping", "other": "pong", "rounds": rounds}, None, nodes[0])
-    )
-    pong = ray.get(
-        launcher.launch.remote("alice", program, {"me": "pong", "other": "ping", "rounds": rounds}, None, nodes[1])
-    )
+    ping = launch(launcher, program, {"me": "ping", "other": "pong", "rounds": rounds}, node_id=nodes[0])
+    pong = launch(launcher, program, {"me": "pong", "other": "ping", "rounds": rounds}, node_id=nodes[1])
     assert json.loads(run_to_end(launcher, ping)[-1][2]) == [f"pong-{i}" for i in range(rounds)]
     assert json.loads(run_to_end(launcher, pong)[-1][2]) == [f"ping-{i}" for i in range(rounds)]
 
     swarm, n, per = upload(launcher, SWARM), 8, 5
     ids = [
-        ray.get(launcher.launch.remote("bob", swarm, {"me": f"m{i}", "n": n, "per": per}, None, nodes[i % 2]))
-        for i in range(n)
+        launch(launcher, swarm, {"me": f"m{i}", "n": n, "per": per}, user="bob", node_id=nodes[i % 2]) for i in range(n)
     ]
     gate = upload(launcher, GATE)
-    ray.get(launcher.launch.remote("bob", gate, {"n": n}))  # releases the swarm once all have subscribed
+    launch(launcher, gate, {"n": n}, user="bob")  # releases the swarm once all have subscribed
     results = [json.loads(run_to_end(launcher, i, "bob")[-1][2]) for i in ids]
     everything = sorted(f"m{i}:{j}" for i in range(n) for j in range(per))
     for got in results:

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from pie_cluster.client import PieClient, PieClientError
+from pie_cluster.launch_request import LaunchRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 PIE = [sys.executable, "-m", "pie_cluster.cli"]
@@ -124,7 +125,7 @@ def test_launch_streams_events_and_round_trips_a_session_message(pie, tmp_path, 
     c = client(pie)
     program = c.upload(write_program(tmp_path, CHAT))
     assert program["name"] == "prog@0.0.0"
-    instance = c.launch(program["program"], {"prompt": "hello"})
+    instance = c.launch(LaunchRequest(program=program["program"], input={"prompt": "hello"}))
     events = c.events(instance)
     index, kind, value = next(events)
     assert (index, kind) == (0, "message")
@@ -135,7 +136,7 @@ def test_launch_streams_events_and_round_trips_a_session_message(pie, tmp_path, 
     assert [k for _, k, _ in replayed] == ["message", "return"]
 
     # The same in one request: the launch answers with the stream, opened by the instance's id.
-    events = c.launch_and_follow(program["program"], {"prompt": "hello"})
+    events = c.launch_and_follow(LaunchRequest(program=program["program"], input={"prompt": "hello"}))
     index, kind, second = next(events)
     assert (index, kind) == (-1, "launched") and second != instance
     assert second in {i["id"] for i in c.list()}
@@ -158,7 +159,7 @@ async def main(input):
 
 def test_abort_mid_generation_frees_its_pages(pie, tmp_path):
     c = client(pie)
-    instance = c.launch(c.upload(write_program(tmp_path, LONG))["program"])
+    instance = c.launch(LaunchRequest(program=c.upload(write_program(tmp_path, LONG))["program"]))
     time.sleep(2.0)
     (replica,) = engine_status(pie)["replicas"]
     assert replica["contexts"] == 1 and replica["pages_used"] > 0
@@ -187,15 +188,16 @@ async def main(input):
 def test_a_second_user_cannot_list_attach_abort_or_open_the_first_users_things(pie, tmp_path):
     alice, bob = client(pie), client(pie, "tok-bob")
     program = alice.upload(write_program(tmp_path, SAVE))["program"]
-    saved = alice.launch(program, {"op": "save"})
+    saved = alice.launch(LaunchRequest(program=program, input={"op": "save"}))
     assert list(alice.events(saved))[-1][1:] == ("return", "saved")
     assert saved not in [i["id"] for i in bob.list()]
     for attempt in (lambda: list(bob.events(saved)), lambda: bob.abort(saved), lambda: bob.send(saved, "hi")):
         with pytest.raises(PieClientError, match="404"):
             attempt()
     bob_program = bob.upload(write_program(tmp_path, SAVE))["program"]
-    assert list(bob.events(bob.launch(bob_program, {"op": "open"})))[-1][1:] == ("return", "none")
-    kind, value = list(alice.events(alice.launch(program, {"op": "open"})))[-1][1:]
+    bob_instance = bob.launch(LaunchRequest(program=bob_program, input={"op": "open"}))
+    assert list(bob.events(bob_instance))[-1][1:] == ("return", "none")
+    kind, value = list(alice.events(alice.launch(LaunchRequest(program=program, input={"op": "open"}))))[-1][1:]
     assert kind == "return" and value.startswith("opened ")
 
 
@@ -257,3 +259,93 @@ def test_pie_submit_as_a_ray_job(pie, ray_cluster, served):
     assert got.returncode == 0, got.stdout + got.stderr
     expected = served.run(load_program(ROOT / "examples/text_completion.py"), {"prompt": "hi", "max_tokens": 8})
     assert expected.strip() in got.stdout
+
+
+def assert_one_clean_line(response: httpx.Response) -> str:
+    """An error body is ``{"detail": one line}``: no traceback, process or node ids, source paths or colours."""
+    detail = response.json()["detail"]
+    assert isinstance(detail, str) and "\n" not in detail, response.text
+    for leak in ("Traceback", "File \"", "pid=", "ip=", "ActorID", "RayTaskError", "\x1b["):
+        assert leak not in response.text, response.text
+    return detail
+
+
+def test_a_missing_token_is_401_before_the_body_is_looked_at(pie):
+    url = pie["url"]
+    json_header = {"content-type": "application/json"}
+    for body in (b'{"program"', b"{}", b'{"token_budget": "lots"}', b"[]"):
+        for headers in (json_header, {**json_header, "Authorization": "Bearer wrong"}):
+            got = httpx.post(f"{url}/v1/instances", content=body, headers=headers)
+            assert got.status_code == 401, (body, got.text)
+            assert got.json() == {"detail": "missing or unknown bearer token"}  # nothing of the schema
+    assert httpx.post(f"{url}/v1/programs").status_code == 401  # the missing ?filename= is not reported first
+    assert httpx.get(f"{url}/v1/instances/x/events", params={"since": "soon"}).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b'{"program"', "JSON"),
+        (b"{}", "program"),
+        (json.dumps({"program": "p", "token_budget": 10**30}).encode(), "token_budget"),
+        (json.dumps({"program": "p", "token_budget": -5}).encode(), "token_budget"),
+        (json.dumps({"program": "p", "deadline_s": 1e12}).encode(), "deadline_s"),
+        (json.dumps({"program": "p", "deadline_s": 0}).encode(), "deadline_s"),
+        (json.dumps({"program": "p", "input": [1, 2]}).encode(), "input"),
+        (json.dumps({"program": "p", "surprise": 1}).encode(), "surprise"),
+    ],
+)
+def test_malformed_or_out_of_range_launches_are_400_naming_the_field(pie, body, field):
+    headers = {"content-type": "application/json", "Authorization": "Bearer tok-alice"}
+    got = httpx.post(f"{pie['url']}/v1/instances", content=body, headers=headers)
+    assert got.status_code == 400, got.text
+    assert field in assert_one_clean_line(got)
+
+
+def test_error_bodies_are_one_line_never_a_traceback(pie, tmp_path):
+    url, headers = pie["url"], {"Authorization": "Bearer tok-alice"}
+    got = httpx.post(f"{url}/v1/instances", json={"program": "nope"}, headers=headers)
+    assert got.status_code == 404 and assert_one_clean_line(got) == "no program 'nope'; upload it first"
+    bad = b"async def main(:\n"
+    got = httpx.post(f"{url}/v1/programs", params={"filename": "bad.py"}, content=bad, headers=headers)
+    assert got.status_code == 400 and "line 1" in assert_one_clean_line(got)
+    got = httpx.get(f"{url}/v1/instances/{'0' * 32}/events", headers=headers)
+    assert got.status_code == 404 and assert_one_clean_line(got) == f"no instance {'0' * 32!r}"
+    got = httpx.delete(f"{url}/v1/instances/nope", headers=headers)
+    assert got.status_code == 404
+    assert_one_clean_line(got)
+
+
+def test_hostile_archives_are_refused_at_upload_and_write_nothing(pie, tmp_path):
+    import io
+    import tempfile
+    import zipfile
+
+    escape = Path(tempfile.gettempdir()) / f"pie-escape-{os.getpid()}.py"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("pie.toml", '[package]\nname = "evil"\nversion = "0.1.0"\n')
+        z.writestr("main.py", "async def main(input):\n    return 1\n")
+        z.writestr(f"../../../../../..{escape}", "pwned = True\n")
+    headers, programs = {"Authorization": "Bearer tok-alice"}, f"{pie['url']}/v1/programs"
+    got = httpx.post(programs, params={"filename": "evil.zip"}, content=buf.getvalue(), headers=headers)
+    assert got.status_code == 400 and "not a relative path" in assert_one_clean_line(got)
+    assert not escape.exists()
+
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("pie.toml", '[package]\nname = "bomb"\nversion = "0.1.0"\n')
+        z.writestr("main.py", "async def main(input):\n    return 1\n")
+        z.writestr("zeros.bin", b"\0" * (65 << 20))
+    got = httpx.post(programs, params={"filename": "b.zip"}, content=bomb.getvalue(), headers=headers)
+    assert got.status_code == 400 and "expands to more than" in assert_one_clean_line(got)
+
+    huge = b"#" * ((64 << 20) + 1)  # one byte over the upload limit
+    got = httpx.post(programs, params={"filename": "big.py"}, content=huge, headers=headers, timeout=60)
+    assert got.status_code == 413 and "limit" in assert_one_clean_line(got)
+
+
+def test_the_cli_reports_out_of_range_launch_options_in_one_line(pie, tmp_path):
+    path = write_program(tmp_path, "async def main(input):\n    return 1\n")
+    got = pie_cli(pie, "submit", str(path), "--deadline", "1e12")
+    assert got.returncode == 2 and "deadline_s" in got.stderr and "Traceback" not in got.stderr, got.stderr

@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from pie_cluster.arguments import fold_arguments
 from pie_cluster.client import PieClient, PieClientError
+from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.state import load_state
 
 err = Console(stderr=True)
@@ -49,6 +51,9 @@ def _refusals() -> Iterator[None]:
     except PieClientError as e:
         err.print(f"[red]error:[/red] {e}", markup=False)
         raise typer.Exit(1) from None
+    except ValidationError as e:
+        err.print(f"[red]error:[/red] {describe_errors(e.errors())}", markup=False)
+        raise typer.Exit(2) from None
 
 
 def follow(client: PieClient, instance_id: str, since: int = 0) -> int:
@@ -123,14 +128,16 @@ def submit(
     except json.JSONDecodeError as e:
         err.print(f"[red]error:[/red] --input is not valid JSON: {e}")
         raise typer.Exit(2) from None
+    with _refusals():
+        request = LaunchRequest(program=str(program), input=data, deadline_s=deadline, token_budget=token_budget)
     if jobs:
         from pie_cluster.jobs import submit_job
 
-        raise typer.Exit(submit_job(program, data, dashboard, user, deadline, job_python, token_budget))
+        raise typer.Exit(submit_job(program, request, dashboard, user, job_python))
     client = connect(url, token)
     with _refusals():
         uploaded = client.upload(program)
-        instance_id = client.launch(uploaded["program"], data, deadline, token_budget=token_budget)
+        instance_id = client.launch(request.model_copy(update={"program": uploaded["program"]}))
         err.print(f"launched {uploaded['name']} as instance {instance_id}")
         if detach:
             print(instance_id)

@@ -144,13 +144,11 @@ def status(
 
 
 def job_run(
-    program: Annotated[str, typer.Argument()],
-    input_json: Annotated[str, typer.Option("--input")] = "{}",
+    request_json: Annotated[str, typer.Argument(help="the LaunchRequest as JSON; its program is a path")],
     user: Annotated[str, typer.Option()] = "local",
-    deadline: Annotated[float | None, typer.Option()] = None,
-    token_budget: Annotated[int | None, typer.Option()] = None,
 ) -> None:
     """(The entrypoint of `pie submit --jobs`, run inside the Ray job.)"""
     from pie_cluster.jobs import job_run as run
+    from pie_cluster.launch_request import LaunchRequest
 
-    raise typer.Exit(run(program, json.loads(input_json), user, deadline, token_budget))
+    raise typer.Exit(run(LaunchRequest.model_validate_json(request_json), user))

@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from pie_cluster.launch_request import LaunchRequest
+
 
 class PieClientError(RuntimeError):
     """The endpoint refused a request; the message is its explanation."""
@@ -53,28 +55,13 @@ class PieClient:
         filename, data = package(path)
         return self._check(self._http.post("/v1/programs", params={"filename": filename}, content=data)).json()
 
-    def launch(
-        self,
-        program: str,
-        input: dict | None = None,
-        deadline_s: float | None = None,
-        node_id: str | None = None,
-        token_budget: int | None = None,
-    ) -> str:
-        body = _launch_body(program, input, deadline_s, node_id, token_budget)
-        return self._check(self._http.post("/v1/instances", json=body)).json()["id"]
+    def launch(self, request: LaunchRequest) -> str:
+        return self._check(self._http.post("/v1/instances", json=_wire(request))).json()["id"]
 
-    def launch_and_follow(
-        self,
-        program: str,
-        input: dict | None = None,
-        deadline_s: float | None = None,
-        node_id: str | None = None,
-        token_budget: int | None = None,
-    ) -> Iterator[tuple[int, str, Any]]:
+    def launch_and_follow(self, request: LaunchRequest) -> Iterator[tuple[int, str, Any]]:
         """Launch and follow in one request: ``(-1, "launched", instance_id)``, then the instance's events (as
         ``events`` yields them) until its terminal one."""
-        body = _launch_body(program, input, deadline_s, node_id, token_budget)
+        body = _wire(request)
         with self._http.stream("POST", "/v1/instances", params={"stream": "true"}, json=body, timeout=None) as response:
             yield from self._sse(response)
 
@@ -123,11 +110,6 @@ class PieClient:
         return matches[0]
 
 
-def _launch_body(program, input, deadline_s, node_id, token_budget) -> dict:
-    return {
-        "program": program,
-        "input": input or {},
-        "deadline_s": deadline_s,
-        "node_id": node_id,
-        "token_budget": token_budget,
-    }
+def _wire(request: LaunchRequest) -> dict:
+    """The request as the endpoint's JSON body (unset fields left to the cluster's defaults)."""
+    return request.model_dump(exclude_none=True)

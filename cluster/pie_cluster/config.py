@@ -66,6 +66,7 @@ class LauncherConfig(_Strict):
     event_buffer: int = Field(4096, ge=16)  # events kept per instance for late attach (oldest dropped)
     keep_finished: int = Field(1024, ge=0)  # finished instances still listed and attachable
     default_deadline_s: float | None = None
+    program_store_mib: int = Field(1024, ge=1)  # uploaded programs kept on disk; unused ones evicted past this
 
 
 class BusConfig(_Strict):

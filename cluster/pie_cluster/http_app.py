@@ -12,36 +12,68 @@ Events stream as Server-Sent Events: ``id`` is the event's index (resume with ``
 
 import base64
 import json
+import logging
 from typing import Annotated, Any
 
 import ray
-from fastapi import FastAPI, Header, HTTPException, Query, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
 
 from pie_cluster.config import AuthConfig
+from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher import NotFound
-from pie_cluster.programs import ProgramError
+from pie_cluster.programs import MAX_PROGRAM_BYTES
 
 LOCAL_USER = "local"
+log = logging.getLogger("pie.http")
 
 app = FastAPI(title="Pie on Ray", description="Launch inferlets and follow their events.", version="0.1.0")
 
 
-class LaunchRequest(BaseModel):
-    program: str = Field(description="program id returned by POST /v1/programs")
-    input: dict[str, Any] = Field(default_factory=dict, description="the inferlet's input object")
-    deadline_s: float | None = Field(None, gt=0, description="abort the instance after this many seconds")
-    node_id: str | None = Field(None, description="run on this Ray node (default: near the models, least busy)")
-    token_budget: int | None = Field(
-        None,
-        ge=0,
-        description="tokens the instance may spend on the KV-page market: it is endowed with one credit per page "
-        "of them (default: the cluster's default endowment)",
-    )
+def _ingress() -> "PieIngress":
+    """The deployment instance serving this request (Serve runs one per replica process)."""
+    return serve.get_replica_context().servable_object
+
+
+async def authenticated_user(authorization: Annotated[str | None, Header()] = None) -> str:
+    """The caller's user name. A dependency, so FastAPI checks it before it validates the body: a request with no
+    token gets 401 whatever else is wrong with it, and learns nothing of the schema."""
+    return _ingress().user_for(authorization)
+
+
+User = Annotated[str, Depends(authenticated_user)]
+
+
+def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status, headers=headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+    """Malformed bodies and out-of-range fields are 400 with one line naming the fields, after authentication
+    (a body that is not even JSON fails before the dependencies run, so the token is checked here too)."""
+    try:
+        _ingress().user_for(request.headers.get("authorization"))
+    except HTTPException as e:
+        return _error(e.status_code, e.detail, e.headers)
+    return _error(400, describe_errors(error.errors()))
+
+
+@app.middleware("http")
+async def _no_tracebacks(request: Request, call_next):
+    """An unexpected failure answers 500 with one line; the traceback goes to the ingress' log, never to clients
+    (it names processes, nodes and source paths)."""
+    try:
+        return await call_next(request)
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return _error(500, "internal error serving this request; the cluster's log has the details")
 
 
 class Launched(BaseModel):
@@ -72,6 +104,36 @@ def _wire_value(kind: str, value: str | bytes) -> str:
     return base64.b64encode(value).decode() if kind == "file" else value
 
 
+def _http_error(cause: BaseException | None) -> HTTPException:
+    """The HTTP answer for what the launcher raised: its message, never its traceback."""
+    if isinstance(cause, NotFound):
+        return HTTPException(404, str(cause.args[0]) if cause.args else "not found")
+    if isinstance(cause, ValidationError):
+        return HTTPException(400, describe_errors(cause.errors()))
+    if isinstance(cause, ValueError):  # ProgramError included
+        return HTTPException(400, str(cause))
+    if isinstance(cause, RuntimeError):  # the launcher cannot serve now (e.g. no hosts yet)
+        return HTTPException(503, str(cause))
+    log.error("launcher call failed: %r", cause)
+    return HTTPException(500, "internal error serving this request; the cluster's log has the details")
+
+
+async def _read_capped(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit`` bytes (never buffered beyond it)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"the body is {int(declared)} bytes; the limit is {limit >> 20} MiB")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"the body is over the {limit >> 20} MiB limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# Helpers above this line: Serve freezes (pickles) the app's routes when the class is decorated, so what they
+# call must already be defined.
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class PieIngress:
@@ -83,7 +145,7 @@ class PieIngress:
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)
         self._running = Gauge("pie_instances_running", "instances running cluster-wide", registry=self._registry)
 
-    def _user(self, authorization: str | None) -> str:
+    def user_for(self, authorization: str | None) -> str:
         if not self._auth.enabled:
             return LOCAL_USER
         scheme, _, token = (authorization or "").partition(" ")
@@ -93,14 +155,16 @@ class PieIngress:
         return user
 
     async def _call(self, route: str, method, *args):
-        """One launcher call, its errors mapped to HTTP: unknown ids 404, bad input 400."""
+        """One launcher call, its errors mapped to HTTP with the message alone (Ray wraps an actor's exception
+        in a RayTaskError whose text is a whole traceback): unknown ids 404, bad input 400, a launcher that is
+        down or not ready 503."""
         self._requests.labels(route).inc()
         try:
             return await method.remote(*args)
-        except NotFound as e:
-            raise HTTPException(404, str(e)) from None
-        except (ProgramError, ValueError) as e:
-            raise HTTPException(400, str(e)) from None
+        except RayTaskError as e:
+            raise _http_error(e.cause) from None
+        except RayActorError:
+            raise HTTPException(503, "the launcher is not reachable; is the cluster running?") from None
 
     @app.get("/healthz")
     async def health(self) -> dict:
@@ -115,11 +179,13 @@ class PieIngress:
     async def upload(
         self,
         request: Request,
-        filename: Annotated[str, Query(description="program.py, or a .zip of a directory with pie.toml")],
-        authorization: Annotated[str | None, Header()] = None,
+        user: User,
+        filename: Annotated[
+            str, Query(max_length=255, description="program.py, or a .zip of a directory with pie.toml")
+        ],
     ) -> dict:
-        user = self._user(authorization)
-        return await self._call("upload", self._launcher.upload, user, filename, await request.body())
+        data = await _read_capped(request, MAX_PROGRAM_BYTES)
+        return await self._call("upload", self._launcher.upload, user, filename, data)
 
     @app.post(
         "/v1/instances",
@@ -129,14 +195,10 @@ class PieIngress:
     async def launch(
         self,
         body: LaunchRequest,
+        user: User,
         stream: Annotated[bool, Query(description="answer with the instance's event stream (SSE)")] = False,
-        authorization: Annotated[str | None, Header()] = None,
     ):
-        user = self._user(authorization)
-        launcher = self._launcher
-        instance = await self._call(
-            "launch", launcher.launch, user, body.program, body.input, body.deadline_s, body.node_id, body.token_budget
-        )
+        instance = await self._call("launch", self._launcher.launch, user, body)
         self._launches.inc()
         if stream:
             opening = f"event: launched\ndata: {json.dumps(instance)}\n\n"
@@ -145,17 +207,16 @@ class PieIngress:
         return {"id": instance}
 
     @app.get("/v1/instances", response_model=list[Instance])
-    async def list_instances(self, authorization: Annotated[str | None, Header()] = None) -> list:
-        return await self._call("list", self._launcher.list, self._user(authorization))
+    async def list_instances(self, user: User) -> list:
+        return await self._call("list", self._launcher.list, user)
 
     @app.get("/v1/instances/{instance_id}/events")
     async def events(
         self,
         instance_id: str,
-        since: int = 0,
-        authorization: Annotated[str | None, Header()] = None,
+        user: User,
+        since: Annotated[int, Query(ge=0, description="resume after the event with this id")] = 0,
     ) -> StreamingResponse:
-        user = self._user(authorization)
         first = await self._call("events", self._launcher.events, user, instance_id, since, 0.0)  # 404s here
         return StreamingResponse(self._stream(user, instance_id, since, first), media_type="text/event-stream")
 
@@ -175,21 +236,17 @@ class PieIngress:
             since, batch = batch["next"], None
 
     @app.post("/v1/instances/{instance_id}/messages", status_code=204)
-    async def send(
-        self, instance_id: str, body: SessionMessage, authorization: Annotated[str | None, Header()] = None
-    ) -> None:
-        await self._call("send", self._launcher.send, self._user(authorization), instance_id, body.message)
+    async def send(self, instance_id: str, body: SessionMessage, user: User) -> None:
+        await self._call("send", self._launcher.send, user, instance_id, body.message)
 
     @app.post("/v1/instances/{instance_id}/files", status_code=204)
-    async def send_file(
-        self, instance_id: str, request: Request, authorization: Annotated[str | None, Header()] = None
-    ) -> None:
-        user = self._user(authorization)
-        await self._call("send_file", self._launcher.send_file, user, instance_id, await request.body())
+    async def send_file(self, instance_id: str, request: Request, user: User) -> None:
+        data = await _read_capped(request, MAX_PROGRAM_BYTES)
+        await self._call("send_file", self._launcher.send_file, user, instance_id, data)
 
     @app.delete("/v1/instances/{instance_id}")
-    async def abort(self, instance_id: str, authorization: Annotated[str | None, Header()] = None) -> dict:
-        aborted = await self._call("abort", self._launcher.abort, self._user(authorization), instance_id)
+    async def abort(self, instance_id: str, user: User) -> dict:
+        aborted = await self._call("abort", self._launcher.abort, user, instance_id)
         return {"aborted": aborted}
 
 

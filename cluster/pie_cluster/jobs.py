@@ -8,7 +8,6 @@ the job's ``working_dir``.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import time
@@ -18,22 +17,16 @@ import ray
 from rich.console import Console
 
 from pie_cluster.client import package
+from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.local_ray import NAMESPACE
 from pie_cluster.state import load_state
 
 err = Console(stderr=True)
 
 
-def submit_job(
-    program: Path,
-    input: dict,
-    dashboard: str | None,
-    user: str | None,
-    deadline: float | None,
-    python: str,
-    token_budget: int | None = None,
-) -> int:
-    """Submit, stream the job's log, and return 0 if the inferlet returned (1 otherwise)."""
+def submit_job(program: Path, request: LaunchRequest, dashboard: str | None, user: str | None, python: str) -> int:
+    """Submit, stream the job's log, and return 0 if the inferlet returned (1 otherwise). ``request.program`` is
+    ignored: the job uploads ``program`` and launches it with the rest of ``request``."""
     import asyncio
 
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -44,12 +37,9 @@ def submit_job(
         return 1
     program = program.resolve()
     working_dir, target = (program, ".") if program.is_dir() else (program.parent, program.name)
-    args = [python, "-m", "pie_cluster.cli", "job-run", target, "--input", json.dumps(input)]
+    request = request.model_copy(update={"program": target})
+    args = [python, "-m", "pie_cluster.cli", "job-run", request.model_dump_json(exclude_none=True)]
     args += ["--user", user or os.environ.get("USER", "local")]
-    if deadline is not None:
-        args += ["--deadline", str(deadline)]
-    if token_budget is not None:
-        args += ["--token-budget", str(token_budget)]
     client = JobSubmissionClient(dashboard if "://" in dashboard else f"http://{dashboard}")
     deadline_s = time.monotonic() + 180
     while True:  # a freshly started cluster's job agent may not be up yet ("No available agent ... try again")
@@ -72,9 +62,10 @@ def submit_job(
     return 0 if status == JobStatus.SUCCEEDED else 1
 
 
-def job_run(program: str, input: dict, user: str, deadline: float | None, token_budget: int | None = None) -> int:
-    """Inside the Ray job: launch through the launcher actor and print events as ``pie submit`` would."""
-    filename, data = package(program)  # read before joining Ray: the job starts in its working_dir
+def job_run(request: LaunchRequest, user: str) -> int:
+    """Inside the Ray job: upload ``request.program`` (a path in the job's working directory), launch it through
+    the launcher actor and print events as ``pie submit`` would."""
+    filename, data = package(request.program)  # read before joining Ray: the job starts in its working_dir
     ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
     try:
         launcher = ray.get_actor("pie-launcher")
@@ -82,7 +73,7 @@ def job_run(program: str, input: dict, user: str, deadline: float | None, token_
         err.print("[red]error:[/red] no Pie cluster is running on this Ray cluster (run `pie start`)")
         return 1
     program_id = ray.get(launcher.upload.remote(user, filename, data))["program"]
-    instance = ray.get(launcher.launch.remote(user, program_id, input, deadline, token_budget=token_budget))
+    instance = ray.get(launcher.launch.remote(user, request.model_copy(update={"program": program_id})))
     tag, since = f"[Instance {instance[:8]}]", 0
     while True:
         got = ray.get(launcher.events.remote(user, instance, since, 10.0))

@@ -10,17 +10,22 @@ want isolation. Finished instances stay listed (and attachable) until ``keep_fin
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
+from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.events import EventLog
 from pie_cluster.inferlet_host import InferletHost, NodeServices
+from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.market import endowment_for
+from pie_cluster.program_store import ProgramStore
 from pie_cluster.programs import Program
 
 
@@ -73,9 +78,15 @@ class HostPool:
 
 
 class Launcher:
-    def __init__(self, event_capacity: int = 4096, keep_finished: int = 1024, default_deadline_s: float | None = None):
+    def __init__(
+        self,
+        event_capacity: int = 4096,
+        keep_finished: int = 1024,
+        default_deadline_s: float | None = None,
+        program_store_bytes: int = 1 << 30,
+    ):
         self._pool: HostPool | None = None
-        self._programs: dict[str, Program] = {}
+        self._programs = ProgramStore(Path(tempfile.mkdtemp(prefix="pie-program-store-")), program_store_bytes)
         self._instances: dict[str, _Instance] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._event_capacity = event_capacity
@@ -92,51 +103,37 @@ class Launcher:
     async def upload(self, user: str, filename: str, data: bytes) -> dict:
         """Store a program (a .py file or a .zip with pie.toml); returns its id and name@version."""
         program = Program.from_upload(filename, data)
-        self._programs.setdefault(program.id, program)
+        self._programs.put(program)
         return {"program": program.id, "name": program.label, "isolated": program.isolated}
 
     # -- instances -----------------------------------------------------------------------------------------------
 
-    async def launch(
-        self,
-        user: str,
-        program_id: str,
-        input: dict | None = None,
-        deadline_s: float | None = None,
-        node_id: str | None = None,
-        token_budget: int | None = None,
-    ) -> str:
-        """Start an instance of an uploaded program; returns its id. ``token_budget`` sets its market endowment to
-        that many tokens' worth of pages (default: the market's default endowment)."""
+    async def launch(self, user: str, request: LaunchRequest) -> str:
+        """Start an instance of an uploaded program; returns its id. ``request.token_budget`` sets its market
+        endowment to that many tokens' worth of pages (default: the market's default endowment)."""
         if self._pool is None:
             raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
-        program = self._programs.get(program_id)
+        try:
+            request = LaunchRequest.model_validate(request)  # Ray callers may pass the fields as a dict
+        except ValidationError as e:  # a ValueError with one line, which crosses Ray as itself
+            raise ValueError(describe_errors(e.errors())) from None
+        program = self._programs.get(request.program)
         if program is None:
-            raise NotFound(f"no program {program_id!r}; upload it first")
-        if input is not None and not isinstance(input, dict):
-            raise ValueError(f"an inferlet's input is a JSON object, got {type(input).__name__}")
-        if deadline_s is not None and deadline_s <= 0:
-            raise ValueError(f"deadline_s must be positive, got {deadline_s}")
-        if token_budget is not None and (not isinstance(token_budget, int) or token_budget < 0):
-            raise ValueError(f"token_budget must be a whole number of tokens >= 0, got {token_budget!r}")
-        node = self._choose_node(node_id)
+            raise NotFound(f"no program {request.program!r}; upload it first")
+        node = self._choose_node(request.node_id)
         instance_id = uuid.uuid4().hex
         host, dedicated = self._pool.hosts[node], False
         if program.isolated:
             host, dedicated = self._dedicated_host(node, program), True
         instance = _Instance(
-            instance_id, user, program, input or {}, node, host, dedicated, EventLog(self._event_capacity)
+            instance_id, user, program, dict(request.input), node, host, dedicated, EventLog(self._event_capacity)
         )
         self._instances[instance_id] = instance
+        self._programs.started(program.id)
         page_size = min(e.page_size for e in self._pool.services[node].endpoints.values())
-        started = host.start.remote(
-            instance_id,
-            program,
-            instance.input,
-            user,
-            deadline_s if deadline_s is not None else self._default_deadline_s,
-            endowment_for(token_budget, page_size),
-        )
+        deadline_s = request.deadline_s if request.deadline_s is not None else self._default_deadline_s
+        endowment = endowment_for(request.token_budget, page_size)
+        started = host.start.remote(instance_id, program, instance.input, user, deadline_s, endowment)
         watch = asyncio.get_running_loop().create_task(self._watch_start(instance, started))
         self._watching.add(watch)
         watch.add_done_callback(self._watching.discard)
@@ -229,6 +226,7 @@ class Launcher:
 
     def _ended(self, instance: _Instance) -> None:
         instance.ended = time.time()
+        self._programs.ended(instance.program.id)
         for waiter in list(instance.waiting):
             waiter.cancel()
         if instance.dedicated:

@@ -37,6 +37,9 @@ MANIFEST = "pie.toml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _VERSION = re.compile(r"^\d+\.\d+\.\d+$")
 MAX_PROGRAM_BYTES = 64 << 20
+"""Limit on an upload, and separately on the files a zip expands to (a small zip can expand to gigabytes)."""
+MAX_ARCHIVE_MEMBERS = 4096
+_SYMLINK = 0o120000
 
 Main = Callable[[dict], Awaitable[Any]]
 
@@ -94,16 +97,13 @@ class Program:
             name = re.sub(r"[^A-Za-z0-9_-]", "-", Path(filename).stem).strip("-") or "program"
             return cls._build(name, "0.0.0", Path(filename).name, {Path(filename).name: data}, False, None)
         if filename.endswith(".zip"):
-            try:
-                with zipfile.ZipFile(io.BytesIO(data)) as archive:
-                    files = {n: archive.read(n) for n in archive.namelist() if not n.endswith("/")}
-            except zipfile.BadZipFile as e:
-                raise ProgramError(f"{filename}: not a valid zip archive ({e})") from None
-            return cls.from_files(files, source=filename)
+            return cls.from_files(_unzip(filename, data), source=filename)
         raise ProgramError(f"{filename}: upload a .py file or a .zip of a directory with {MANIFEST}")
 
     @classmethod
     def from_files(cls, files: dict[str, bytes], source: str) -> Program:
+        for name in files:
+            _check_member(source, name)
         if MANIFEST not in files:
             raise ProgramError(f"{source}: a program directory needs a {MANIFEST} manifest at its top level")
         try:
@@ -154,12 +154,48 @@ class Program:
             return ""
         name = f"pie_program_{self.id}"
         if name not in sys.modules:
-            root = Path(tempfile.gettempdir()) / "pie-programs" / self.id
+            root = (Path(tempfile.gettempdir()) / "pie-programs" / self.id).resolve()
             for rel, data in self.files.items():
-                target = root / rel
+                target = (root / rel).resolve()
+                if not target.is_relative_to(root):  # from_files refuses such names; this guards the write itself
+                    raise ProgramError(f"{self.label}: {rel!r} is outside the program directory")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data)
             package = types.ModuleType(name)
             package.__path__ = [str(root)]
             sys.modules[name] = package
         return name
+
+
+def _check_member(source: str, name: str) -> None:
+    """A program's file names are relative paths that stay inside its directory: no absolute paths, drive
+    letters, backslashes or ``..`` (a name like ``../../etc/cron.d/x`` would be written outside it)."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or "\\" in name or ":" in parts[0] or ".." in parts or "\0" in name:
+        raise ProgramError(f"{source}: member {name!r} is not a relative path inside the program directory")
+
+
+def _unzip(filename: str, data: bytes) -> dict[str, bytes]:
+    """A zip's files, refusing unsafe names, links and archives that expand past the limit. Sizes are counted
+    as the members are read, not taken from the archive's headers, which an attacker writes."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = [m for m in archive.infolist() if not m.is_dir()]
+            if len(members) > MAX_ARCHIVE_MEMBERS:
+                raise ProgramError(f"{filename}: {len(members)} files is over the limit of {MAX_ARCHIVE_MEMBERS}")
+            files, left = {}, MAX_PROGRAM_BYTES
+            for member in members:
+                _check_member(filename, member.filename)
+                if (member.external_attr >> 16) & 0o170000 == _SYMLINK:
+                    raise ProgramError(f"{filename}: member {member.filename!r} is a symbolic link")
+                with archive.open(member) as f:
+                    content = f.read(left + 1)
+                left -= len(content)
+                if left < 0:
+                    raise ProgramError(
+                        f"{filename}: expands to more than the {MAX_PROGRAM_BYTES >> 20} MiB limit"
+                    )
+                files[member.filename] = content
+            return files
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError) as e:
+        raise ProgramError(f"{filename}: not a valid zip archive ({e})") from None
