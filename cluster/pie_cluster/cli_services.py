@@ -8,8 +8,11 @@ commands. ``pie stop`` undoes it (and stops the Ray head if ``pie start`` starte
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -25,25 +28,67 @@ err = Console(stderr=True)
 AddressOption = Annotated[str | None, typer.Option(help="Ray cluster address (default: the one on this machine)")]
 
 
-def _join(address: str | None, start_if_missing: bool) -> tuple[str, str | None, bool]:
-    """Connect to Ray; returns (address, dashboard address, whether we started a head for it)."""
+def _join(address: str | None, start_if_missing: bool, source: str | None = None) -> tuple[str, str | None, bool]:
+    """Connect to Ray; returns (address, dashboard address, whether we started a head for it). A recorded address
+    where nothing answers any more (its head was killed) is said so at once instead of retried for minutes; with
+    ``start_if_missing`` and no address asked for, a fresh head replaces it."""
     import ray
 
-    from pie_cluster.local_ray import init_ray
+    from pie_cluster.local_ray import RayUnreachable, answers, init_ray, ray_cli, recorded_address
 
+    recorded, found_in = recorded_address(address)
+    replaceable = start_if_missing and address is None and not os.environ.get("RAY_ADDRESS")  # nobody named it
+    dead = recorded is not None and not answers(recorded)
+    if dead and not replaceable:
+        raise RayUnreachable(f"no Ray cluster answers at {recorded} ({source or found_in})")
+    if dead:
+        err.print(f"the Ray head recorded at {recorded} is gone; starting a fresh one")
     started = False
-    if address is None:
-        try:
-            dashboard = init_ray(address="auto")
-        except ConnectionError:
-            if not start_if_missing:
-                raise
-            subprocess.run(["ray", "start", "--head", "--disable-usage-stats"], check=True, capture_output=True)
-            started = True
-            dashboard = init_ray(address="auto")
-    else:
-        dashboard = init_ray(address=address)
+    try:
+        dashboard = None if dead else init_ray(address=address or "auto")
+    except ConnectionError as e:
+        if not replaceable:
+            raise RayUnreachable(f"cannot join Ray at {address or recorded or 'this machine'}: {e}") from None
+        dead = True
+    if dead:
+        subprocess.run([ray_cli(), "start", "--head", "--disable-usage-stats"], check=True, capture_output=True)
+        started = True
+        dashboard = init_ray(address="auto")
     return ray.get_runtime_context().gcs_address, dashboard, started
+
+
+def _address_to_join(address: str | None, state: dict) -> tuple[str | None, bool, str | None]:
+    """``_join``'s arguments for stop and status: the address asked for, else the one `pie start` recorded."""
+    if address is None and state.get("address"):
+        return state["address"], False, "where `pie start` recorded it"
+    return address, False, None
+
+
+@contextlib.contextmanager
+def _one_line_errors(action: str) -> Iterator[None]:
+    """What is expected to go wrong in these commands (Ray unreachable or dying, a failed `ray start`, a service
+    that is gone) is printed as one line with exit code 1, never a traceback."""
+    from ray.exceptions import RayError
+
+    try:
+        yield
+    except (ConnectionError, RuntimeError, RayError, FileNotFoundError, TimeoutError) as e:
+        err.print(f"error: {action}: {_first_line(e)}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except subprocess.CalledProcessError as e:
+        detail = (e.stderr or b"").decode(errors="replace").strip().splitlines()
+        failed = f"`{' '.join(e.cmd[1:])}` failed: {detail[-1] if detail else e.returncode}"
+        err.print(f"error: {action}: {failed}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def _first_line(error: BaseException) -> str:
+    from ray.exceptions import RayTaskError
+
+    if isinstance(error, RayTaskError) and error.cause is not None:
+        error = error.cause
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def start(
@@ -68,8 +113,9 @@ def start(
     except ValueError as e:
         err.print(f"[red]error:[/red] {e}", markup=False)
         raise typer.Exit(2) from None
-    gcs, dashboard, started = _join(address, start_if_missing=True)
-    with err.status("starting Pie services (loading models)..."):
+    with _one_line_errors("pie start"):
+        gcs, dashboard, started = _join(address, start_if_missing=True)
+    with _one_line_errors("pie start"), err.status("starting Pie services (loading models)..."):
         start_controller(cfg)
         url = serve_http(
             cfg.auth,
@@ -84,16 +130,25 @@ def start(
 
 
 def stop(address: AddressOption = None) -> None:
-    """Stop Pie's services (and the local Ray head, if `pie start` started it)."""
+    """Stop Pie's services (and the local Ray head, if `pie start` started it). Works with any part dead: a Ray
+    cluster that is gone leaves only Pie's record of it, which is cleared, so the next `pie start` starts clean."""
     from pie_cluster.controller import stop_controller
     from pie_cluster.http_app import stop_http
+    from pie_cluster.local_ray import RayUnreachable, ray_cli
 
     state = load_state()
-    _join(address or state.get("address"), start_if_missing=False)
-    stop_http()
-    stopped = stop_controller()
-    if state.get("started_ray") and address is None:
-        subprocess.run(["ray", "stop"], check=False, capture_output=True)
+    with _one_line_errors("pie stop"):
+        try:
+            _join(*_address_to_join(address, state))
+        except RayUnreachable as gone:
+            clear_state()
+            console.print(f"{gone}; nothing left to stop (cleared Pie's record of it)", soft_wrap=True)
+            return
+        with contextlib.suppress(Exception):  # Serve not running, or its controller gone: nothing to undeploy
+            stop_http()
+        stopped = stop_controller()
+        if state.get("started_ray") and address is None:
+            subprocess.run([ray_cli(), "stop"], check=False, capture_output=True)
     clear_state()
     console.print("[green]✓[/green] Pie stopped" if stopped else "no Pie services were running")
 
@@ -102,31 +157,29 @@ def status(
     address: AddressOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the raw status as JSON")] = False,
 ) -> None:
-    """Replicas (pages used/total, suspended contexts, page price, queue, batches), instances, wallets, bus."""
+    """Replicas (state, pages used/total, suspended contexts, page price, queue, batches), nodes and their inferlet
+    hosts, instances, wallets, bus. A dead or unresponsive part is shown as such."""
     import ray
 
     from pie_cluster.controller import find_controller
 
-    _join(address or load_state().get("address"), start_if_missing=False)
-    try:
+    with _one_line_errors("pie status"):
+        _join(*_address_to_join(address, load_state()))
         report = ray.get(find_controller().status.remote())
-    except RuntimeError as e:
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(report, indent=2))
         return
     table = Table(title="replicas")
-    columns = ("model", "#", "node", "TP", "device", "pages used / total", "cached", "suspended", "price", "queued")
-    for column in (*columns, "batches"):
+    columns = ("model", "#", "node", "TP", "device", "state", "pages used / total", "cached", "suspended", "price")
+    for column in (*columns, "queued", "batches"):
         table.add_column(column)
     for r in report["replicas"]:
+        head = [r["model"], str(r["replica"]), r["node"][:8], str(r["tensor_parallel"]), r["device"], r["state"]]
+        if r["state"] != "serving":
+            table.add_row(*head, *["-"] * 6)
+            continue
         table.add_row(
-            r["model"],
-            str(r["replica"]),
-            r["node"][:8],
-            str(r["tensor_parallel"]),
-            r["device"],
+            *head,
             f"{r['pages_used']} / {r['pages_total']}",
             str(r["pages_cached"]),
             str(r["suspended"]),
@@ -135,11 +188,25 @@ def status(
             str(r["batches"]),
         )
     console.print(table)
-    launcher = report["launcher"]
+    for node in report["nodes"]:
+        if not node["alive"] or node["host"] != "serving":
+            console.print(f"node {node['node'][:8]}: {'alive' if node['alive'] else 'lost'}, host {node['host']}")
+    launcher, bus, market = report["launcher"], report["bus"], report["market"]
     console.print(
-        f"nodes {report['nodes']} · instances running {launcher['running']} (launched {launcher['launched']}) · "
-        f"bus topics {report['bus']['topics']}, subscriptions {report['bus']['subscriptions']} · "
-        f"wallets {report['market']['wallets']} holding {report['market']['held']:g} credits"
+        " · ".join(
+            [
+                f"nodes {sum(n['alive'] for n in report['nodes'])}/{len(report['nodes'])}",
+                f"launcher {launcher['state']}"
+                if "state" in launcher
+                else f"instances running {launcher['running']} (launched {launcher['launched']})",
+                f"bus {bus['state']}"
+                if "state" in bus
+                else f"bus topics {bus['topics']}, subscriptions {bus['subscriptions']}",
+                f"market {market['state']}"
+                if "state" in market
+                else f"wallets {market['wallets']} holding {market['held']:g} credits",
+            ]
+        )
     )
 
 

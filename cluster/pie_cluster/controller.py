@@ -11,7 +11,10 @@ model where it runs, and hosts get a model's tokenizer files through Ray.
 
 from __future__ import annotations
 
+import contextlib
+
 import ray
+import ray.exceptions
 from inferlet.runtime import ModelEndpoint
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.model_dir import ModelSource
@@ -138,20 +141,28 @@ class Controller:
         return out
 
     def status(self) -> dict:
-        """Replicas with their page use, batches and queue; the launcher's counts."""
+        """Replicas with their page use, batches and queue; nodes and their inferlet hosts; the launcher's counts.
+        A part that is dead or does not answer within ``_PROBE_S`` is reported as such, never raised."""
         replicas = []
         for name, group in self.replicas.items():
-            stats = ray.get([r.leader.engine_stats.remote() for r in group])
-            for i, (replica, s) in enumerate(zip(group, stats, strict=True)):
+            for i, replica in enumerate(group):
                 info = replica.info
+                row = {
+                    "model": name,
+                    "replica": i,
+                    "node": info.node_id,
+                    "model_dir": info.model_dir,
+                    "tensor_parallel": info.tensor_parallel_size,
+                    "device": info.device,
+                }
+                s = _probe(replica.leader.engine_stats.remote())
+                if isinstance(s, str):
+                    replicas.append({**row, "state": s})
+                    continue
                 replicas.append(
                     {
-                        "model": name,
-                        "replica": i,
-                        "node": info.node_id,
-                        "model_dir": info.model_dir,
-                        "tensor_parallel": info.tensor_parallel_size,
-                        "device": info.device,
+                        **row,
+                        "state": "serving",
                         "pages_used": s["total"] - s["free"] - s["cached"],
                         "pages_cached": s["cached"],
                         "pages_total": s["total"],
@@ -163,24 +174,41 @@ class Controller:
                         "price": s["price"],
                     }
                 )
+        alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        hosts = {node: _probe(host.ready.remote()) for node, host in self.hosts.items()}
+        launcher = _probe(self.launcher.stats.remote())
+        market = _probe(self.market.summary.remote())
+        try:
+            bus = self.bus.stats()
+        except ray.exceptions.RayError:
+            bus = "dead"
         return {
             "replicas": replicas,
-            "launcher": ray.get(self.launcher.stats.remote()),
-            "nodes": len(self.hosts),
-            "bus": self.bus.stats(),
-            "market": ray.get(self.market.summary.remote()),
+            "nodes": [
+                {"node": node, "alive": alive.get(node, False), "host": "serving" if got is True else got}
+                for node, got in hosts.items()
+            ],
+            "launcher": launcher if isinstance(launcher, dict) else {"state": launcher},
+            "bus": bus if isinstance(bus, dict) else {"state": bus},
+            "market": market if isinstance(market, dict) else {"state": market},
         }
 
     def nodes(self) -> list[str]:
         return list(self.hosts)
 
     def shutdown(self) -> None:
+        """Stop everything, whatever has died already (a dead part is simply skipped)."""
         for actor in [self.launcher, *self.hosts.values(), self.market]:
             ray.kill(actor)
-        self.bus.shutdown()
+        with contextlib.suppress(ray.exceptions.RayError):
+            self.bus.shutdown()
         for group in self.replicas.values():
             for replica in group:
-                replica.shutdown()
+                try:
+                    replica.shutdown()
+                except ray.exceptions.RayError:
+                    for rank in replica.ranks:
+                        ray.kill(rank)
         for placement in self.placements:
             remove_placement_group(placement)
 
@@ -204,11 +232,26 @@ def find_controller():
 
 
 def stop_controller() -> bool:
-    """Shut every service down and remove the controller; False when none was running."""
+    """Shut every service down and remove the controller; False when none was running. A controller that died or
+    hangs is killed outright: the services it started are its own actors and go with it."""
     try:
         controller = ray.get_actor(CONTROLLER)
     except ValueError:
         return False
-    ray.get(controller.shutdown.remote())
+    with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        ray.get(controller.shutdown.remote(), timeout=120)
     ray.kill(controller)
     return True
+
+
+_PROBE_S = 10.0
+
+
+def _probe(ref) -> object:
+    """The reply to a status call, or "dead" / "unresponsive" in its place."""
+    try:
+        return ray.get(ref, timeout=_PROBE_S)
+    except ray.exceptions.GetTimeoutError:
+        return "unresponsive"
+    except ray.exceptions.RayError:
+        return "dead"

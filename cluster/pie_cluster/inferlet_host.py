@@ -63,6 +63,10 @@ class InferletHost:
         stdio.install_router()
         gc.freeze()  # the imports live as long as the host: full collections need not scan them (see RankWorker.start)
 
+    async def ready(self) -> bool:
+        """Answers as soon as the host is up (``pie status`` asks it)."""
+        return True
+
     async def start(
         self,
         instance_id: str,

@@ -2,9 +2,53 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import socket
+import sys
+from pathlib import Path
 
 NAMESPACE = "pie"
+
+
+class RayUnreachable(ConnectionError):
+    """No Ray cluster answers at the address in use; the message says which address and where it came from."""
+
+
+def ray_cli() -> str:
+    """Ray's command-line tool of the running interpreter's environment (found beside it, so a virtualenv that is
+    not activated still uses its own Ray), else the one on PATH."""
+    beside = Path(sys.executable).with_name("ray")
+    found = str(beside) if beside.exists() else shutil.which("ray")
+    if found is None:
+        raise FileNotFoundError(f"Ray's `ray` command is neither beside {sys.executable} nor on PATH")
+    return found
+
+
+def recorded_address(address: str | None) -> tuple[str | None, str]:
+    """The address a join would use, and where it comes from: ``address`` itself, ``RAY_ADDRESS``, or the file
+    in which the last head started on this machine recorded itself (None: no cluster was started here)."""
+    if address not in (None, "auto"):
+        return address, "--address"
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    from ray._private.utils import read_ray_address  # the file `ray start --head` writes
+
+    return read_ray_address(), "the address the last Ray head on this machine recorded"
+
+
+def answers(address: str, timeout: float = 3.0) -> bool:
+    """Whether something listens at a ``host:port`` GCS address. Ray's own join retries a dead address for
+    minutes; this tells in seconds. Addresses of other forms (``ray://``) are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return True
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | None:
@@ -22,4 +66,5 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | N
         address, kwargs["num_cpus"] = "local", num_cpus
     else:
         kwargs.pop("include_dashboard")  # a running cluster already decided that
+        kwargs["logging_level"] = logging.WARNING  # not "Connecting to existing Ray cluster..." on every command
     return ray.init(address=address, **kwargs).dashboard_url or None

@@ -1,0 +1,132 @@
+"""The CLI when things are dead: a Ray head that is gone, a replica or inferlet host killed under a running Pie.
+
+Every expected failure is one line and a non-zero exit (or a clean no-op), never a traceback or a hang; `pie status`
+shows what is dead; `pie stop` works with parts dead and leaves nothing that the next `pie start` trips on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_http_cli import PIE, free_port
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def dead_address() -> str:
+    """A GCS address where nothing listens: a port that was just free."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def pie(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # the timeout only keeps a hang from stalling the suite: Ray's own join retries a dead address for minutes
+    return subprocess.run([*PIE, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(got: subprocess.CompletedProcess, *expected: str) -> None:
+    assert got.returncode == 1, (got.stdout, got.stderr)
+    lines = [line for line in got.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in got.stderr, got.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+
+
+def test_status_and_submit_against_a_dead_ray_head_fail_in_one_line(tmp_path):
+    address = dead_address()
+    env = {**os.environ, "PIE_HOME": str(tmp_path), "RAY_ADDRESS": address}
+    assert_one_line_error(pie(env, "status"), "no Ray cluster answers at", address)
+    assert_one_line_error(pie(env, "status", "--address", address), "no Ray cluster answers at", address)
+
+
+def test_stop_after_the_head_died_clears_the_record_so_start_starts_clean(tmp_path):
+    """`pie start` recorded a head that has since died (its record is what is left after a crash)."""
+    address = dead_address()
+    (tmp_path / "cluster.json").write_text(json.dumps({"address": address, "url": "http://127.0.0.1:1"}))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PIE_HOME": str(tmp_path)}
+    assert_one_line_error(pie(env, "status"), address, "where `pie start` recorded it")
+    stopped = pie(env, "stop")
+    assert stopped.returncode == 0 and "nothing left to stop" in stopped.stdout, stopped.stderr
+    assert not (tmp_path / "cluster.json").exists()
+
+
+def test_rays_cli_is_found_beside_the_interpreter_when_the_venv_is_not_activated():
+    script = "from pie_cluster.local_ray import ray_cli; print(ray_cli())"
+    got = subprocess.run(
+        [sys.executable, "-c", script], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60
+    )
+    assert got.returncode == 0, got.stderr
+    assert Path(got.stdout.strip()) == VENV_BIN / "ray"
+
+
+@pytest.fixture(scope="module")
+def started(ray_cluster, tmp_path_factory):
+    home = tmp_path_factory.mktemp("pie-failures")
+    config = home / "config.toml"
+    config.write_text(
+        textwrap.dedent(f"""
+        [server]
+        port = {free_port()}
+        [auth]
+        enabled = false
+        [[model]]
+        name = "victim"
+        pages = 64
+        cpus_per_rank = 1
+        """)
+    )
+    env = {**os.environ, "PIE_HOME": str(home), "RAY_ADDRESS": ray_cluster.address}
+    got = pie(env, "start", "--config", str(config), timeout=300)
+    assert got.returncode == 0, got.stderr
+    yield {"env": env, "config": config}
+    pie(env, "stop")
+
+
+def only_actor(address: str, class_name: str, **match) -> dict:
+    """The one live actor of this Pie of ``class_name`` (and ``match``ing fields), from Ray's state API."""
+    from ray.util.state import list_actors
+
+    found = [
+        a
+        for a in list_actors(address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
+        if a["ray_namespace"] == "pie" and all(a[k] == v for k, v in match.items())
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.slow
+def test_status_shows_a_killed_replica_and_host_and_stop_then_start_works(started, ray_cluster):
+    env = started["env"]
+    report = json.loads(pie(env, "status", "--json").stdout)
+    assert [r["state"] for r in report["replicas"]] == ["serving"]
+    assert all(n["alive"] and n["host"] == "serving" for n in report["nodes"])
+
+    rank = only_actor(ray_cluster.address, "RankWorker")
+    os.kill(rank["pid"], signal.SIGKILL)  # a real crash, not a polite ray.kill
+    host = only_actor(ray_cluster.address, "InferletHost", node_id=report["nodes"][-1]["node"])
+    os.kill(host["pid"], signal.SIGKILL)
+    killed_node = host["node_id"]
+
+    shown = pie(env, "status")
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    assert "dead" in shown.stdout and f"node {killed_node[:8]}: alive, host dead" in shown.stdout
+    report = json.loads(pie(env, "status", "--json").stdout)
+    assert [r["state"] for r in report["replicas"]] == ["dead"]
+    assert {n["node"]: n["host"] for n in report["nodes"]}[killed_node] == "dead"
+
+    stopped = pie(env, "stop")
+    assert stopped.returncode == 0 and "Pie stopped" in stopped.stdout, stopped.stderr
+    assert pie(env, "status").returncode == 1  # nothing left running
+    again = pie(env, "start", "--config", str(started["config"]), timeout=300)
+    assert again.returncode == 0, again.stderr
+    report = json.loads(pie(env, "status", "--json").stdout)
+    assert [r["state"] for r in report["replicas"]] == ["serving"]
