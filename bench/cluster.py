@@ -459,7 +459,7 @@ def main() -> None:
     try:
         config = PieConfig(auth=AuthConfig(enabled=False), model=[ModelConfigEntry(pages=256, cpus_per_rank=1)])
         controller = start_controller(config, detached=False)
-        url = serve_http(config.auth, NAMESPACE, "127.0.0.1", free_port(), config.server.max_ongoing_requests)
+        url = serve_http(config.auth, NAMESPACE, config.server.model_copy(update={"port": free_port()}))
         wait_healthy(url)
         launcher = ray.get_actor(LAUNCHER)
         nodes = ray.get(controller.nodes.remote())

@@ -75,6 +75,7 @@ def started(ray_cluster, tmp_path_factory):
         textwrap.dedent(f"""
         [server]
         port = {free_port()}
+        ingress_replicas = 2
         [auth]
         enabled = false
         [[model]]
@@ -86,8 +87,26 @@ def started(ray_cluster, tmp_path_factory):
     env = {**os.environ, "PIE_HOME": str(home), "RAY_ADDRESS": ray_cluster.address}
     got = pie(env, "start", "--config", str(config), timeout=300)
     assert got.returncode == 0, got.stderr
-    yield {"env": env, "config": config}
+    yield {"env": env, "config": config, "url": json.loads((home / "cluster.json").read_text())["url"]}
     pie(env, "stop")
+
+
+def test_two_ingress_replicas_from_the_config_serve_launches(started, ray_session):
+    import httpx
+    from ray import serve
+
+    ingress = serve.status().applications["pie"].deployments["PieIngress"]
+    assert ingress.replica_states.get("RUNNING") == 2, ingress
+    program = httpx.post(
+        f"{started['url']}/v1/programs",
+        params={"filename": "p.py"},
+        content=b"async def main(input):\n    return input['i'] * 2\n",
+    ).json()["program"]
+    for i in range(8):  # Serve's proxy spreads them over both replicas
+        events = httpx.post(
+            f"{started['url']}/v1/instances", params={"stream": "true"}, json={"program": program, "input": {"i": i}}
+        )
+        assert events.status_code == 200 and f"event: return\ndata: {json.dumps(str(i * 2))}" in events.text
 
 
 def only_actor(address: str, class_name: str, **match) -> dict:

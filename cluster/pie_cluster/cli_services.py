@@ -117,13 +117,9 @@ def start(
         gcs, dashboard, started = _join(address, start_if_missing=True)
     with _one_line_errors("pie start"), err.status("starting Pie services (loading models)..."):
         start_controller(cfg)
-        url = serve_http(
-            cfg.auth,
-            ray.get_runtime_context().namespace,
-            host or cfg.server.host,
-            port or cfg.server.port,
-            cfg.server.max_ongoing_requests,
-        )
+        overrides = {"host": host, "port": port}
+        server = cfg.server.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+        url = serve_http(cfg.auth, ray.get_runtime_context().namespace, server)
     token = next(iter(cfg.auth.tokens), None) if cfg.auth.enabled and len(cfg.auth.tokens) == 1 else None
     save_state({"address": gcs, "url": url, "dashboard": dashboard, "started_ray": started, "token": token})
     console.print(f"[green]✓[/green] Pie is up: {url}  (Ray at {gcs})")

@@ -7,6 +7,7 @@ the file (or ``pie start --no-auth``) turns it off explicitly::
     [server]
     host = "0.0.0.0"
     port = 8080
+    ingress_replicas = 2              # or [server.autoscaling] min_replicas / max_replicas / target_ongoing_requests
 
     [auth]
     tokens = { "s3cret-alice" = "alice", "s3cret-bob" = "bob" }   # bearer token -> user
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from inferlet.mcp import ServerSpec
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pie_cluster.mcp_servers import parse_mcp_servers
 
@@ -36,10 +37,35 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class IngressAutoscaling(_Strict):
+    """Ray Serve's autoscaling of the HTTP ingress (``[server.autoscaling]``), instead of a fixed replica count."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(256, gt=0)  # per replica: event streams are long-lived requests
+
+    @model_validator(mode="after")
+    def _ordered(self) -> IngressAutoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("[server.autoscaling] max_replicas must be at least min_replicas")
+        return self
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
-    port: int = 8080
-    max_ongoing_requests: int = 1024  # Serve's default of 5 collapses under concurrent event streams
+    port: int = Field(8080, ge=1, le=65535)
+    max_ongoing_requests: int = Field(1024, ge=1)  # Serve's default of 5 collapses under concurrent event streams
+    ingress_replicas: int = Field(1, ge=1)  # HTTP ingress replicas (each a light actor: the launcher does the work)
+    autoscaling: IngressAutoscaling | None = None  # scale the ingress with load instead (overrides ingress_replicas)
+
+    def deployment_options(self) -> dict:
+        """Ray Serve options of the ingress deployment."""
+        options: dict = {"max_ongoing_requests": self.max_ongoing_requests}
+        if self.autoscaling is None:
+            options["num_replicas"] = self.ingress_replicas
+        else:
+            options["autoscaling_config"] = self.autoscaling.model_dump()
+        return options
 
 
 class AuthConfig(_Strict):

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
-from pie_cluster.config import AuthConfig
+from pie_cluster.config import AuthConfig, ServerConfig
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher import NotFound
 from pie_cluster.programs import MAX_PROGRAM_BYTES
@@ -250,12 +250,13 @@ class PieIngress:
         return {"aborted": aborted}
 
 
-def serve_http(auth: AuthConfig, namespace: str, host: str, port: int, max_ongoing_requests: int) -> str:
-    """Deploy the app on Ray Serve (proxy on the head node); returns its base URL."""
-    serve.start(http_options={"host": host, "port": port, "location": "HeadOnly"})
-    deployment = PieIngress.options(max_ongoing_requests=max_ongoing_requests)
+def serve_http(auth: AuthConfig, namespace: str, server: ServerConfig) -> str:
+    """Deploy the app on Ray Serve (proxy on the head node) with ``server``'s replicas; returns its base URL."""
+    serve.start(http_options={"host": server.host, "port": server.port, "location": "HeadOnly"})
+    deployment = PieIngress.options(**server.deployment_options())
     serve.run(deployment.bind(auth, namespace), name="pie", route_prefix="/", blocking=False)
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
+    return f"http://{host}:{server.port}"
 
 
 def stop_http() -> None:
