@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,9 @@ def started(ray_cluster, tmp_path_factory):
         ingress_replicas = 2
         [auth]
         enabled = false
+        [launcher]
+        max_running_per_user = 2
+        max_queued_per_user = 1
         [[model]]
         name = "victim"
         pages = 64
@@ -107,6 +111,48 @@ def test_two_ingress_replicas_from_the_config_serve_launches(started, ray_sessio
             f"{started['url']}/v1/instances", params={"stream": "true"}, json={"program": program, "input": {"i": i}}
         )
         assert events.status_code == 200 and f"event: return\ndata: {json.dumps(str(i * 2))}" in events.text
+
+
+WAIT = b"from inferlet import session\n\nasync def main(input):\n    return await session.receive()\n"
+
+
+def test_launches_past_the_limits_wait_then_are_refused_with_429(started, tmp_path):
+    import httpx
+
+    url = started["url"]
+    program = httpx.post(f"{url}/v1/programs", params={"filename": "wait.py"}, content=WAIT).json()["program"]
+
+    def launch() -> httpx.Response:
+        return httpx.post(f"{url}/v1/instances", json={"program": program})
+
+    def states() -> dict[str, str]:
+        return {i["id"]: i["status"] for i in httpx.get(f"{url}/v1/instances").json()}
+
+    first, second, third = (launch().json()["id"] for _ in range(3))
+    assert [states()[i] for i in (first, second, third)] == ["running", "running", "queued"]
+    refused = launch()
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+    assert refused.json() == {"detail": "user 'local' already has 1 launches waiting (the limit)"}
+    path = tmp_path / "p.py"
+    path.write_text("async def main(input):\n    return 1\n")
+    cli = pie({**started["env"], "PIE_URL": url}, "submit", str(path))
+    assert cli.returncode == 1 and "429" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
+
+    assert httpx.delete(f"{url}/v1/instances/{third}").json() == {"aborted": True}  # a waiting launch leaves
+    assert states()[third] == "failed"
+    fourth = launch().json()["id"]
+    assert states()[fourth] == "queued"
+    httpx.post(f"{url}/v1/instances/{first}/messages", json={"message": "one"})
+    events = httpx.get(f"{url}/v1/instances/{first}/events", timeout=60).text
+    assert 'event: return\ndata: "one"' in events
+    for _ in range(100):  # the freed slot goes to the waiting launch
+        if states()[fourth] == "running":
+            break
+        time.sleep(0.1)
+    assert states()[fourth] == "running"
+    for instance in (second, fourth):
+        httpx.post(f"{url}/v1/instances/{instance}/messages", json={"message": "done"})
+        assert "event: return" in httpx.get(f"{url}/v1/instances/{instance}/events", timeout=60).text
 
 
 def only_actor(address: str, class_name: str, **match) -> dict:

@@ -30,6 +30,7 @@ from typing import Literal
 from inferlet.mcp import ServerSpec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pie_cluster.admission import AdmissionLimits
 from pie_cluster.mcp_servers import parse_mcp_servers
 
 
@@ -93,6 +94,17 @@ class LauncherConfig(_Strict):
     keep_finished: int = Field(1024, ge=0)  # finished instances still listed and attachable
     default_deadline_s: float | None = None
     program_store_mib: int = Field(1024, ge=1)  # uploaded programs kept on disk; unused ones evicted past this
+    # Admission: instances running at once, and launches waiting for a slot, overall and per user; a launch past
+    # the waiting limits is refused (HTTP 429 with Retry-After)
+    max_running: int = Field(4096, ge=1)
+    max_running_per_user: int = Field(1024, ge=1)
+    max_queued: int = Field(4096, ge=0)
+    max_queued_per_user: int = Field(1024, ge=0)
+
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(
+            self.max_running, self.max_running_per_user, self.max_queued, self.max_queued_per_user
+        )
 
 
 class BusConfig(_Strict):

@@ -63,12 +63,7 @@ class Controller:
         self.bus = start_bus(shards=config.bus.shards, detached=False)
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         launcher_cls = ray.remote(Launcher).options(name=LAUNCHER, num_cpus=0, max_concurrency=100_000)
-        self.launcher = launcher_cls.remote(
-            config.launcher.event_buffer,
-            config.launcher.keep_finished,
-            config.launcher.default_deadline_s,
-            config.launcher.program_store_mib << 20,
-        )
+        self.launcher = launcher_cls.remote(config.launcher)
         services = {
             node: NodeServices(
                 endpoints=self.endpoints(node),

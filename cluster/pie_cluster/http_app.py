@@ -13,6 +13,7 @@ Events stream as Server-Sent Events: ``id`` is the event's index (resume with ``
 import base64
 import json
 import logging
+import math
 from typing import Annotated, Any
 
 import ray
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
+from pie_cluster.admission import Overloaded
 from pie_cluster.config import AuthConfig, ServerConfig
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher import NotFound
@@ -105,7 +107,11 @@ def _wire_value(kind: str, value: str | bytes) -> str:
 
 
 def _http_error(cause: BaseException | None) -> HTTPException:
-    """The HTTP answer for what the launcher raised: its message, never its traceback."""
+    """The HTTP answer for what the launcher raised: its message, never its traceback; a full cluster is 429 with
+    the seconds to wait in ``Retry-After``."""
+    if isinstance(cause, Overloaded):
+        retry = str(max(1, math.ceil(cause.retry_after_s)))
+        return HTTPException(429, str(cause), headers={"Retry-After": retry})
     if isinstance(cause, NotFound):
         return HTTPException(404, str(cause.args[0]) if cause.args else "not found")
     if isinstance(cause, ValidationError):

@@ -21,6 +21,8 @@ import ray
 from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pie_cluster.admission import Admission
+from pie_cluster.config import LauncherConfig
 from pie_cluster.events import EventLog
 from pie_cluster.inferlet_host import InferletHost, NodeServices
 from pie_cluster.launch_request import LaunchRequest, describe_errors
@@ -31,6 +33,14 @@ from pie_cluster.programs import Program
 
 class NotFound(LookupError):
     """No such instance or program for this user."""
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What the host needs to start an instance, besides the instance itself."""
+
+    deadline_s: float | None
+    endowment: float | None
 
 
 @dataclass
@@ -49,14 +59,15 @@ class _Instance:
         default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
     )
     waiting: set[asyncio.Future] = field(default_factory=set)
+    start: _Start | None = None  # how to start it, kept while it waits for admission
+    queued: bool = False
 
     def summary(self) -> dict:
         end = self.ended or time.time()
-        status = (
-            "running"
-            if self.log.terminal is None
-            else {"return": "finished", "error": "failed"}[self.log.terminal.kind]
-        )
+        if self.log.terminal is not None:
+            status = {"return": "finished", "error": "failed"}[self.log.terminal.kind]
+        else:
+            status = "queued" if self.queued else "running"
         return {
             "id": self.id,
             "program": self.program.label,
@@ -78,20 +89,16 @@ class HostPool:
 
 
 class Launcher:
-    def __init__(
-        self,
-        event_capacity: int = 4096,
-        keep_finished: int = 1024,
-        default_deadline_s: float | None = None,
-        program_store_bytes: int = 1 << 30,
-    ):
+    def __init__(self, config: LauncherConfig):
         self._pool: HostPool | None = None
-        self._programs = ProgramStore(Path(tempfile.mkdtemp(prefix="pie-program-store-")), program_store_bytes)
+        store = Path(tempfile.mkdtemp(prefix="pie-program-store-"))
+        self._programs = ProgramStore(store, config.program_store_mib << 20)
+        self._admission = Admission(config.admission_limits())
         self._instances: dict[str, _Instance] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
-        self._event_capacity = event_capacity
-        self._keep_finished = keep_finished
-        self._default_deadline_s = default_deadline_s
+        self._event_capacity = config.event_buffer
+        self._keep_finished = config.keep_finished
+        self._default_deadline_s = config.default_deadline_s
         self._watching: set[asyncio.Task] = set()
         self.launched = 0
 
@@ -122,6 +129,7 @@ class Launcher:
             raise NotFound(f"no program {request.program!r}; upload it first")
         node = self._choose_node(request.node_id)
         instance_id = uuid.uuid4().hex
+        runs_now = self._admission.admit(user, instance_id)  # raises Overloaded: nothing is created then
         host, dedicated = self._pool.hosts[node], False
         if program.isolated:
             host, dedicated = self._dedicated_host(node, program), True
@@ -132,13 +140,21 @@ class Launcher:
         self._programs.started(program.id)
         page_size = min(e.page_size for e in self._pool.services[node].endpoints.values())
         deadline_s = request.deadline_s if request.deadline_s is not None else self._default_deadline_s
-        endowment = endowment_for(request.token_budget, page_size)
-        started = host.start.remote(instance_id, program, instance.input, user, deadline_s, endowment)
+        instance.start = _Start(deadline_s, endowment_for(request.token_budget, page_size))
+        instance.queued = not runs_now
+        if runs_now:
+            self._start(instance)
+        self.launched += 1
+        return instance_id
+
+    def _start(self, instance: _Instance) -> None:
+        start, instance.start, instance.queued = instance.start, None, False
+        started = instance.host.start.remote(
+            instance.id, instance.program, instance.input, instance.user, start.deadline_s, start.endowment
+        )
         watch = asyncio.get_running_loop().create_task(self._watch_start(instance, started))
         self._watching.add(watch)
         watch.add_done_callback(self._watching.discard)
-        self.launched += 1
-        return instance_id
 
     async def _watch_start(self, instance: _Instance, started) -> None:
         """The id goes back without waiting for the host to take the instance (its events follow soon); a host
@@ -192,14 +208,21 @@ class Launcher:
         instance = self._own(user, instance_id)
         if instance.log.done:
             return False
+        if instance.queued:  # never started: it ends here, without a host
+            await self.emit([(instance_id, "error", "aborted by its user")])
+            return True
         return await instance.host.abort.remote(instance_id, "aborted by its user")
 
     async def list(self, user: str) -> list[dict]:
         return [i.summary() for i in self._instances.values() if i.user == user]
 
     async def stats(self) -> dict:
-        running = sum(1 for i in self._instances.values() if i.log.terminal is None)
-        return {"launched": self.launched, "running": running, "programs": len(self._programs)}
+        return {
+            "launched": self.launched,
+            "running": self._admission.running,
+            "queued": self._admission.queued,
+            "programs": len(self._programs),
+        }
 
     # -- the host side -------------------------------------------------------------------------------------------
 
@@ -227,6 +250,11 @@ class Launcher:
     def _ended(self, instance: _Instance) -> None:
         instance.ended = time.time()
         self._programs.ended(instance.program.id)
+        if instance.queued:
+            self._admission.withdraw(instance.user, instance.id)
+        else:
+            for waiting in self._admission.ended(instance.user):
+                self._start(self._instances[waiting])
         for waiter in list(instance.waiting):
             waiter.cancel()
         if instance.dedicated:
