@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,6 +64,31 @@ def test_pie_run_prints_the_return_value_and_fails_clearly(tmp_path):
     refused = pie("run", str(not_inferlet))
     assert refused.returncode == 2
     assert "async def main" in refused.stdout + refused.stderr
+
+
+BUS_AND_MARKET = """
+import asyncio
+from inferlet import Model, messaging, scheduling
+
+async def main(input):
+    feed = messaging.subscribe("news")
+    messaging.broadcast("news", "hello subscribers")
+    messaging.push("jobs", "job-1")
+    got = [await messaging.pull("jobs"), await asyncio.wait_for(feed.next(), 30)]
+    feed.unsubscribe()
+    return {"got": got, "balance": scheduling.balance(Model.load("default"))}
+"""
+
+
+@pytest.mark.slow
+def test_pie_run_serves_messaging_and_the_market_like_a_cluster(tmp_path):
+    program = tmp_path / "bus.py"
+    program.write_text(BUS_AND_MARKET)
+    got = pie("run", str(program), "--pages", "64", "--token-budget", "160")
+    assert got.returncode == 0, got.stdout + got.stderr
+    result = json.loads(got.stdout)
+    assert result["got"] == ["job-1", "hello subscribers"]
+    assert result["balance"] == 10.0  # ceil(160 tokens / 16 per page) credits, from the market `pie run` started
 
 
 def test_pie_model_commands(tmp_path, tiny_llama):

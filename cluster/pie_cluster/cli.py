@@ -64,6 +64,7 @@ def run(
     from pie_workers.tiny_model import default_model_path
 
     from pie_cluster.arguments import fold_arguments
+    from pie_cluster.bus import start_bus
     from pie_cluster.host import encode_return, endpoints_for, load_program, run_inferlet
     from pie_cluster.local_ray import init_ray
     from pie_cluster.market import endowment_for, get_or_create_market
@@ -77,6 +78,7 @@ def run(
     import ray
 
     market = get_or_create_market(ray.get_runtime_context().namespace)
+    bus = start_bus(shards=1, detached=False)  # messaging and broadcast work as under `pie start`
     settings = RunnerSettings(num_pages=pages)
     replica = Replica(model or default_model_path("llama"), tp, settings, engine=BatchLimits(), market=market)
     try:
@@ -87,6 +89,7 @@ def run(
                 endpoints_for(model_name, replica),
                 user,
                 output=None if stdout else (lambda stream, text: None),
+                bus=bus.addresses(),
                 market=market,
                 endowment=endowment_for(token_budget, replica.info.page_size),
             )
@@ -96,6 +99,7 @@ def run(
         raise typer.Exit(1) from None
     finally:
         replica.shutdown()
+        bus.shutdown()
     print(encode_return(result))
 
 
