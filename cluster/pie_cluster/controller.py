@@ -78,6 +78,7 @@ class Controller:
         self.hosts = {
             node: host_cls.options(
                 num_cpus=0,
+                max_restarts=-1,  # a host that dies comes back (the launcher fails the instances it had)
                 max_concurrency=100_000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(self.launcher, services[node])

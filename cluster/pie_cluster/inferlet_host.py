@@ -67,6 +67,10 @@ class InferletHost:
         """Answers as soon as the host is up (``pie status`` asks it)."""
         return True
 
+    async def lifetime(self) -> None:
+        """Never answers: the launcher keeps this call open to learn at once that the host died (it fails)."""
+        await asyncio.Event().wait()
+
     async def start(
         self,
         instance_id: str,

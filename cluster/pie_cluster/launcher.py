@@ -10,6 +10,7 @@ want isolation. Finished instances stay listed (and attachable) until ``keep_fin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
 import uuid
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+import ray.exceptions
 from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -104,6 +106,35 @@ class Launcher:
 
     async def attach_pool(self, pool: HostPool) -> None:
         self._pool = pool
+        for node, host in pool.hosts.items():
+            self._spawn(self._watch_host(node, host))
+
+    def _spawn(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._watching.add(task)
+        task.add_done_callback(self._watching.discard)
+
+    async def _watch_host(self, node: str, host) -> None:
+        """A pooled host that dies (its process killed, its node lost) takes its instances with it: they end with
+        an error event and their wallets close. Ray restarts the host; launches on the node then work again."""
+        while True:
+            with contextlib.suppress(ray.exceptions.RayError):
+                await host.lifetime.remote()
+            lost = [
+                i for i in self._instances.values() if i.host is host and not i.queued and i.log.terminal is None
+            ]
+            market = self._pool.services[node].market
+            for instance in lost if market is not None else ():
+                with contextlib.suppress(ray.exceptions.RayError):
+                    await market.leave.remote(instance.id)
+            message = f"the inferlet host on node {node} died; the instance was lost with it"
+            await self.emit([(instance.id, "error", message) for instance in lost])
+            while True:  # until Ray has restarted it (a lost node's host never comes back)
+                try:
+                    await asyncio.wait_for(host.ready.remote(), timeout=30)
+                    break
+                except (ray.exceptions.RayError, TimeoutError):
+                    await asyncio.sleep(1.0)
 
     # -- programs ------------------------------------------------------------------------------------------------
 
@@ -152,9 +183,7 @@ class Launcher:
         started = instance.host.start.remote(
             instance.id, instance.program, instance.input, instance.user, start.deadline_s, start.endowment
         )
-        watch = asyncio.get_running_loop().create_task(self._watch_start(instance, started))
-        self._watching.add(watch)
-        watch.add_done_callback(self._watching.discard)
+        self._spawn(self._watch_start(instance, started))
 
     async def _watch_start(self, instance: _Instance, started) -> None:
         """The id goes back without waiting for the host to take the instance (its events follow soon); a host
