@@ -17,6 +17,7 @@ from itertools import groupby, repeat
 from typing import NamedTuple
 
 from pie_workers.engine.page_store import Node, PageStore
+from pie_workers.wire.pages import pages_for
 
 PageCopies = list[tuple[int, int]]
 
@@ -123,7 +124,7 @@ class ContextTable:
         """Give back the last n working pages; only pages holding no lineage tokens can go."""
         c = self._get(ctx)
         self._check_count(n, "release", "working pages", c)
-        empty = len(c.working) - self._pages_for(len(c.lineage))
+        empty = len(c.working) - pages_for(len(c.lineage), self.page_size)
         if n > empty:
             raise ContextError(
                 f"cannot release {n} working pages of context {c.id}: only {empty} of its {len(c.working)} "
@@ -242,7 +243,7 @@ class ContextTable:
             raise ContextError("a snapshot name cannot be empty")
         if (c.owner, name) in self._snapshots:
             raise ContextError(f"snapshot {name!r} already exists for user {c.owner!r}")
-        snap, copies = self._clone(c, self._pages_for(len(c.lineage)))
+        snap, copies = self._clone(c, pages_for(len(c.lineage), self.page_size))
         self._snapshots[c.owner, name] = snap
         return copies
 
@@ -374,7 +375,7 @@ class ContextTable:
         pages = self.store.allocate(n_pages)
         if src.tail is not None:
             self.store.retain(src.tail)
-        used = self._pages_for(len(src.lineage))
+        used = pages_for(len(src.lineage), self.page_size)
         return _Holding(src.owner, src.tail, pages, list(src.lineage)), list(
             zip(src.working[:used], pages[:used], strict=True)
         )
@@ -401,9 +402,6 @@ class ContextTable:
             nodes.append(node)
             node = node.parent
         return nodes[::-1]
-
-    def _pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
 
     @staticmethod
     def _check_count(n: int, verb: str, what: str, c: _Context) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from pie_workers.engine.contexts import ContextTable
 from pie_workers.engine.page_store import OutOfPages
+from pie_workers.wire.pages import pages_for
 
 IDLE_BATCHES = 4  # batches without an operation after which a context counts as idle
 
@@ -131,7 +132,7 @@ class Residency:
         if ctx in self.suspended or not self.contexts.recomputable(ctx):
             return False
         view = self.contexts.view(ctx)
-        pages = view.page_ids[: -(-view.seq_len // self.store.page_size)]  # the pages holding its tokens
+        pages = view.page_ids[: pages_for(view.seq_len, self.store.page_size)]  # the pages holding its tokens
         host = None
         if pages and len(self._free_host) >= len(pages):
             host = [self._free_host.pop() for _ in pages]
@@ -161,7 +162,7 @@ class Residency:
 
     def add_suspended(self, ctx: int, text: list[tuple[int, int]], committed: int) -> None:
         """Record ``ctx`` (holding no pages) as suspended with this text, to be recomputed on its next pass."""
-        self.suspended[ctx] = Suspended(list(text), committed, -(-len(text) // self.store.page_size))
+        self.suspended[ctx] = Suspended(list(text), committed, pages_for(len(text), self.store.page_size))
 
     def truncate(self, ctx: int, n: int) -> None:
         """Truncate a suspended context's text (only its uncommitted tokens, as for a resident one)."""
@@ -172,7 +173,7 @@ class Residency:
                 "uncommitted (committed pages cannot be truncated)"
             )
         del s.text[len(s.text) - n :]
-        s.pages = -(-len(s.text) // self.store.page_size)
+        s.pages = pages_for(len(s.text), self.store.page_size)
         if s.host is not None:
             self.release_host(s.host[s.pages :])
             del s.host[s.pages :]

@@ -42,6 +42,7 @@ from pie_workers.peft_format import default_root, read_adapter, user_path, write
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
+from pie_workers.wire.pages import pages_for
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +371,7 @@ class ReplicaEngine:
         if suspended is None:
             pages = self.contexts.view(ctx).working_pages  # the snapshot's copies
         else:  # its whole text back, then copies of its uncommitted part
-            pages = suspended.pages + -(-(len(suspended.text) - suspended.committed) // self.page_size)
+            pages = suspended.pages + pages_for(len(suspended.text) - suspended.committed, self.page_size)
         if not self.residency.try_now(ctx, pages):
             raise OutOfPages(pages, self.store.available, self.store.num_pages)
         await self._ensure_resident(ctx)
@@ -594,7 +595,7 @@ class ReplicaEngine:
         no suspension due, its pages at hand) goes straight into the next batch with what the pass already knows;
         anything else goes the general way, ``_start_pass``, holding back the pages of the steps so far."""
         ctx = run.a.ctx
-        need = -(-(run.seq_len + 1) // self.page_size) - len(run.page_ids)
+        need = pages_for(run.seq_len + 1, self.page_size) - len(run.page_ids)
         residency = self.residency
         if ctx in residency.deferred or ctx in residency.suspended or (need > 0 and not residency.try_now(ctx, need)):
             a = run.a._replace(positions=[run.position], steps=run.left, hold=run.a.hold + len(run.walk))
@@ -898,7 +899,7 @@ class ReplicaEngine:
         """Working pages ``ctx`` still has to reserve to take ``new_tokens`` more tokens (``view``: the context as
         it is now, when the caller has it)."""
         view = view or self.contexts.view(ctx)
-        return -(-(view.seq_len + new_tokens) // self.page_size) - len(view.page_ids)
+        return pages_for(view.seq_len + new_tokens, self.page_size) - len(view.page_ids)
 
     async def _reserve(self, ctx: int, new_tokens: int) -> None:
         """Reserve the pages a pass needs. When the pool is short, or a higher bidder waits, the context suspends
@@ -923,7 +924,7 @@ class ReplicaEngine:
         if suspended is None:
             return
         text, committed = suspended.text, suspended.committed
-        pages = -(-(len(text) + new_tokens) // self.page_size)
+        pages = pages_for(len(text) + new_tokens, self.page_size)
         await self.residency.wait_for(ctx, lambda: pages)
         if self.residency.suspended.pop(ctx, None) is None:
             raise ContextError(f"context {ctx} was released while it waited for memory")
@@ -957,7 +958,7 @@ class ReplicaEngine:
         them into its reserved pages, then record and commit its tokens as the passes that wrote them did."""
         try:
             page_ids = self.contexts.view(ctx).page_ids
-            first, last = reused // self.page_size, -(-len(tokens) // self.page_size)
+            first, last = reused // self.page_size, pages_for(len(tokens), self.page_size)
             await self.scheduler.submit(None, restores=[(suspended.host[i], page_ids[i]) for i in range(first, last)])
         finally:
             self.residency.release_host(suspended.host)
@@ -969,7 +970,7 @@ class ReplicaEngine:
         """Give back working pages that hold no tokens (after a rejected draft, a failed pass, or a truncate).
         ``view``: the context as it is now, when the caller has it."""
         view = view or self.contexts.view(ctx)
-        spare = view.working_pages - (-(-view.working_tokens // self.page_size))
+        spare = view.working_pages - pages_for(view.working_tokens, self.page_size)
         if spare > 0:
             self.contexts.release_working(ctx, spare)
 
