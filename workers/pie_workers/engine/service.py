@@ -1,10 +1,10 @@
 """The replica engine on rank 0: contexts and pages, the batch scheduler, and the channel inferlets talk to.
 
-Every operation an inferlet can ask of a replica is a method ``op_<name>`` here. Forwards go through the
-scheduler; the engine itself reserves the pages a forward needs, records lineage for what the forward wrote
-(inputs plus the drafts the model accepted — rejected drafts are rolled back here, so KV, ``seq_len`` and lineage
-always agree), commits every full page to the prefix trie, and returns surplus pages. A context belongs to the
-inferlet run (session) that made it; snapshots and LoRA adapters belong to the user.
+Every operation an inferlet can ask of a replica is named in ``ReplicaEngine``'s table of operations. Forwards go
+through the scheduler; the engine itself reserves the pages a forward needs, records lineage for what the forward
+wrote (inputs plus the drafts the model accepted — rejected drafts are rolled back here, so KV, ``seq_len`` and
+lineage always agree), commits every full page to the prefix trie, and returns surplus pages. A context belongs to the
+inferlet run (session) that made it; snapshots and LoRA adapters (``AdapterRegistry``) belong to the user.
 
 KV written under a custom attention mask or a zo seed is salted per context, so the prefix trie never shares it;
 KV written under an adapter is salted with the adapter's current weights, so only passes with the same adapter
@@ -24,12 +24,11 @@ import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
-from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
+from pie_workers.engine.adapter_registry import AdapterRegistry
 from pie_workers.engine.channel import Answer, ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable, ContextView
 from pie_workers.engine.gate import Gate
@@ -38,7 +37,6 @@ from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import OutOfPages, PageStore
 from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
-from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
@@ -56,13 +54,6 @@ class Session:
     instance: str
     key: str  # the inferlet run; scopes its contexts
     contexts: set[int] = field(default_factory=set)
-
-
-@dataclass
-class NamedAdapter:
-    owner: str
-    name: str
-    salt: bytes  # KV written under these weights hashes with it; renewed whenever the weights change
 
 
 @dataclass(frozen=True)
@@ -214,12 +205,31 @@ class ReplicaEngine:
         self._ahead: dict[int, _Ahead] = {}  # a context's step run ahead
         self.steps_ahead = 0  # steps run before they were asked for
         self.steps_ahead_taken = 0  # ... that a request then adopted
-        self._adapters: dict[int, NamedAdapter] = {}
-        self._adapter_ids: dict[tuple[str, str], int] = {}  # (user, name) -> adapter id
-        self._next_adapter = 1
-        self._adapter_root = Path(runner.settings.adapter_dir) if runner.settings.adapter_dir else default_root()
+        self.adapters = AdapterRegistry(runner)
+        # every operation but ``forward`` (see ``_handle``): name on the wire -> handler(session, *args)
+        self._operations: dict[str, Callable[..., Awaitable]] = {
+            "create": self.op_create,
+            "destroy": self.op_destroy,
+            "close": self.op_close,
+            "fork": self.op_fork,
+            "save": self.op_save,
+            "snapshot": self.op_snapshot,
+            "open": self.op_open,
+            "take": self.op_take,
+            "delete": self.op_delete,
+            "truncate": self.op_truncate,
+            "stats": self.op_stats,
+            "account": self.op_account,
+            "suspend": self.op_suspend,
+            "set_bid": self.op_set_bid,
+            "adapter_create": self.adapters.create,
+            "adapter_open": self.adapters.open,
+            "adapter_fork": self.adapters.fork,
+            "adapter_save": self.adapters.save,
+            "adapter_load": self.adapters.load,
+            "adapter_destroy": self.adapters.destroy,
+        }
         self._tasks: list[asyncio.Task] = []
-        self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
 
     def start(self, host_ip: str) -> dict[str, str]:
         addresses = self.channel.bind(host_ip)
@@ -255,10 +265,10 @@ class ReplicaEngine:
             session = self._sessions[name] = Session(name, username, instance, key)
         if op == "forward":
             return self._forward(session, PassArgs(*args), answer)
-        method = self._ops.get(op)
-        if method is None:
+        handler = self._operations.get(op)
+        if handler is None:
             raise ValueError(f"unknown replica operation {op!r}")
-        return self._operation(method(session, *args))
+        return self._operation(handler(session, *args))
 
     async def _operation(self, work: Awaitable):
         try:
@@ -764,7 +774,7 @@ class ReplicaEngine:
         ``PLAIN_PASS``."""
         if adapter is None and zo_seed is None and not masked and ctx not in self._salts:
             return PLAIN_PASS
-        adapter_salt = b"" if adapter is None else self._adapter(session, adapter).salt
+        adapter_salt = b"" if adapter is None else self.adapters.owned(session, adapter).salt
         if zo_seed is not None:
             if adapter is None:
                 raise ValueError("zo_seed perturbs an adapter: pass the adapter too")
@@ -973,95 +983,3 @@ class ReplicaEngine:
         spare = view.working_pages - pages_for(view.working_tokens, self.page_size)
         if spare > 0:
             self.contexts.release_working(ctx, spare)
-
-    # -- LoRA adapters -----------------------------------------------------------------------------------------
-
-    async def op_adapter_create(
-        self,
-        session: Session,
-        name: str,
-        rank: int = 8,
-        alpha: float = 16.0,
-        targets: Sequence[str] = DEFAULT_TARGETS,
-        sigma: float = DEFAULT_SIGMA,
-    ) -> list:
-        """A fresh adapter under ``name`` in the user's namespace (PEFT's init: it changes nothing until trained or
-        loaded); returns what ``adapter_open`` returns."""
-        key = self._adapter_key(session, name)
-        if key in self._adapter_ids:
-            raise ValueError(f"adapter {name!r} already exists for user {session.username!r}: open it instead")
-        for label, value in (("LoRA alpha", alpha), ("zo sigma", sigma)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{label} must be a number, got {value!r}")
-        if not isinstance(targets, (list, tuple)):
-            raise ValueError(f"LoRA target modules must be a list of module names, got {targets!r}")
-        config = LoraConfig(rank, float(alpha), tuple(targets))
-        adapter_id = self._next_adapter
-        self.runner.create_adapter(adapter_id, config, float(sigma))
-        return self._register(adapter_id, key)
-
-    async def op_adapter_open(self, session: Session, name: str) -> list | None:
-        """[id, rank, alpha, target modules] of the user's adapter ``name``, or None."""
-        adapter_id = self._adapter_ids.get(self._adapter_key(session, name))
-        return None if adapter_id is None else self._describe(adapter_id)
-
-    async def op_adapter_fork(self, session: Session, adapter: int, new_name: str) -> list:
-        key = self._adapter_key(session, new_name)
-        if key in self._adapter_ids:
-            raise ValueError(f"adapter {new_name!r} already exists for user {session.username!r}")
-        self._adapter(session, adapter)
-        adapter_id = self._next_adapter
-        self.runner.fork_adapter(adapter, adapter_id)
-        return self._register(adapter_id, key)
-
-    async def op_adapter_save(self, session: Session, adapter: int, path: str | None = None) -> None:
-        """Write the adapter in PEFT's layout to ``path`` (default: its name) in the user's adapter directory. File
-        I/O runs off the event loop (an adapter's matrices are never changed in place, so this is a snapshot)."""
-        named = self._adapter(session, adapter)
-        path = named.name if path is None else path
-        directory = user_path(self._adapter_root, session.username, path)
-        try:
-            await asyncio.to_thread(write_adapter, self.runner.adapters.get(adapter), directory, self.runner.model_dir)
-        except OSError as e:
-            raise ValueError(f"cannot save adapter {named.name!r} to {path!r}: {e.strerror}") from None
-
-    async def op_adapter_load(self, session: Session, adapter: int, path: str) -> list:
-        """Replace the adapter's weights (and rank, alpha, targets) with the PEFT adapter at ``path``."""
-        named = self._adapter(session, adapter)
-        directory = user_path(self._adapter_root, session.username, path)
-        if not directory.is_dir():
-            raise ValueError(f"no adapter directory {path!r} in user {session.username!r}'s adapter directory")
-        try:
-            config, weights = await asyncio.to_thread(read_adapter, directory)
-        except OSError as e:
-            raise ValueError(f"cannot read adapter {path!r}: {e.strerror}") from None
-        self._adapter(session, adapter)  # still there after the read
-        self.runner.replace_adapter(adapter, config, weights)
-        named.salt = uuid.uuid4().bytes  # new weights: KV cached under the old ones no longer matches
-        return self._describe(adapter)
-
-    async def op_adapter_destroy(self, session: Session, adapter: int) -> None:
-        named = self._adapter(session, adapter)
-        self.runner.drop_adapter(adapter)
-        del self._adapters[adapter], self._adapter_ids[named.owner, named.name]
-
-    def _adapter_key(self, session: Session, name: str) -> tuple[str, str]:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
-        return session.username, name
-
-    def _adapter(self, session: Session, adapter: int) -> NamedAdapter:
-        named = self._adapters.get(adapter)
-        if named is None or named.owner != session.username:
-            raise ValueError(f"adapter {adapter!r} does not exist (it was destroyed, or belongs to another user)")
-        return named
-
-    def _register(self, adapter_id: int, key: tuple[str, str]) -> list:
-        self._next_adapter += 1
-        self._adapters[adapter_id] = NamedAdapter(key[0], key[1], uuid.uuid4().bytes)
-        self._adapter_ids[key] = adapter_id
-        return self._describe(adapter_id)
-
-    def _describe(self, adapter_id: int) -> list:
-        config = self.runner.adapters.get(adapter_id).config
-        return [adapter_id, config.rank, config.alpha, list(config.targets)]

@@ -1,0 +1,135 @@
+"""The replica's LoRA adapters by name: each user's namespace, the runner's adapter slots, and PEFT files.
+
+An adapter belongs to the user who created it (not to one inferlet run), under a name unique in that user's
+namespace; operations name it by the id ``adapter_create``/``adapter_open`` returned. Its weights live in the model
+runner, under that id. KV written under an adapter is hashed with the adapter's salt, renewed whenever its weights
+change, so only passes under the same weights share it through the prefix trie. Saving and loading read and write
+PEFT's layout in the user's directory under the adapter root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
+from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
+from pie_workers.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pie_workers.engine.service import Session
+
+
+@dataclass
+class NamedAdapter:
+    owner: str
+    name: str
+    salt: bytes  # KV written under these weights hashes with it; renewed whenever the weights change
+
+
+class AdapterRegistry:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self._root = Path(runner.settings.adapter_dir) if runner.settings.adapter_dir else default_root()
+        self._adapters: dict[int, NamedAdapter] = {}
+        self._ids: dict[tuple[str, str], int] = {}  # (user, name) -> adapter id
+        self._next_id = 1
+
+    # -- wire operations (``adapter_<name>``) --------------------------------------------------------------------
+
+    async def create(
+        self,
+        session: Session,
+        name: str,
+        rank: int = 8,
+        alpha: float = 16.0,
+        targets: Sequence[str] = DEFAULT_TARGETS,
+        sigma: float = DEFAULT_SIGMA,
+    ) -> list:
+        """A fresh adapter under ``name`` in the user's namespace (PEFT's init: it changes nothing until trained or
+        loaded); returns what ``open`` returns."""
+        key = self._key(session, name)
+        if key in self._ids:
+            raise ValueError(f"adapter {name!r} already exists for user {session.username!r}: open it instead")
+        for label, value in (("LoRA alpha", alpha), ("zo sigma", sigma)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{label} must be a number, got {value!r}")
+        if not isinstance(targets, (list, tuple)):
+            raise ValueError(f"LoRA target modules must be a list of module names, got {targets!r}")
+        config = LoraConfig(rank, float(alpha), tuple(targets))
+        adapter_id = self._next_id
+        self.runner.create_adapter(adapter_id, config, float(sigma))
+        return self._register(adapter_id, key)
+
+    async def open(self, session: Session, name: str) -> list | None:
+        """[id, rank, alpha, target modules] of the user's adapter ``name``, or None."""
+        adapter_id = self._ids.get(self._key(session, name))
+        return None if adapter_id is None else self._describe(adapter_id)
+
+    async def fork(self, session: Session, adapter: int, new_name: str) -> list:
+        key = self._key(session, new_name)
+        if key in self._ids:
+            raise ValueError(f"adapter {new_name!r} already exists for user {session.username!r}")
+        self.owned(session, adapter)
+        adapter_id = self._next_id
+        self.runner.fork_adapter(adapter, adapter_id)
+        return self._register(adapter_id, key)
+
+    async def save(self, session: Session, adapter: int, path: str | None = None) -> None:
+        """Write the adapter in PEFT's layout to ``path`` (default: its name) in the user's adapter directory. File
+        I/O runs off the event loop (an adapter's matrices are never changed in place, so this is a snapshot)."""
+        named = self.owned(session, adapter)
+        path = named.name if path is None else path
+        directory = user_path(self._root, session.username, path)
+        try:
+            await asyncio.to_thread(write_adapter, self.runner.adapters.get(adapter), directory, self.runner.model_dir)
+        except OSError as e:
+            raise ValueError(f"cannot save adapter {named.name!r} to {path!r}: {e.strerror}") from None
+
+    async def load(self, session: Session, adapter: int, path: str) -> list:
+        """Replace the adapter's weights (and rank, alpha, targets) with the PEFT adapter at ``path``."""
+        named = self.owned(session, adapter)
+        directory = user_path(self._root, session.username, path)
+        if not directory.is_dir():
+            raise ValueError(f"no adapter directory {path!r} in user {session.username!r}'s adapter directory")
+        try:
+            config, weights = await asyncio.to_thread(read_adapter, directory)
+        except OSError as e:
+            raise ValueError(f"cannot read adapter {path!r}: {e.strerror}") from None
+        self.owned(session, adapter)  # still there after the read
+        self.runner.replace_adapter(adapter, config, weights)
+        named.salt = uuid.uuid4().bytes  # new weights: KV cached under the old ones no longer matches
+        return self._describe(adapter)
+
+    async def destroy(self, session: Session, adapter: int) -> None:
+        named = self.owned(session, adapter)
+        self.runner.drop_adapter(adapter)
+        del self._adapters[adapter], self._ids[named.owner, named.name]
+
+    # -- for passes ----------------------------------------------------------------------------------------------
+
+    def owned(self, session: Session, adapter: int) -> NamedAdapter:
+        """The adapter, if it exists and belongs to the session's user."""
+        named = self._adapters.get(adapter)
+        if named is None or named.owner != session.username:
+            raise ValueError(f"adapter {adapter!r} does not exist (it was destroyed, or belongs to another user)")
+        return named
+
+    def _key(self, session: Session, name: str) -> tuple[str, str]:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
+        return session.username, name
+
+    def _register(self, adapter_id: int, key: tuple[str, str]) -> list:
+        self._next_id += 1
+        self._adapters[adapter_id] = NamedAdapter(key[0], key[1], uuid.uuid4().bytes)
+        self._ids[key] = adapter_id
+        return self._describe(adapter_id)
+
+    def _describe(self, adapter_id: int) -> list:
+        config = self.runner.adapters.get(adapter_id).config
+        return [adapter_id, config.rank, config.alpha, list(config.targets)]
