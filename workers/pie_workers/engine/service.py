@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from pie_workers.engine.adapter_registry import AdapterRegistry
 from pie_workers.engine.channel import Answer, ChannelServer
@@ -35,6 +35,7 @@ from pie_workers.engine.gate import Gate
 from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import OutOfPages, PageStore
+from pie_workers.engine.protocol import PassArgs, PassReply
 from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.runner import ModelRunner
@@ -82,7 +83,7 @@ class _Ahead:
 
     def repeats(self, a: PassArgs) -> bool:
         return (
-            _plain(a)
+            a.plain()
             and a.tokens == [self.token]
             and a.positions == [self.position]
             and a.slots == self.slots
@@ -108,71 +109,6 @@ class _Steps:
     token: int  # the next step's input
     page_ids: list[int]  # the context's pages, as the batch takes them
     seq_len: int
-
-
-class PassArgs(NamedTuple):
-    """A ``forward`` operation's arguments, in their order on the wire.
-
-    A ``chained`` pass (a list of stop ids, maybe empty) takes as its input the token the context's previous pass
-    sampled (the end of its verified walk, else its first token slot's), so a Generator can send step k + 1 before
-    it has read step k: the inferlet's round trip then overlaps the batches instead of adding to them. ``tokens``
-    must be empty and ``positions`` hold that token's position. When the token is one of the stop ids, nothing
-    runs and the answer is None; when the previous pass failed or sampled nothing, this one fails too. A chained
-    pass may run several ``steps``, each on the token the step before sampled, ending after a step that samples a
-    stop id; its answer is the last step's, with every step's token as the walk. It takes no attention masks or
-    drafts, commits its pages when it ends, and is all or nothing: a failed step undoes the steps before it.
-
-    A plain pass (one step, samplers and probes on its last row only, no masks, drafts, adapter or zo seed) may ask
-    for the next step ``ahead`` (a list of stop ids): once it is answered, the replica runs the next step on the
-    token it sampled, unless that is a stop id, into the KV past the context's end. A request for exactly that step
-    (the token, the next position, the same slots) is then answered from it when its batch ends, so an inferlet
-    stepping token by token has its round trip overlap the batches; anything else on the context drops it.
-
-    Full pages are committed (shared through the prefix trie) right away, except pages touching the last ``hold``
-    tokens: a Generator holds back accepted drafts it may still cut at a stop token. ``draft_masks`` gives each
-    draft row its own logit mask (a grammar's, after that draft). ``adapter`` (an id from
-    ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass. With a
-    ``draft_budget``, up to that many n-gram drafts for the next step come back (``system_speculation``). A ``bid``
-    (a Generator's default) is the context's bid from this pass on, as ``set_bid`` would make it.
-    """
-
-    ctx: int
-    tokens: list[int]
-    positions: list[int]
-    slots: list  # [row, slot on the wire] per sampled or probed row
-    attention_masks: list[list[int]] | None
-    logit_mask: bytes | None
-    drafts: list[int]
-    draft_positions: list[int]
-    hold: int = 0
-    adapter: int | None = None
-    zo_seed: int | None = None
-    draft_masks: list[bytes] | None = None
-    draft_budget: int = 0
-    bid: float | None = None
-    chained: list[int] | None = None
-    steps: int = 1
-    ahead: list[int] | None = None
-
-
-def _plain(a: PassArgs) -> bool:
-    """A pass a step run ahead can stand for, and run after: one step of tokens alone (no masks, drafts, adapter or
-    zo seed)."""
-    return (
-        a.chained is None
-        and a.attention_masks is None
-        and a.logit_mask is None
-        and not a.drafts
-        and a.draft_budget == 0
-        and a.adapter is None
-        and a.zo_seed is None
-    )
-
-
-def _held(a: PassArgs) -> int:
-    """Tokens at the end whose pages a pass leaves uncommitted: ``hold``, and a chained pass of several steps keeps
-    all it may write until it ends, so that it can undo them."""
-    return a.hold + a.steps if a.steps > 1 else a.hold
 
 
 class ReplicaEngine:
@@ -264,7 +200,7 @@ class ReplicaEngine:
             username, instance, key = name.split("/", 2)
             session = self._sessions[name] = Session(name, username, instance, key)
         if op == "forward":
-            return self._forward(session, PassArgs(*args), answer)
+            return self._forward(session, PassArgs.from_wire(args), answer)
         handler = self._operations.get(op)
         if handler is None:
             raise ValueError(f"unknown replica operation {op!r}")
@@ -511,12 +447,12 @@ class ReplicaEngine:
         try:
             if isinstance(out, Exception):
                 raise out
-            self._settle_pass(a.ctx, out, tokens, a.positions, a.drafts, a.draft_positions, _held(a), bind)
-            result = self._pass_reply(a.ctx, out, a.draft_budget)
+            self._settle_pass(a.ctx, out, tokens, a.positions, a.drafts, a.draft_positions, a.held(), bind)
+            reply = self._pass_reply(a.ctx, out, a.draft_budget)
         except Exception as e:
             self._fail_pass(a.ctx, gate, answer, e, walk)
         else:
-            self._pass_done(session, a, gate, answer, result, walk, slots, bind)
+            self._pass_done(session, a, gate, answer, reply, walk, slots, bind)
 
     async def _pass_slowly(
         self,
@@ -570,25 +506,25 @@ class ReplicaEngine:
                 a.drafts,
                 a.draft_positions,
                 a.draft_masks,
-                _held(a),
+                a.held(),
                 bind,
             )
-            result = self._pass_reply(ctx, out, a.draft_budget)
+            reply = self._pass_reply(ctx, out, a.draft_budget)
         except Exception as e:
             self._fail_pass(ctx, gate, answer, e, walk)
         else:
-            self._pass_done(session, a, gate, answer, result, walk, slots, bind)
+            self._pass_done(session, a, gate, answer, reply, walk, slots, bind)
 
     def _pass_done(
-        self, session: Session, a: PassArgs, gate: Gate, answer: Answer, result: list, walk, slots, bind
+        self, session: Session, a: PassArgs, gate: Gate, answer: Answer, reply: PassReply, walk, slots, bind
     ) -> None:
         """A pass ended well: answer it, or run a chained pass's next step on the token this one sampled. ``walk``:
         the tokens of a chained pass's steps before this one."""
         if a.chained is None:
             ahead = functools.partial(self._step_ahead, a, slots) if a.ahead is not None else None
-            return self._end_pass(gate, answer, result, ahead=ahead)
+            return self._end_pass(gate, answer, reply, ahead=ahead)
         sampled = self._sampled.get(a.ctx)
-        walk = result[1] = walk if walk is not None else []
+        walk = reply.walk = walk if walk is not None else []
         if sampled is not None:
             walk.append(sampled)
         if a.steps > 1 and sampled is not None and sampled not in a.chained:
@@ -598,7 +534,7 @@ class ReplicaEngine:
                 session, a, gate, answer, slots, bind, walk, left, position, sampled, list(view.page_ids), view.seq_len
             )
             return self._next_step(run)
-        self._end_pass(gate, answer, result)
+        self._end_pass(gate, answer, reply)
 
     def _next_step(self, run: _Steps) -> None:
         """A chained pass's next step, on the token the step before sampled. The plain case (the context resident,
@@ -608,7 +544,7 @@ class ReplicaEngine:
         need = pages_for(run.seq_len + 1, self.page_size) - len(run.page_ids)
         residency = self.residency
         if ctx in residency.deferred or ctx in residency.suspended or (need > 0 and not residency.try_now(ctx, need)):
-            a = run.a._replace(positions=[run.position], steps=run.left, hold=run.a.hold + len(run.walk))
+            a = dataclasses.replace(run.a, positions=[run.position], steps=run.left, hold=run.a.hold + len(run.walk))
             return self._start_pass(run.session, a, run.gate, run.answer, run.walk)
         if need > 0:
             self._made(ctx, need)
@@ -646,7 +582,8 @@ class ReplicaEngine:
             self._commit_full(ctx, run.a.hold)
         except Exception as e:
             return self._fail_pass(ctx, run.gate, run.answer, e, run.walk)
-        self._end_pass(run.gate, run.answer, [[output_to_wire(s) for s in out.slots], run.walk, run.seq_len, []])
+        slots = [output_to_wire(s) for s in out.slots]
+        self._end_pass(run.gate, run.answer, PassReply(slots=slots, walk=run.walk, seq_len=run.seq_len, next_drafts=[]))
 
     def _fail_pass(self, ctx: int, gate: Gate, answer: Answer, error: Exception, walk: list[int] | None) -> None:
         """A pass failed: a chained pass undoes the steps it ran before (``walk``: their tokens), so that nothing of
@@ -656,12 +593,17 @@ class ReplicaEngine:
         self._end_pass(gate, answer, error=error)
 
     def _end_pass(
-        self, gate: Gate, answer: Answer, result=None, error: Exception | None = None, ahead: Callable | None = None
+        self,
+        gate: Gate,
+        answer: Answer,
+        reply: PassReply | None = None,
+        error: Exception | None = None,
+        ahead: Callable | None = None,
     ) -> None:
         """Answer the pass and hand the context's turn on (to its next request, when one waits), or keep it for
         the next step run ``ahead``."""
         try:
-            answer(error, result)
+            answer(error, None if reply is None else reply.to_wire())
         finally:
             if ahead is None or gate.waiting() or not self._started(ahead, gate):
                 gate.give()
@@ -683,7 +625,7 @@ class ReplicaEngine:
         sampled = self._sampled.get(ctx)
         last = len(a.tokens) - 1
         if (
-            not _plain(a)
+            not a.plain()
             or sampled is None
             or sampled in a.ahead
             or any(row != last for row, _ in a.slots)
@@ -729,17 +671,9 @@ class ReplicaEngine:
         sampled, and None when that is a stop token (nothing runs). Applies the pass's bid, and a suspension
         deferred until this pass began."""
         sampled = self._sampled.pop(ctx, None)
+        a.check()
         tokens = a.tokens
-        if a.ahead is not None and (a.chained is not None or a.steps != 1 or not isinstance(a.ahead, list)):
-            raise ValueError(f"only a plain pass of one step takes stop ids to run the next step ahead: {a.ahead!r}")
-        if a.steps != 1:
-            if a.chained is None or not isinstance(a.steps, int) or a.steps < 1:
-                raise ValueError(f"a pass runs one step, a chained pass one or more: got {a.steps!r} steps")
-            if a.attention_masks is not None or a.drafts:
-                raise ValueError("a chained pass of several steps takes no attention masks or drafts")
         if a.chained is not None:
-            if tokens:
-                raise ValueError("a chained pass takes its input from the previous pass: send no tokens")
             if sampled is None:
                 raise ValueError(
                     f"context {ctx}: a chained pass follows the previous one, which failed or sampled no token"
@@ -755,8 +689,8 @@ class ReplicaEngine:
             raise ValueError(f"{len(a.positions)} positions for {len(tokens)} input tokens")
         return tokens
 
-    def _pass_reply(self, ctx: int, out: RequestOutput, draft_budget: int) -> list:
-        """The pass's answer on the wire; remembers the token it sampled for a pass chained on it."""
+    def _pass_reply(self, ctx: int, out: RequestOutput, draft_budget: int) -> PassReply:
+        """The pass's answer; remembers the token it sampled for a pass chained on it."""
         seq_len = self.contexts.seq_len(ctx)
         sampled = out.tokens[-1] if out.tokens else next((s.token for s in out.slots if s.token is not None), None)
         next_drafts = []
@@ -765,7 +699,9 @@ class ReplicaEngine:
             if draft_budget > 0:
                 text = lambda: self.contexts.tokens(ctx)  # noqa: E731 (read only when the index is rebuilt)
                 next_drafts = self.drafter.draft(ctx, text, seq_len, sampled, draft_budget)
-        return [[output_to_wire(s) for s in out.slots], out.tokens, seq_len, next_drafts]
+        return PassReply(
+            slots=[output_to_wire(s) for s in out.slots], walk=out.tokens, seq_len=seq_len, next_drafts=next_drafts
+        )
 
     def _binding(
         self, session: Session, ctx: int, masked: bool, adapter: int | None, zo_seed: int | None
