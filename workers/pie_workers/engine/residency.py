@@ -22,6 +22,9 @@ has been idle), or by its own choice when it has to wait. So it can be suspended
 resident only until that bidder's next pass begins (when it had one in flight) or when its KV cannot be recomputed
 (written under a custom attention mask, an adapter or a zo seed: such contexts are never suspended). Snapshots are
 never suspended.
+
+Passes take their pages through here too (``reserve``, or ``grant`` once ``try_now`` allowed them), and every page a
+context's process makes is charged to it; ``restore`` brings a suspended context back before its next operation.
 """
 
 from __future__ import annotations
@@ -29,14 +32,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from pie_workers.engine.contexts import ContextTable
+from pie_workers.engine.contexts import ContextError, ContextTable, ContextView
 from pie_workers.engine.page_store import OutOfPages
 from pie_workers.wire.pages import pages_for
 
 IDLE_BATCHES = 4  # batches without an operation after which a context counts as idle
+
+PagePairs = list[tuple[int, int]]
+
+
+def pages_to_reserve(view: ContextView, new_tokens: int) -> int:
+    """Working pages a context (as ``view`` shows it) still has to reserve to take ``new_tokens`` more tokens."""
+    return pages_for(view.seq_len + new_tokens, view.page_size) - len(view.page_ids)
 
 
 @dataclass
@@ -62,9 +72,18 @@ class Residency:
         busy: Callable[[int], bool],
         clock: Callable[[], int],
         host_pages: int = 0,
-        offload: Callable[[list[tuple[int, int]]], None] | None = None,
+        offload: Callable[[PagePairs], None] | None = None,
+        copy_in: Callable[[PagePairs], Awaitable] | None = None,
+        recompute: Callable[[int, list[int], list[int], int], Awaitable] | None = None,
+        forget_drafts: Callable[[int], None] = lambda ctx: None,
+        made: Callable[[str, int], None] | None = None,
     ) -> None:
-        """``offload(pairs)`` queues copies of (page, host slot) that run before any later use of those pages."""
+        """The engine's side, for suspensions and restores: ``offload(pairs)`` queues copies of (page, host slot)
+        that run before any later use of those pages, ``copy_in(pairs)`` copies (host slot, page) back;
+        ``recompute(ctx, tokens, positions, hold)`` rebuilds a restored context's KV for those tokens by passes
+        (committing full pages but those touching the last ``hold`` tokens); ``forget_drafts(ctx)`` drops the
+        context's n-gram index. ``made(process, pages)``: ``process`` made ``pages`` new pages (None: nobody
+        counts them)."""
         self.contexts = contexts
         self.store = contexts.store
         self.busy = busy  # ctx -> an operation on it is in flight, so it cannot be suspended now
@@ -79,6 +98,10 @@ class Residency:
         self.offloaded = 0  # suspensions whose pages went to host memory
         self._free_host = list(range(host_pages - 1, -1, -1)) if offload is not None else []
         self._offload = offload
+        self._copy_in = copy_in
+        self._recompute = recompute
+        self._forget_drafts = forget_drafts
+        self._made = made
         self._last_use: dict[int, int] = {}
         self._clock = clock  # batches fired so far
 
@@ -212,6 +235,88 @@ class Residency:
             self.suspend(ctx)
         if self._line:
             self._line[0].event.set()
+
+    # -- pages for passes, and restores ---------------------------------------------------------------------------
+
+    def charge(self, ctx: int, pages: int) -> None:
+        """``pages`` new pages were made for ``ctx``: its process pays for them."""
+        if self._made is not None:
+            self._made(self.owners[ctx], pages)
+
+    def grant(self, ctx: int, pages: int) -> list[int]:
+        """Reserve ``pages`` that ``try_now`` allowed for ``ctx``; returns them."""
+        self.charge(ctx, pages)
+        return self.contexts.reserve(ctx, pages)
+
+    async def reserve(self, ctx: int, new_tokens: int) -> None:
+        """Reserve the pages a pass needs. When the pool is short, or a higher bidder waits, the context suspends
+        itself (if it can be recomputed) and comes back through the line, so it never waits while holding pages
+        that those ahead of it need."""
+        need = pages_to_reserve(self.contexts.view(ctx), new_tokens)
+        if need <= 0:
+            return
+        self.charge(ctx, need)
+        if self.try_now(ctx, need):
+            self.contexts.reserve(ctx, need)
+        elif self.suspend(ctx):
+            await self.restore(ctx, new_tokens)
+        else:
+            await self.wait_for(ctx, lambda: pages_to_reserve(self.contexts.view(ctx), new_tokens))
+            self.contexts.reserve(ctx, pages_to_reserve(self.contexts.view(ctx), new_tokens))
+
+    async def restore(self, ctx: int, new_tokens: int = 0) -> None:
+        """Bring a suspended context back: wait in line for its pages (plus room for ``new_tokens``), adopt the
+        prefix pages still cached, and copy the rest back from host memory or recompute it; committed and working
+        tokens end as before."""
+        suspended = self.suspended.get(ctx)
+        if suspended is None:
+            return
+        text, committed = suspended.text, suspended.committed
+        pages = pages_for(len(text) + new_tokens, self.store.page_size)
+        await self.wait_for(ctx, lambda: pages)
+        if self.suspended.pop(ctx, None) is None:
+            raise ContextError(f"context {ctx} was released while it waited for memory")
+        self._forget_drafts(ctx)
+        tokens, positions = [t for t, _ in text], [p for _, p in text]
+        reused = self.contexts.reuse_prefix(ctx, tokens[:committed], positions[:committed]) if committed else 0
+        self.contexts.reserve(ctx, pages - len(self.contexts.view(ctx).page_ids))
+        if suspended.host is not None:
+            await self._copy_back(ctx, suspended, tokens, positions, reused)
+        else:
+            await self._recompute(ctx, tokens[reused:], positions[reused:], len(text) - committed)
+
+    async def restore_for_snapshot(self, ctx: int) -> None:
+        """The context resident with room for copies of its working pages, without waiting in line (the inferlet
+        is blocked on this call); OutOfPages if memory is too short for that now."""
+        suspended = self.suspended.get(ctx)
+        if suspended is None:
+            pages = self.contexts.view(ctx).working_pages  # the snapshot's copies
+        else:  # its whole text back, then copies of its uncommitted part
+            pages = suspended.pages + pages_for(len(suspended.text) - suspended.committed, self.store.page_size)
+        if not self.try_now(ctx, pages):
+            raise OutOfPages(pages, self.store.available, self.store.num_pages)
+        await self.restore(ctx)
+
+    def seq_len(self, ctx: int) -> int:
+        """The context's length, whether it is resident or suspended."""
+        suspended = self.suspended.get(ctx)
+        return len(suspended.text) if suspended else self.contexts.view(ctx).seq_len
+
+    async def _copy_back(
+        self, ctx: int, suspended: Suspended, tokens: list[int], positions: list[int], reused: int
+    ) -> None:
+        """Restore a context's pages from host memory (past the ``reused`` tokens adopted from the cache): copy
+        them into its reserved pages, then record and commit its tokens as the passes that wrote them did."""
+        page_size = self.store.page_size
+        try:
+            page_ids = self.contexts.view(ctx).page_ids
+            first, last = reused // page_size, pages_for(len(tokens), page_size)
+            await self._copy_in([(suspended.host[i], page_ids[i]) for i in range(first, last)])
+        finally:
+            self.release_host(suspended.host)
+        self.contexts.record(ctx, tokens[reused:], positions[reused:])
+        if full := (suspended.committed - reused) // page_size:
+            self.contexts.commit(ctx, full)
 
     def _insert(self, waiter: _Waiter) -> None:
         self._line.append(waiter)

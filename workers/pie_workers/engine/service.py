@@ -36,7 +36,7 @@ from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import OutOfPages, PageStore
 from pie_workers.engine.protocol import PassArgs, PassReply
-from pie_workers.engine.residency import Residency
+from pie_workers.engine.residency import Residency, pages_to_reserve
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput
@@ -126,6 +126,10 @@ class ReplicaEngine:
             clock=lambda: self.scheduler.batches_fired,
             host_pages=runner.kv.host_pages,
             offload=lambda pairs: self.scheduler.submit(None, offloads=pairs),
+            copy_in=lambda pairs: self.scheduler.submit(None, restores=pairs),
+            recompute=self._recompute,
+            forget_drafts=self.drafter.forget,
+            made=None if market is None else lambda process, pages: self.market.made(process, pages),
         )
         self.scheduler = BatchScheduler(self._execute, limits, contexts=lambda: len(self._gates))
         self.channel = ChannelServer(self._handle)
@@ -233,12 +237,8 @@ class ReplicaEngine:
         self._gates[ctx] = Gate()
         self.residency.owners[ctx] = session.instance
         if new_pages:
-            self._made(ctx, self.contexts.view(ctx).working_pages)
+            self.residency.charge(ctx, self.contexts.view(ctx).working_pages)
         return ctx
-
-    def _made(self, ctx: int, pages: int) -> None:
-        if self.market is not None:
-            self.market.made(self.residency.owners[ctx], pages)
 
     async def _run_copies(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -295,32 +295,20 @@ class ReplicaEngine:
             self._salts[child] = self._salts[ctx]
         self.residency.inherit(child, ctx)
         await self._run_copies(copies)
-        return [child, self._seq_len(child)]
+        return [child, self.residency.seq_len(child)]
 
     async def op_save(self, session: Session, ctx: int, name: str) -> None:
         async with self._turn(session, ctx):
-            await self._resident_now(ctx)
+            await self.residency.restore_for_snapshot(ctx)
             copies = self.contexts.save(ctx, name)
         await self._run_copies(copies)
 
     async def op_snapshot(self, session: Session, ctx: int) -> str:
         async with self._turn(session, ctx):
-            await self._resident_now(ctx)
+            await self.residency.restore_for_snapshot(ctx)
             name, copies = self.contexts.snapshot(ctx)
         await self._run_copies(copies)
         return name
-
-    async def _resident_now(self, ctx: int) -> None:
-        """For a snapshot: the context resident with room for copies of its working pages, without waiting in line
-        (the inferlet is blocked on this call); OutOfPages if memory is too short for that now."""
-        suspended = self.residency.suspended.get(ctx)
-        if suspended is None:
-            pages = self.contexts.view(ctx).working_pages  # the snapshot's copies
-        else:  # its whole text back, then copies of its uncommitted part
-            pages = suspended.pages + pages_for(len(suspended.text) - suspended.committed, self.page_size)
-        if not self.residency.try_now(ctx, pages):
-            raise OutOfPages(pages, self.store.available, self.store.num_pages)
-        await self._ensure_resident(ctx)
 
     async def op_open(self, session: Session, name: str) -> list[int] | None:
         """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short."""
@@ -338,7 +326,7 @@ class ReplicaEngine:
             self.residency.add_suspended(ctx, *text)
         self._adopt(session, ctx, new_pages=True)
         await self._run_copies(copies)
-        return [ctx, self._seq_len(ctx)]
+        return [ctx, self.residency.seq_len(ctx)]
 
     async def op_take(self, session: Session, name: str) -> list[int] | None:
         ctx = self.contexts.take(session.username, name, session.key)
@@ -353,7 +341,7 @@ class ReplicaEngine:
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
         async with self._turn(session, ctx):
             self._truncate(ctx, n)
-            return self._seq_len(ctx)
+            return self.residency.seq_len(ctx)
 
     def _truncate(self, ctx: int, n: int) -> None:
         self.drafter.forget(ctx)
@@ -413,7 +401,7 @@ class ReplicaEngine:
                 return self._settle_start(session, a, gate, answer, walk, tokens, slots, bind, ran_ahead)
             new_tokens = len(tokens) + len(a.drafts)
             view = self.contexts.view(ctx)
-            need = self._pages_for(ctx, new_tokens, view)
+            need = pages_to_reserve(view, new_tokens)
             if (
                 ctx in self.residency.suspended
                 or view.seq_len == 0
@@ -427,8 +415,7 @@ class ReplicaEngine:
                 task.add_done_callback(self._slow_passes.discard)
                 return None
             if need > 0:
-                self._made(ctx, need)
-                self.contexts.reserve(ctx, need)
+                self.residency.grant(ctx, need)
                 view = self.contexts.view(ctx)
             request = self._pass_request(
                 view, tokens, a.positions, slots, a.attention_masks, a.logit_mask, a.drafts, a.draft_positions,
@@ -470,7 +457,7 @@ class ReplicaEngine:
         ctx, positions, attention_masks = a.ctx, a.positions, a.attention_masks
         try:
             if ctx in self.residency.suspended:
-                await self._ensure_resident(ctx, len(tokens) + len(a.drafts))
+                await self.residency.restore(ctx, len(tokens) + len(a.drafts))
             if attention_masks is None and not a.drafts and self.contexts.seq_len(ctx) == 0:
                 tokens, positions, slots = self._reuse_cached_prefix(ctx, tokens, positions, slots, bind.salt)
             chunk = self.scheduler.limits.max_tokens
@@ -547,8 +534,7 @@ class ReplicaEngine:
             a = dataclasses.replace(run.a, positions=[run.position], steps=run.left, hold=run.a.hold + len(run.walk))
             return self._start_pass(run.session, a, run.gate, run.answer, run.walk)
         if need > 0:
-            self._made(ctx, need)
-            run.page_ids = run.page_ids + self.contexts.reserve(ctx, need)
+            run.page_ids = run.page_ids + residency.grant(ctx, need)
         self._sampled.pop(ctx, None)  # this step consumes it
         residency.touch(ctx)
         self.chained_passes += 1
@@ -634,11 +620,10 @@ class ReplicaEngine:
         ):
             return False
         view = self.contexts.view(ctx)
-        if need := self._pages_for(ctx, 1, view):
+        if need := pages_to_reserve(view, 1):
             if not self.residency.try_now(ctx, need):
                 return False
-            self._made(ctx, need)
-            self.contexts.reserve(ctx, need)
+            self.residency.grant(ctx, need)
             view = self.contexts.view(ctx)
         position = a.positions[-1] + 1
         ahead = self._ahead[ctx] = _Ahead(sampled, position, [[0, s] for _, s in a.slots], view.seq_len)
@@ -745,7 +730,7 @@ class ReplicaEngine:
         bind: PassBinding,
         trim: bool = True,
     ) -> RequestOutput:
-        await self._reserve(ctx, len(tokens) + len(drafts))
+        await self.residency.reserve(ctx, len(tokens) + len(drafts))
         view = self.contexts.view(ctx)
         request = self._pass_request(
             view, tokens, positions, slots, masks, logit_mask, drafts, draft_positions, draft_masks, bind
@@ -837,80 +822,15 @@ class ReplicaEngine:
         """Credits per page per tick this context offers to keep its pages when memory is short."""
         self.residency.set_bid(self._own(session, ctx), bid)
 
-    def _seq_len(self, ctx: int) -> int:
-        suspended = self.residency.suspended.get(ctx)
-        return len(suspended.text) if suspended else self.contexts.view(ctx).seq_len
-
-    def _pages_for(self, ctx: int, new_tokens: int, view: ContextView | None = None) -> int:
-        """Working pages ``ctx`` still has to reserve to take ``new_tokens`` more tokens (``view``: the context as
-        it is now, when the caller has it)."""
-        view = view or self.contexts.view(ctx)
-        return pages_for(view.seq_len + new_tokens, self.page_size) - len(view.page_ids)
-
-    async def _reserve(self, ctx: int, new_tokens: int) -> None:
-        """Reserve the pages a pass needs. When the pool is short, or a higher bidder waits, the context suspends
-        itself (if it can be recomputed) and comes back through the line, so it never waits while holding pages
-        that those ahead of it need."""
-        need = self._pages_for(ctx, new_tokens)
-        if need <= 0:
-            return
-        self._made(ctx, need)
-        if self.residency.try_now(ctx, need):
-            self.contexts.reserve(ctx, need)
-        elif self.residency.suspend(ctx):
-            await self._ensure_resident(ctx, new_tokens)
-        else:
-            await self.residency.wait_for(ctx, lambda: self._pages_for(ctx, new_tokens))
-            self.contexts.reserve(ctx, self._pages_for(ctx, new_tokens))
-
-    async def _ensure_resident(self, ctx: int, new_tokens: int = 0) -> None:
-        """Bring a suspended context back: wait in line for its pages (plus room for ``new_tokens``), adopt the
-        prefix pages still cached, and recompute the rest of its KV; committed and working tokens end as before."""
-        suspended = self.residency.suspended.get(ctx)
-        if suspended is None:
-            return
-        text, committed = suspended.text, suspended.committed
-        pages = pages_for(len(text) + new_tokens, self.page_size)
-        await self.residency.wait_for(ctx, lambda: pages)
-        if self.residency.suspended.pop(ctx, None) is None:
-            raise ContextError(f"context {ctx} was released while it waited for memory")
-        self.drafter.forget(ctx)
-        tokens, positions = [t for t, _ in text], [p for _, p in text]
-        reused = self.contexts.reuse_prefix(ctx, tokens[:committed], positions[:committed]) if committed else 0
-        self.contexts.reserve(ctx, pages - len(self.contexts.view(ctx).page_ids))
-        if suspended.host is not None:
-            await self._copy_back(ctx, suspended, tokens, positions, reused)
-            return
+    async def _recompute(self, ctx: int, tokens: list[int], positions: list[int], hold: int) -> None:
+        """Rebuild a restored context's KV for these tokens, in chunks a batch takes, its pages already reserved;
+        pages touching the last ``hold`` tokens stay uncommitted, as they were."""
         chunk = self.scheduler.limits.max_tokens
-        for start in range(reused, len(tokens), chunk):
-            end = min(start + chunk, len(tokens))
+        for start in range(0, len(tokens), chunk):
+            end = start + chunk
             await self._forward_once(
-                ctx,
-                tokens[start:end],
-                positions[start:end],
-                [],
-                None,
-                None,
-                [],
-                [],
-                None,
-                len(text) - committed,
-                PassBinding(),
-                trim=False,
+                ctx, tokens[start:end], positions[start:end], [], None, None, [], [], None, hold, PLAIN_PASS, trim=False
             )
-
-    async def _copy_back(self, ctx: int, suspended, tokens: list[int], positions: list[int], reused: int) -> None:
-        """Restore a context's pages from host memory (past the ``reused`` tokens adopted from the cache): copy
-        them into its reserved pages, then record and commit its tokens as the passes that wrote them did."""
-        try:
-            page_ids = self.contexts.view(ctx).page_ids
-            first, last = reused // self.page_size, pages_for(len(tokens), self.page_size)
-            await self.scheduler.submit(None, restores=[(suspended.host[i], page_ids[i]) for i in range(first, last)])
-        finally:
-            self.residency.release_host(suspended.host)
-        self.contexts.record(ctx, tokens[reused:], positions[reused:])
-        if full := (suspended.committed - reused) // self.page_size:
-            self.contexts.commit(ctx, full)
 
     def _trim(self, ctx: int, view: ContextView | None = None) -> None:
         """Give back working pages that hold no tokens (after a rejected draft, a failed pass, or a truncate).
