@@ -22,7 +22,7 @@ def runner(tiny_llama):
 
 async def ran_ahead(e: Engine, ctx: int) -> None:
     """Until the context's step run ahead (if any) has its output."""
-    while ctx in e.engine._ahead and e.engine._ahead[ctx].out is None:
+    while (state := e.engine._states.get(ctx)) is not None and state.ahead is not None and state.ahead.out is None:
         await asyncio.sleep(0)
 
 

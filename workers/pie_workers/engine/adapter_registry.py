@@ -14,14 +14,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
+from pie_workers.engine.state import Session
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
-
-if TYPE_CHECKING:
-    from pie_workers.engine.service import Session
 
 
 @dataclass

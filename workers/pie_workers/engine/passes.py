@@ -1,0 +1,400 @@
+"""A forward pass, from the request that asks for it to the pages it leaves settled.
+
+A pass waits for its context's gate, then reserves the pages it needs, runs in a batch, and settles: it records
+lineage for what it wrote (inputs plus the drafts the model accepted — rejected drafts are rolled back here, so KV,
+``seq_len`` and lineage always agree), commits every full page to the prefix trie but those touching its last
+``hold`` tokens, and gives back pages it left empty.
+
+The common pass (a resident context, no prefix lookup, no prefill chunking, its pages at hand) takes the fast path:
+it goes straight into the next batch and settles the moment the batch ends, with no task and no wake-ups, so the
+next step's request finds the gate free. Any other pass continues as a task (``_pass_slowly``): it restores a
+suspended context, adopts cached prefix pages on a context's first pass, splits a long prefill into chunks and waits
+in line for pages. Chained steps and steps run ahead are in ``steps.py``.
+
+KV written under a custom attention mask or a zo seed is salted per context, so the prefix trie never shares it;
+KV written under an adapter is salted with the adapter's current weights, so only passes with the same adapter
+share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pie_workers.engine.adapter_registry import AdapterRegistry
+from pie_workers.engine.channel import Answer
+from pie_workers.engine.contexts import ContextTable, ContextView
+from pie_workers.engine.ngram import NgramDrafter
+from pie_workers.engine.protocol import PassArgs, PassReply
+from pie_workers.engine.residency import Residency, pages_to_reserve
+from pie_workers.engine.scheduler import BatchScheduler
+from pie_workers.engine.state import ContextState
+from pie_workers.engine.steps import Steps
+from pie_workers.wire.batch import ForwardRequest, RequestOutput
+from pie_workers.wire.codec import output_to_wire, slot_from_wire
+from pie_workers.wire.pages import pages_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PassBinding:
+    """What a forward runs under besides its tokens: the salt its KV is hashed with, the adapter and zo seed."""
+
+    salt: bytes = b""
+    adapter: int | None = None
+    zo_seed: int | None = None
+
+
+PLAIN_PASS = PassBinding()
+
+
+class Passes:
+    def __init__(
+        self,
+        contexts: ContextTable,
+        scheduler: BatchScheduler,
+        residency: Residency,
+        drafter: NgramDrafter,
+        adapters: AdapterRegistry,
+        states: dict[int, ContextState],
+    ):
+        """``states``: the engine's live contexts (read only: a context missing from it was destroyed)."""
+        self.contexts = contexts
+        self.scheduler = scheduler
+        self.residency = residency
+        self.drafter = drafter
+        self.adapters = adapters
+        self.states = states
+        self.page_size = contexts.page_size
+        self.steps = Steps(self)
+        self._slow_passes: set[asyncio.Task] = set()
+
+    # -- a pass's course -----------------------------------------------------------------------------------------
+
+    def start(self, state: ContextState, a: PassArgs, answer: Answer, walk: list[int] | None = None) -> None:
+        """The context's turn has come (this holds its gate): send the pass down the fast path, answer it from the
+        step run ahead that it repeats, or continue it as a task. ``walk``: the tokens of a chained pass's steps
+        before this one."""
+        ctx = a.ctx
+        try:
+            tokens = self._input(state, a)
+            if tokens is None:
+                return self.end(state, answer, None)
+            bind = self._binding(state, a)
+            slots = [(int(row), slot_from_wire(s)) for row, s in a.slots]
+            if (ahead := self.steps.take_ahead(state, ctx, a)) is not None:
+                return self._settle_start(state, a, answer, walk, ahead.request, bind, ahead.out)
+            new_tokens = len(tokens) + len(a.drafts)
+            view = self.contexts.view(ctx)
+            need = pages_to_reserve(view, new_tokens)
+            if (
+                ctx in self.residency.suspended
+                or view.seq_len == 0
+                or new_tokens > self.scheduler.limits.max_tokens
+                or (need > 0 and not self.residency.try_now(ctx, need))
+            ):
+                task = asyncio.get_running_loop().create_task(
+                    self._pass_slowly(state, a, tokens, slots, bind, answer, walk)
+                )
+                self._slow_passes.add(task)
+                task.add_done_callback(self._slow_passes.discard)
+                return None
+            if need > 0:
+                self.residency.grant(ctx, need)
+                view = self.contexts.view(ctx)
+            request = ForwardRequest(
+                token_ids=tokens,
+                positions=a.positions,
+                page_ids=list(view.page_ids),
+                kv_len=view.seq_len,
+                slots=slots,
+                attention_masks=a.attention_masks,
+                logit_mask=a.logit_mask,
+                draft_tokens=a.drafts,
+                draft_positions=a.draft_positions,
+                draft_masks=a.draft_masks,
+                adapter=bind.adapter,
+                zo_seed=bind.zo_seed,
+            )
+        except Exception as e:
+            return self.fail(state, ctx, answer, e, walk)
+        settle = functools.partial(self._settle_start, state, a, answer, walk, request, bind)
+        self.scheduler.submit_then(request, settle)
+        return None
+
+    def _settle_start(
+        self,
+        state: ContextState,
+        a: PassArgs,
+        answer: Answer,
+        walk: list[int] | None,
+        request: ForwardRequest,
+        bind: PassBinding,
+        out: RequestOutput | Exception,
+    ) -> None:
+        """Settle a pass ``start`` sent (or adopted from a step run ahead) the moment its batch ends."""
+        try:
+            if isinstance(out, Exception):
+                raise out
+            self.settle(a.ctx, request, out, a.held(), bind.salt)
+            reply = self._reply(state, a.ctx, out, a.draft_budget)
+        except Exception as e:
+            self.fail(state, a.ctx, answer, e, walk)
+        else:
+            self._done(state, a, answer, reply, walk, request, bind)
+
+    async def _pass_slowly(
+        self,
+        state: ContextState,
+        a: PassArgs,
+        tokens: list[int],
+        slots: list,
+        bind: PassBinding,
+        answer: Answer,
+        walk: list[int] | None,
+    ) -> None:
+        """The general way through a pass: restore a suspended context, adopt cached prefix pages on a context's
+        first pass, split a long prefill into chunks, wait in line for pages."""
+        ctx, positions, attention_masks = a.ctx, a.positions, a.attention_masks
+        try:
+            if ctx in self.residency.suspended:
+                await self.residency.restore(ctx, len(tokens) + len(a.drafts))
+            if attention_masks is None and not a.drafts and self.contexts.seq_len(ctx) == 0:
+                tokens, positions, slots = self._reuse_cached_prefix(ctx, tokens, positions, slots, bind.salt)
+            chunk = self.scheduler.limits.max_tokens
+            start = 0
+            while len(tokens) - start > chunk:  # chunked prefill: leading chunks carry no samplers
+                if any(row < start + chunk for row, _ in slots):
+                    break
+                end = start + chunk
+                leading = ForwardRequest(
+                    token_ids=tokens[start:end],
+                    positions=positions[start:end],
+                    page_ids=[],  # set once reserved
+                    kv_len=0,
+                    attention_masks=attention_masks[start:end] if attention_masks is not None else None,
+                    adapter=bind.adapter,
+                    zo_seed=bind.zo_seed,
+                )
+                await self.run(ctx, leading, 0, bind.salt)
+                start = end
+            if start:
+                tokens, positions = tokens[start:], positions[start:]
+                slots = [(row - start, s) for row, s in slots]
+                attention_masks = attention_masks[start:] if attention_masks is not None else None
+            request = ForwardRequest(
+                token_ids=tokens,
+                positions=positions,
+                page_ids=[],  # set once reserved
+                kv_len=0,
+                slots=slots,
+                attention_masks=attention_masks,
+                logit_mask=a.logit_mask,
+                draft_tokens=a.drafts,
+                draft_positions=a.draft_positions,
+                draft_masks=a.draft_masks,
+                adapter=bind.adapter,
+                zo_seed=bind.zo_seed,
+            )
+            out = await self.run(ctx, request, a.held(), bind.salt)
+            reply = self._reply(state, ctx, out, a.draft_budget)
+        except Exception as e:
+            self.fail(state, ctx, answer, e, walk)
+        else:
+            self._done(state, a, answer, reply, walk, request, bind)
+
+    def _done(
+        self,
+        state: ContextState,
+        a: PassArgs,
+        answer: Answer,
+        reply: PassReply,
+        walk: list[int] | None,
+        request: ForwardRequest,
+        bind: PassBinding,
+    ) -> None:
+        """A pass ended well (``request``: the last it sent): answer it, or run a chained pass's next step on the
+        token this one sampled."""
+        if a.chained is None:
+            ahead = functools.partial(self.steps.run_ahead, state, a, request.slots) if a.ahead is not None else None
+            return self.end(state, answer, reply, ahead=ahead)
+        sampled = state.sampled
+        walk = reply.walk = walk if walk is not None else []
+        if sampled is not None:
+            walk.append(sampled)
+        if a.steps > 1 and sampled is not None and sampled not in a.chained:
+            return self.steps.chain(state, a, answer, request.slots, bind, walk)
+        self.end(state, answer, reply)
+
+    def fail(self, state: ContextState, ctx: int, answer: Answer, error: Exception, walk: list[int] | None) -> None:
+        """A pass failed: a chained pass undoes the steps it ran before (``walk``: their tokens), so that nothing of
+        it is in the KV, and the pass chained on it fails too."""
+        if walk and ctx in self.states:  # the context is still there
+            self.truncate(state, ctx, len(walk))
+        self.end(state, answer, error=error)
+
+    def end(
+        self,
+        state: ContextState,
+        answer: Answer,
+        reply: PassReply | None = None,
+        error: Exception | None = None,
+        ahead: Callable[[], bool] | None = None,
+    ) -> None:
+        """Answer the pass and hand the context's turn on (to its next request, when one waits), or keep it for
+        the next step run ``ahead``."""
+        gate = state.gate
+        try:
+            answer(error, None if reply is None else reply.to_wire())
+        finally:
+            if ahead is None or gate.waiting() or not _started(ahead):
+                gate.give()
+            self.residency.wake()  # pages may have been freed
+
+    # -- running and settling a request ----------------------------------------------------------------------------
+
+    async def run(self, ctx: int, request: ForwardRequest, hold: int, salt: bytes, trim: bool = True) -> RequestOutput:
+        """Run one request of a pass the general way: reserve the pages it needs (waiting in line, or restoring the
+        context), point it at the context's pages, and settle it."""
+        await self.residency.reserve(ctx, len(request.token_ids) + len(request.draft_tokens))
+        view = self.contexts.view(ctx)
+        request.page_ids, request.kv_len = list(view.page_ids), view.seq_len
+        out = await self.scheduler.submit(request)
+        return self.settle(ctx, request, out, hold, salt, trim)
+
+    def settle(
+        self, ctx: int, request: ForwardRequest, out: RequestOutput, hold: int, salt: bytes, trim: bool = True
+    ) -> RequestOutput:
+        """Record what the request wrote (inputs and accepted drafts) under ``salt``, give back pages it left empty
+        (unless ``trim`` is False), and commit full pages except those touching the last ``hold`` tokens; a failed
+        request raises its error."""
+        if out.error is None:
+            tokens, drafts = request.token_ids, request.draft_tokens
+            accepted = len(out.tokens) - 1 if drafts else 0
+            written = tokens + drafts[:accepted] if accepted else tokens
+            positions = request.positions + request.draft_positions[:accepted] if accepted else request.positions
+            self.contexts.record(ctx, written, positions, salt)
+            self.drafter.observe(ctx, written)
+        view = self.contexts.view(ctx)
+        if trim or out.error is not None:
+            self.trim(ctx, view)  # committing full pages below leaves the count of empty ones as it is
+        if out.error is not None:
+            raise ValueError(out.error)
+        self.commit_full(ctx, hold, view)
+        return out
+
+    async def recompute(self, ctx: int, tokens: list[int], positions: list[int], hold: int) -> None:
+        """Rebuild a restored context's KV for these tokens, in chunks a batch takes, its pages already reserved;
+        pages touching the last ``hold`` tokens stay uncommitted, as they were."""
+        chunk = self.scheduler.limits.max_tokens
+        for start in range(0, len(tokens), chunk):
+            request = ForwardRequest(
+                token_ids=tokens[start : start + chunk],
+                positions=positions[start : start + chunk],
+                page_ids=[],  # set by ``run``
+                kv_len=0,
+            )
+            await self.run(ctx, request, hold, PLAIN_PASS.salt, trim=False)
+
+    def commit_full(self, ctx: int, hold: int, view: ContextView | None = None) -> None:
+        """Commit the context's full working pages but those touching its last ``hold`` tokens."""
+        view = view or self.contexts.view(ctx)
+        if full := max(0, view.working_tokens - hold) // self.page_size:
+            self.contexts.commit(ctx, full)
+
+    def trim(self, ctx: int, view: ContextView | None = None) -> None:
+        """Give back working pages that hold no tokens (after a rejected draft, a failed pass, or a truncate).
+        ``view``: the context as it is now, when the caller has it."""
+        view = view or self.contexts.view(ctx)
+        spare = view.working_pages - pages_for(view.working_tokens, self.page_size)
+        if spare > 0:
+            self.contexts.release_working(ctx, spare)
+
+    def truncate(self, state: ContextState, ctx: int, n: int) -> None:
+        """Cut the context's last ``n`` tokens (only uncommitted ones can go)."""
+        self.drafter.forget(ctx)
+        state.sampled = None
+        if ctx in self.residency.suspended:  # no need to recompute what is cut
+            self.residency.truncate(ctx, n)
+        else:
+            self.contexts.truncate(ctx, n)
+            self.trim(ctx)
+
+    # -- what a pass runs on, and its answer -----------------------------------------------------------------------
+
+    def _input(self, state: ContextState, a: PassArgs) -> list[int] | None:
+        """The pass's input tokens, once it is the context's turn: a chained pass's is the token its predecessor
+        sampled, and None when that is a stop token (nothing runs). Applies the pass's bid, and a suspension
+        deferred until this pass began."""
+        ctx = a.ctx
+        sampled, state.sampled = state.sampled, None
+        a.check()
+        tokens = a.tokens
+        if a.chained is not None:
+            if sampled is None:
+                raise ValueError(
+                    f"context {ctx}: a chained pass follows the previous one, which failed or sampled no token"
+                )
+            if sampled in a.chained:
+                return None
+            tokens = [sampled]
+            self.steps.chained_passes += 1
+        if a.bid is not None:
+            self.residency.set_bid(ctx, a.bid)
+        self.residency.pass_begins(ctx)
+        if len(tokens) != len(a.positions):
+            raise ValueError(f"{len(a.positions)} positions for {len(tokens)} input tokens")
+        return tokens
+
+    def _binding(self, state: ContextState, a: PassArgs) -> PassBinding:
+        """What the pass runs under; a plain one (no adapter, zo seed or attention mask, unsalted context) shares
+        ``PLAIN_PASS``."""
+        adapter, zo_seed, masked = a.adapter, a.zo_seed, a.attention_masks is not None
+        if adapter is None and zo_seed is None and not masked and not state.salt:
+            return PLAIN_PASS
+        adapter_salt = b"" if adapter is None else self.adapters.owned(state.session, adapter).salt
+        if zo_seed is not None:
+            if adapter is None:
+                raise ValueError("zo_seed perturbs an adapter: pass the adapter too")
+            if not isinstance(zo_seed, int) or not -(1 << 63) <= zo_seed < 1 << 63:
+                raise ValueError(f"zo_seed must be a 64-bit integer, got {zo_seed!r}")
+        if (masked or zo_seed is not None) and not state.salt:  # such KV must never be shared by prefix
+            state.salt = uuid.uuid4().bytes
+        return PassBinding(state.salt + adapter_salt, adapter, zo_seed)
+
+    def _reuse_cached_prefix(self, ctx: int, tokens: list[int], positions: list[int], slots: list, salt: bytes):
+        """A fresh context whose first pages match cached ones adopts them instead of recomputing them (prefix
+        caching). Rows that carry samplers or probes, and the last token, are always computed."""
+        first_row = min((row for row, _ in slots), default=len(tokens))
+        usable = min(first_row, len(tokens) - 1) // self.page_size * self.page_size
+        if usable <= 0:
+            return tokens, positions, slots
+        reused = self.contexts.reuse_prefix(ctx, tokens[:usable], positions[:usable], salt)
+        return tokens[reused:], positions[reused:], [(row - reused, s) for row, s in slots]
+
+    def _reply(self, state: ContextState, ctx: int, out: RequestOutput, draft_budget: int) -> PassReply:
+        """The pass's answer; remembers the token it sampled for a pass chained on it."""
+        seq_len = self.contexts.seq_len(ctx)
+        sampled = out.tokens[-1] if out.tokens else next((s.token for s in out.slots if s.token is not None), None)
+        next_drafts = []
+        if sampled is not None:
+            state.sampled = sampled
+            if draft_budget > 0:
+                text = lambda: self.contexts.tokens(ctx)  # noqa: E731 (read only when the index is rebuilt)
+                next_drafts = self.drafter.draft(ctx, text, seq_len, sampled, draft_budget)
+        return PassReply(
+            slots=[output_to_wire(s) for s in out.slots], walk=out.tokens, seq_len=seq_len, next_drafts=next_drafts
+        )
+
+
+def _started(step_ahead: Callable[[], bool]) -> bool:
+    try:
+        return step_ahead()
+    except Exception:  # a mere optimisation: never leave the gate held over it
+        log.exception("could not run a step ahead")
+        return False
