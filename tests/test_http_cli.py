@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
 from pie_cluster.client import PieClient, PieClientError
 from pie_cluster.launch_request import LaunchRequest
 
@@ -349,3 +351,42 @@ def test_the_cli_reports_out_of_range_launch_options_in_one_line(pie, tmp_path):
     path = write_program(tmp_path, "async def main(input):\n    return 1\n")
     got = pie_cli(pie, "submit", str(path), "--deadline", "1e12")
     assert got.returncode == 2 and "deadline_s" in got.stderr and "Traceback" not in got.stderr, got.stderr
+
+
+def api_operations(url: str) -> list:
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    return [result.ok() for result in schema.get_all_operations()]
+
+
+def test_fuzzed_requests_never_get_a_5xx_with_or_without_a_token(pie):
+    """Schemathesis generates requests from the served OpenAPI document (valid and invalid bodies, parameters and
+    headers) for every route; each goes once without a token (401 for every protected route) and once with a real
+    token. Nothing is a server error or leaks a traceback."""
+    operations = api_operations(pie["url"])
+    assert len(operations) >= 7  # every route of the document, not an empty loop
+
+    def check(case) -> None:
+        for authorization in (None, "Bearer tok-alice"):
+            headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"}
+            if authorization is not None:
+                headers["authorization"] = authorization
+            response = case.call(base_url=pie["url"], headers=headers, timeout=30)
+            label = (case.method, case.formatted_path, response.status_code, response.text[:300])
+            assert response.status_code < 500, label
+            if response.status_code >= 400 and "json" in response.headers.get("content-type", ""):
+                assert_one_clean_line(httpx.Response(response.status_code, content=response.content))
+            if authorization is None and case.path not in ("/healthz", "/metrics"):
+                assert response.status_code == 401, label
+
+    for operation in operations:
+        fuzz = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))(
+            given(case=operation.as_strategy())(check)
+        )
+        fuzz()
+
+
+def test_the_cluster_serves_normally_after_the_fuzzing(pie, tmp_path, served):
+    c = client(pie)
+    program = c.upload(write_program(tmp_path, "async def main(input):\n    return 'still here'\n"))["program"]
+    assert list(c.launch_and_follow(LaunchRequest(program=program)))[-1][1:] == ("return", "still here")
+    assert all(r["state"] == "serving" for r in engine_status(pie)["replicas"])
