@@ -34,6 +34,11 @@ Answer = Callable[[BaseException | None, Any], None]  # (error or None, result):
 # (session, op, args, answer) -> the operation as an awaitable to run as a task, whose outcome is the reply; or
 # None when the handler took the operation on itself and will call ``answer``
 Handler = Callable[[str, str, list, Answer], Awaitable[Any] | None]
+Disconnected = Callable[[set[str]], None]  # the sessions seen on a connection that closed
+
+MAX_FRAME_BYTES = 64 << 20
+"""Bound on one incoming frame (a forward of a 32k-token prompt with masks is well under 1 MiB): past it the
+connection is dropped instead of buffered."""
 
 
 class _Connection(asyncio.Protocol):
@@ -41,8 +46,9 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: ChannelServer):
         self._server = server
-        self._unpacker = msgpack.Unpacker()
+        self._unpacker = msgpack.Unpacker(max_buffer_size=MAX_FRAME_BYTES)
         self.transport: asyncio.Transport | None = None
+        self.sessions: set[str] = set()  # open sessions that sent requests here: closed for them if it drops
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -60,11 +66,16 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self._server._connections.discard(self)
+        if self.sessions and self._server._on_disconnect is not None:
+            self._server._on_disconnect(self.sessions)
 
 
 class ChannelServer:
-    def __init__(self, handler: Handler):
+    def __init__(self, handler: Handler, on_disconnect: Disconnected | None = None):
+        """``on_disconnect`` learns which sessions a closed connection carried, so that what an inferlet process
+        held is released even when it died without saying goodbye (its host killed, its node lost)."""
         self._handler = handler
+        self._on_disconnect = on_disconnect
         self._listeners: list[socket.socket] = []
         self._servers: list[asyncio.Server] = []  # own the listeners once serving
         self._tasks: set[asyncio.Task] = set()
@@ -98,6 +109,8 @@ class ChannelServer:
             rid = None
             try:
                 rid, session, op, args = request
+                if session not in conn.sessions:
+                    conn.sessions.add(session)
                 work = self._handler(session, op, args, functools.partial(self._reply, conn, rid))
             except Exception as e:
                 self._reply(conn, rid, e)
@@ -127,6 +140,11 @@ class ChannelServer:
         if not self._outbox:
             asyncio.get_running_loop().call_soon(self.flush)
         self._outbox.setdefault(conn, []).append(reply)
+
+    def forget(self, session: str) -> None:
+        """``session`` closed itself: its connection need not close it again."""
+        for conn in self._connections:
+            conn.sessions.discard(session)
 
     def flush(self) -> None:
         """Send the replies queued so far (each connection's in one frame); otherwise they leave once the event

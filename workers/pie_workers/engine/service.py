@@ -59,7 +59,7 @@ class ReplicaEngine:
             made=None if market is None else lambda process, pages: self.market.made(process, pages),
         )
         self.scheduler = BatchScheduler(self._execute, limits, contexts=lambda: len(self._states))
-        self.channel = ChannelServer(self._handle)
+        self.channel = ChannelServer(self._handle, self._disconnected)
         self.market = (
             MarketLink(market, device, self.contexts, self.residency, self.scheduler) if market is not None else None
         )
@@ -89,6 +89,7 @@ class ReplicaEngine:
             "adapter_destroy": self.adapters.destroy,
         }
         self._tasks: list[asyncio.Task] = []
+        self._closing: set[asyncio.Task] = set()  # sessions being closed for a connection that dropped
 
     def start(self, host_ip: str) -> dict[str, str]:
         addresses = self.channel.bind(host_ip)
@@ -131,6 +132,16 @@ class ReplicaEngine:
         if handler is None:
             raise ValueError(f"unknown replica operation {op!r}")
         return self._operation(handler(session, *args))
+
+    def _disconnected(self, names: set[str]) -> None:
+        """An inferlet process went away without closing these sessions (it died with its host, or its
+        connection broke): release what they hold, as closing them would."""
+        for name in names:
+            session = self._sessions.get(name)
+            if session is not None:
+                task = asyncio.get_running_loop().create_task(self._operation(self.op_close(session)))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
 
     async def _operation(self, work: Awaitable):
         try:
@@ -191,6 +202,7 @@ class ReplicaEngine:
         for ctx in held:
             await self.op_destroy(session, ctx)
         self._sessions.pop(session.name, None)
+        self.channel.forget(session.name)
         if self.market is not None:
             self.market.forget(session.instance)
             try:

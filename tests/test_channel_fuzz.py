@@ -1,0 +1,130 @@
+"""A real replica engine (the tiny model's runner) under garbage on its channel, as an attacker or a buggy client
+would send it: truncated and malformed frames, frames past the size limit, well-formed frames with wrong types and
+unknown operations, and connections that vanish holding contexts.
+
+Each bad connection is closed or answered with errors, never the engine: a well-behaved inferlet is served after
+every example, and once the bad connections are gone they hold no context and no page."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import msgpack
+import pytest
+from engine_harness import SAMPLER
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from inferlet._channel import Channel
+from pie_workers.engine.channel import MAX_FRAME_BYTES
+from pie_workers.engine.service import ReplicaEngine
+from pie_workers.runner import ModelRunner, RunnerSettings
+
+PAGES = 64
+OPS = ["create", "destroy", "close", "fork", "save", "snapshot", "open", "take", "delete", "truncate", "stats",
+       "account", "suspend", "set_bid", "forward", "adapter_create", "adapter_load", "no-such-op"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama):
+    """The engine serving its channel on a loop in a background thread; its ipc path, and the engine."""
+    bound: list = []
+
+    async def main():
+        engine = ReplicaEngine(ModelRunner(tiny_llama, RunnerSettings(num_pages=PAGES)))
+        bound.append((engine.start("127.0.0.1")["ipc_path"], engine, asyncio.get_running_loop()))
+        await asyncio.Event().wait()
+
+    threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
+    while not bound:
+        threading.Event().wait(0.01)
+    return bound[0]
+
+
+def stats(replica) -> dict:
+    path, engine, loop = replica
+    return asyncio.run_coroutine_threadsafe(engine.op_stats(None), loop).result(30)
+
+
+def send_and_drop(path: str, payload: bytes) -> None:
+    """Send ``payload`` on a fresh connection and read whatever comes back until the engine closes it; the
+    sessions it named are never closed by the client."""
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(path)
+    raw.settimeout(10)
+    try:
+        raw.sendall(payload)
+        raw.shutdown(socket.SHUT_WR)  # end of input: the engine answers what it got, then closes
+        while raw.recv(1 << 16):
+            pass
+    except (TimeoutError, ConnectionError, OSError):
+        pass
+    finally:
+        raw.close()
+
+
+def a_good_inferlet_is_served(path: str) -> None:
+    """Create a context, run a forward pass sampling a token, destroy it, close: all answered."""
+
+    async def run():
+        channel = Channel(f"ipc://{path}", "good/1/s")
+        try:
+            ctx = await asyncio.wait_for(channel.call("create"), 30)
+            slots = [[2, SAMPLER]]
+            answer = await asyncio.wait_for(
+                channel.call("forward", ctx, [5, 6, 7], [0, 1, 2], slots, None, None, [], [], 0, None, None, None,
+                             0, None, None, 1, None),  # fmt: skip
+                30,
+            )
+            assert isinstance(answer[0][0][1], int)
+            await asyncio.wait_for(channel.call("destroy", ctx), 30)
+            await asyncio.wait_for(channel.call("close"), 30)
+        finally:
+            channel.close()
+
+    asyncio.run(run())
+
+
+numbers = st.integers(-(2**63), 2**64 - 1) | st.floats()
+scalars = st.one_of(st.none(), st.booleans(), numbers, st.text(max_size=12), st.binary(max_size=12))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=4), inner))
+sessions = st.one_of(st.sampled_from(["fuzz/1/a", "fuzz/2/b", "nobody", "a/b/c/d", ""]), values)
+requests = st.tuples(st.integers(0, 2**31), sessions, st.sampled_from(OPS) | values, st.lists(values, max_size=18))
+frames = st.one_of(
+    st.lists(requests.map(list), min_size=1, max_size=6).map(msgpack.packb),  # well-formed, wrong contents
+    st.lists(requests.map(list), min_size=1, max_size=3).map(msgpack.packb).flatmap(  # cut short
+        lambda b: st.integers(1, max(1, len(b) - 1)).map(lambda n: b[:n])
+    ),
+    values.map(msgpack.packb),  # not a list of requests at all
+    st.binary(min_size=1, max_size=64),  # not msgpack
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames)
+def test_garbage_frames_never_hurt_the_engine_or_other_inferlets(replica, frame):
+    path = replica[0]
+    send_and_drop(path, frame)
+    a_good_inferlet_is_served(path)
+
+
+def test_a_frame_past_the_size_limit_drops_only_that_connection(replica):
+    path = replica[0]
+    header = b"\xc6" + (MAX_FRAME_BYTES + 16).to_bytes(4, "big")  # msgpack bin32 announcing more than the limit
+    send_and_drop(path, header + b"\0" * (MAX_FRAME_BYTES + 16))
+    a_good_inferlet_is_served(path)
+
+
+def test_contexts_of_a_connection_that_vanished_are_released(replica):
+    """A process that dies holding contexts (its host killed) never sends `close`: the engine closes its sessions
+    when the connection drops, so the fuzzing above leaves nothing behind either."""
+    path = replica[0]
+    creates = [[i, "vanished/1/s", "create", []] for i in range(5)]
+    send_and_drop(path, msgpack.packb(creates))
+    for _ in range(100):
+        got = stats(replica)
+        if got["contexts"] == 0:
+            break
+        threading.Event().wait(0.05)
+    assert got["contexts"] == 0 and got["free"] + got["cached"] == got["total"], got
