@@ -1,28 +1,21 @@
-"""Turns a ragged ``ForwardBatch`` into the index tensors one forward pass needs, validating every request.
+"""Turns a ``ForwardBatch`` into the index tensors one forward pass needs (requests are checked first, in
+``batch_checks``; the malformed ones come back as errors and the rest still run).
 
-A request that is malformed (token out of vocab, pages that don't cover its KV, bad BRLE, ...) is rejected with a
-message naming the problem; the rest of the batch still runs. The plan is built with numpy over the whole batch, and
-attention is grouped into a few buckets of similar query length (powers of two) so that padding stays under 2x
-while there is no per-request work in the model's hot path.
+The plan is built with numpy over the whole batch, and attention is grouped into a few buckets of similar query
+length (powers of two) so that padding stays under 2x while there is no per-request work in the model's hot path.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from pie_workers import logit_masks
+from pie_workers.batch_checks import CheckedBatch, FlatRequests, MaskedRows, check_batch
 from pie_workers.wire import brle
-from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot, SlotKind
-
-
-class BatchError(ValueError):
-    """A request (or the batch's page copies) is malformed; the message says what is wrong."""
+from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot
 
 
 @dataclass
@@ -37,6 +30,19 @@ class AttentionBucket:
     dest: torch.Tensor  # [M] token index each real row's output goes to
     identity: bool = False  # the bucket is the whole batch, one unpadded row per request, in token order
     _additive: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def to(self, device: torch.device) -> AttentionBucket:
+        """A copy on ``device`` (without the additive masks cached here)."""
+        move = lambda t: t.to(device, non_blocking=True)
+        return AttentionBucket(
+            q_index=move(self.q_index),
+            kv_pages=move(self.kv_pages),
+            mask=move(self.mask),
+            q_seq=move(self.q_seq),
+            valid=move(self.valid),
+            dest=move(self.dest),
+            identity=self.identity,
+        )
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The boolean mask restricted to a sliding window of ``window`` tokens (key k visible iff q - k < window)."""
@@ -101,34 +107,21 @@ class BatchPlan:
     def to(self, device: torch.device) -> BatchPlan:
         move = lambda t: t.to(device, non_blocking=True)
         return BatchPlan(
-            move(self.token_ids),
-            move(self.positions),
-            move(self.write_slots),
-            [
-                AttentionBucket(
-                    *(move(t) for t in (b.q_index, b.kv_pages, b.mask, b.q_seq, b.valid, b.dest)), b.identity
-                )
-                for b in self.buckets
+            token_ids=move(self.token_ids),
+            positions=move(self.positions),
+            write_slots=move(self.write_slots),
+            buckets=[b.to(device) for b in self.buckets],
+            logit_rows=move(self.logit_rows),
+            copy_src=move(self.copy_src),
+            copy_dst=move(self.copy_dst),
+            host_moves=self.host_moves,
+            every_row_has_logits=self.every_row_has_logits,
+            max_position=self.max_position,
+            lora_groups=[
+                LoraGroup(adapter=g.adapter, zo_seed=g.zo_seed, rows=None if g.rows is None else move(g.rows))
+                for g in self.lora_groups
             ],
-            move(self.logit_rows),
-            move(self.copy_src),
-            move(self.copy_dst),
-            self.host_moves,
-            self.every_row_has_logits,
-            self.max_position,
-            [LoraGroup(g.adapter, g.zo_seed, None if g.rows is None else move(g.rows)) for g in self.lora_groups],
         )
-
-
-@dataclass(frozen=True)
-class MaskedRows:
-    """Logit rows ``[first, first + count)`` of one request (0: its first logit row) and the penalty a logit mask
-    adds to each (0 where allowed, -inf where not). Expanded while the plan checks the mask, so applying it after
-    the forward is one add (several times cheaper than ``masked_fill_`` on the CPU)."""
-
-    first: int
-    count: int
-    penalty: torch.Tensor  # [vocab] float32
 
 
 @dataclass
@@ -147,105 +140,18 @@ class RequestSampling:
 @dataclass
 class PlannedBatch:
     plan: BatchPlan
-    sampling: list[RequestSampling]
-    errors: dict[int, str]
+    sampling: list[RequestSampling]  # one per valid request, in batch order
+    errors: dict[int, str]  # by batch index: why the request was rejected
 
 
-def _check_request(req: ForwardRequest, page_size: int, vocab: int, adapters: Collection[int]) -> str | None:
-    """The first structural problem with a request, or None. Per-token checks (ids, positions, page ids) run
-    vectorized over the whole batch in ``_check_elements``."""
-    n_in, n_draft = len(req.token_ids), len(req.draft_tokens)
-    if n_in == 0:
-        return "request has no input tokens"
-    if len(req.positions) != n_in:
-        return f"{len(req.positions)} positions for {n_in} input tokens"
-    if len(req.draft_positions) != n_draft:
-        return f"{len(req.draft_positions)} draft positions for {n_draft} draft tokens"
-    if req.kv_len < 0:
-        return f"kv_len {req.kv_len} is negative"
-    total = req.kv_len + n_in + n_draft
-    need = -(-total // page_size)
-    if len(req.page_ids) < need:
-        return (
-            f"{len(req.page_ids)} KV pages hold {len(req.page_ids) * page_size} tokens but kv_len {req.kv_len} + "
-            f"{n_in} inputs + {n_draft} drafts need {total} ({need} pages of {page_size})"
-        )
-    if req.attention_masks is not None:
-        if len(req.attention_masks) != n_in:
-            return f"{len(req.attention_masks)} attention-mask rows for {n_in} input tokens"
-        visible = req.kv_len + n_in
-        for i, row in enumerate(req.attention_masks):
-            try:
-                brle.validate(row, "attention mask")
-            except brle.BrleError as e:
-                return f"row {i}: {e}"
-            if brle.length(row) > visible:
-                return f"malformed attention mask: row {i} covers {brle.length(row)} slots, only {visible} exist"
-            if not any(row[1::2]):
-                return f"attention mask row {i} attends to nothing"
-    for row, slot in req.slots:
-        if not 0 <= row < n_in:
-            return f"sampler/probe row {row} is outside the request's {n_in} input rows"
-        problem = _check_slot(slot, vocab)
-        if problem:
-            return problem
-    if req.draft_masks is not None and len(req.draft_masks) != n_draft:
-        return f"{len(req.draft_masks)} draft masks for {n_draft} draft tokens"
-    if n_draft:
-        token_slots = [row for row, s in req.slots if s.kind.is_token]
-        if not token_slots or token_slots[0] != n_in - 1:
-            return "draft tokens need a token sampler on the last input row to verify them"
-    if req.adapter is not None and req.adapter not in adapters:
-        return f"adapter {req.adapter} does not exist on this replica"
-    if req.zo_seed is not None and req.adapter is None:
-        return "a zo seed perturbs an adapter: the request names none"
-    return None
+@dataclass
+class _Layout:
+    """Where each valid request sits in the flat columns, and how many KV slots it sees during the forward."""
 
-
-def _masked_rows(req: ForwardRequest, vocab: int) -> list[MaskedRows] | str:
-    """The request's logit masks over its logit rows (its slots', then its drafts'), each checked once; or what is
-    wrong with one. ``logit_mask`` covers every row, or only the slot rows when ``draft_masks`` gives each draft row
-    its own (``[]``: unrestricted). A mask over rows a token is sampled from must allow one: decided here from the
-    runs, so no masked row reaches the samplers with every logit at -inf."""
-    n_slots, n_draft = len(req.slots), len(req.draft_tokens)
-    spans = []
-    if req.logit_mask is not None and len(req.logit_mask):
-        spans.append((0, n_slots + n_draft if req.draft_masks is None else n_slots, req.logit_mask, "logit mask"))
-    spans += [(n_slots + i, 1, m, f"draft mask {i}") for i, m in enumerate(req.draft_masks or ()) if len(m)]
-    if not spans:
-        return []
-    samples_tokens = any(s.kind.is_token for _, s in req.slots)
-    rows = []
-    for first, count, mask, what in spans:
-        try:
-            expanded = logit_masks.expand(mask, vocab, what)
-        except brle.BrleError as e:
-            return str(e)
-        if samples_tokens and not expanded.allows_any:
-            return f"the {what} excludes every token"
-        rows.append(MaskedRows(first, count, expanded.penalty))
-    return rows
-
-
-@functools.lru_cache(maxsize=4096)
-def _check_slot(slot: Slot, vocab: int) -> str | None:
-    if not isinstance(slot.kind, SlotKind):
-        return f"unknown sampler kind {slot.kind!r}"
-    if not slot.temperature >= 0:
-        return f"temperature {slot.temperature} must be >= 0"
-    if slot.top_k < 0:
-        return f"top_k {slot.top_k} must be >= 0"
-    if not 0.0 < slot.top_p <= 1.0:
-        return f"top_p {slot.top_p} must be in (0, 1]"
-    if not 0.0 <= slot.min_p <= 1.0:
-        return f"min_p {slot.min_p} must be in [0, 1]"
-    if slot.kind is SlotKind.LOGPROBS:
-        if not slot.token_ids:
-            return "logprobs probe needs at least one token id"
-        bad = [t for t in slot.token_ids if not 0 <= t < vocab]
-        if bad:
-            return f"logprobs token id {bad[0]} is out of the vocabulary [0, {vocab})"
-    return None
+    flat: FlatRequests
+    first_token: np.ndarray  # [R] index of the request's first row in flat.token_ids
+    first_page: np.ndarray  # [R] index of its first page in flat.page_ids
+    kv_total: np.ndarray  # [R] kv_len + rows
 
 
 def plan_batch(
@@ -257,154 +163,77 @@ def plan_batch(
     host_pages: int = 0,
 ) -> PlannedBatch:
     """``adapters``: the ids of the LoRA adapters the runner holds (requests naming another are rejected);
-    ``host_pages``: the size of its host buffer."""
-    _check_copies(batch.page_copies, num_pages)
-    host_moves = _host_moves(batch, num_pages, host_pages)
-    errors: dict[int, str] = {}
-    masked_rows: dict[int, list[MaskedRows]] = {}
-    for i, req in enumerate(batch.requests):
-        checked = _check_request(req, page_size, vocab, adapters) or _masked_rows(req, vocab)
-        if isinstance(checked, str):
-            errors[i] = checked
-        else:
-            masked_rows[i] = checked
-    ok = [i for i in range(len(batch.requests)) if i not in errors]
-    reqs = [batch.requests[i] for i in ok]
-    cols = _Columns.of(reqs, page_size)
-    if bad := cols.problems(reqs, num_pages, vocab):
-        errors.update({ok[k]: msg for k, msg in bad.items()})
-        keep = np.array([k not in bad for k in range(len(reqs))])
-        cols = cols.select(keep)
-        ok = [i for k, i in enumerate(ok) if keep[k]]
-        reqs = [batch.requests[i] for i in ok]
-    S = page_size
+    ``host_pages``: the size of its host buffer. Raises ``BatchError`` for malformed page copies or host moves."""
+    checked = check_batch(batch, page_size, num_pages, vocab, adapters, host_pages)
+    flat, requests = checked.flat, checked.requests
+    layout = _Layout(
+        flat=flat,
+        first_token=np.cumsum(flat.num_rows) - flat.num_rows,
+        first_page=np.cumsum(flat.num_pages) - flat.num_pages,
+        kv_total=flat.kv_len + flat.num_rows,
+    )
 
-    total = cols.kv_len + cols.n_rows
-    tok_start = np.cumsum(cols.n_rows) - cols.n_rows
-    page_start = np.cumsum(cols.n_pages) - cols.n_pages
-    req_of_tok = np.repeat(np.arange(len(reqs)), cols.n_rows)
-    seq_of_tok = cols.kv_len[req_of_tok] + np.arange(req_of_tok.size) - tok_start[req_of_tok]
-    write_slots = cols.pages[page_start[req_of_tok] + seq_of_tok // S] * S + seq_of_tok % S
+    request_of_token = np.repeat(np.arange(len(requests)), flat.num_rows)
+    kv_position = (
+        flat.kv_len[request_of_token] + np.arange(request_of_token.size) - layout.first_token[request_of_token]
+    )
+    page_of_token = flat.page_ids[layout.first_page[request_of_token] + kv_position // page_size]
+    write_slots = page_of_token * page_size + kv_position % page_size
 
-    if cols.n_rows.size and cols.n_rows.max() == cols.n_rows.min():  # e.g. pure decode: one bucket
-        groups = [np.arange(len(reqs))]
+    if flat.num_rows.size and flat.num_rows.max() == flat.num_rows.min():  # e.g. pure decode: one bucket
+        bucket_members = [np.arange(len(requests))]
     else:
-        bucket_of_req = _pow2_ceil(cols.n_rows)
-        groups = [np.flatnonzero(bucket_of_req == qb) for qb in np.unique(bucket_of_req)]
-    buckets = [_bucket(members, reqs, cols, total, tok_start, page_start, S) for members in groups]
+        query_len_of_request = _next_power_of_two(flat.num_rows)
+        bucket_members = [np.flatnonzero(query_len_of_request == q) for q in np.unique(query_len_of_request)]
+    buckets = [_attention_bucket(members, requests, layout, page_size) for members in bucket_members]
 
-    sampling, logit_rows = _sampling_plan(ok, reqs, cols.n_in, tok_start, masked_rows)
-    copy_src, copy_dst = _copy_pages(batch.page_copies)
+    sampling, logit_rows = _sampling_plan(checked, layout.first_token)
+    copy_src, copy_dst = _pair_columns(batch.page_copies)
     plan = BatchPlan(
-        token_ids=torch.from_numpy(cols.tokens),
-        positions=torch.from_numpy(cols.positions),
+        token_ids=torch.from_numpy(flat.token_ids),
+        positions=torch.from_numpy(flat.positions),
         write_slots=torch.from_numpy(write_slots),
         buckets=buckets,
         logit_rows=torch.tensor(logit_rows, dtype=torch.long),
         copy_src=copy_src,
         copy_dst=copy_dst,
-        host_moves=host_moves,
-        every_row_has_logits=logit_rows == list(range(cols.tokens.size)),
-        max_position=int(cols.positions.max()) if cols.positions.size else 0,
-        lora_groups=_lora_groups(reqs, cols.n_rows, tok_start),
+        host_moves=_host_moves(batch),
+        every_row_has_logits=logit_rows == list(range(flat.token_ids.size)),
+        max_position=int(flat.positions.max()) if flat.positions.size else 0,
+        lora_groups=_lora_groups(requests, layout),
     )
-    return PlannedBatch(plan, sampling, errors)
+    return PlannedBatch(plan=plan, sampling=sampling, errors=checked.errors)
 
 
-@dataclass
-class _Columns:
-    """The batch flattened once: per-request lengths, then every row's token/position and every used page."""
-
-    n_in: np.ndarray
-    n_rows: np.ndarray  # inputs + drafts
-    kv_len: np.ndarray
-    n_pages: np.ndarray  # pages each request actually uses
-    tokens: np.ndarray
-    positions: np.ndarray
-    pages: np.ndarray
-
-    @staticmethod
-    def of(reqs: list[ForwardRequest], page_size: int) -> _Columns:
-        chain = itertools.chain.from_iterable
-        n_in = np.fromiter((len(r.token_ids) for r in reqs), np.int64, len(reqs))
-        n_rows = n_in + np.fromiter((len(r.draft_tokens) for r in reqs), np.int64, len(reqs))
-        kv_len = np.fromiter((r.kv_len for r in reqs), np.int64, len(reqs))
-        n_pages = -(-(kv_len + n_rows) // page_size)
-        return _Columns(
-            n_in,
-            n_rows,
-            kv_len,
-            n_pages,
-            np.fromiter(chain(chain((r.token_ids, r.draft_tokens)) for r in reqs), np.int64, int(n_rows.sum())),
-            np.fromiter(chain(chain((r.positions, r.draft_positions)) for r in reqs), np.int64, int(n_rows.sum())),
-            np.fromiter(chain(r.page_ids[:n] for r, n in zip(reqs, n_pages.tolist(), strict=True)), np.int64),
-        )
-
-    def problems(self, reqs: list[ForwardRequest], num_pages: int, vocab: int) -> dict[int, str]:
-        """Token ids in the vocabulary, non-negative positions, page ids in the pool and not repeated — checked for
-        every request at once (a few reductions when all is well). Returns {index in reqs: problem}."""
-        tokens, positions, pages = self.tokens, self.positions, self.pages
-        req_of_page = np.repeat(np.arange(len(reqs)), self.n_pages)
-        page_keys = req_of_page * num_pages + pages
-        if (
-            (tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < vocab and positions.min() >= 0))
-            and (pages.size == 0 or (pages.min() >= 0 and pages.max() < num_pages))
-            and np.unique(page_keys).size == pages.size
-        ):
-            return {}
-        req_of_tok = np.repeat(np.arange(len(reqs)), self.n_rows)
-        found: dict[int, str] = {}
-        for k in np.unique(req_of_tok[(tokens < 0) | (tokens >= vocab)]).tolist():
-            bad = next(t for t in (*reqs[k].token_ids, *reqs[k].draft_tokens) if not 0 <= t < vocab)
-            found[k] = f"token id {bad} is out of the vocabulary [0, {vocab})"
-        for k in np.unique(req_of_tok[positions < 0]).tolist():
-            found.setdefault(k, "positions must be non-negative")
-        for k in np.unique(req_of_page[(pages < 0) | (pages >= num_pages)]).tolist():
-            bad = next(p for p in reqs[k].page_ids if not 0 <= p < num_pages)
-            found.setdefault(k, f"page id {bad} is out of the KV pool [0, {num_pages})")
-        order = np.lexsort((pages, req_of_page))
-        repeated = (np.diff(pages[order]) == 0) & (np.diff(req_of_page[order]) == 0)
-        for k in np.unique(req_of_page[order][1:][repeated]).tolist():
-            found.setdefault(k, "page list names the same page twice")
-        return found
-
-    def select(self, keep: np.ndarray) -> _Columns:
-        rows, pages = np.repeat(keep, self.n_rows), np.repeat(keep, self.n_pages)
-        return _Columns(
-            self.n_in[keep],
-            self.n_rows[keep],
-            self.kv_len[keep],
-            self.n_pages[keep],
-            self.tokens[rows],
-            self.positions[rows],
-            self.pages[pages],
-        )
-
-
-def _pow2_ceil(x: np.ndarray) -> np.ndarray:
+def _next_power_of_two(x: np.ndarray) -> np.ndarray:
     return np.left_shift(1, np.ceil(np.log2(np.maximum(x, 1))).astype(np.int64))
 
 
-def _bucket(members, reqs, cols: _Columns, total, tok_start, page_start, S) -> AttentionBucket:
-    rows, ins, kvl, tot = cols.n_rows[members], cols.n_in[members], cols.kv_len[members], total[members]
-    qb = int(rows.max())
-    pb = int(cols.n_pages[members].max())
-    kb = pb * S
-    i = np.arange(qb)[None, :]
-    j = np.arange(kb)[None, None, :]
-    real_q = i < rows[:, None]  # [Rb, Qb]
-    q_index = np.where(real_q, tok_start[members][:, None] + i, 0)
-    real_p = np.arange(pb)[None, :] < cols.n_pages[members][:, None]
-    page_index = np.where(real_p, page_start[members][:, None] + np.arange(pb), 0)
-    kv_pages = np.where(real_p, cols.pages[page_index], 0)
-    q_seq = np.where(real_q, kvl[:, None] + i, 0)
-    mask = (j <= q_seq[:, :, None]) & (j < tot[:, None, None]) & real_q[:, :, None]
-    mask[:, :, 0] |= ~real_q  # padded query rows attend slot 0 so softmax stays finite; their output is dropped
+def _attention_bucket(
+    members: np.ndarray, requests: list[ForwardRequest], layout: _Layout, page_size: int
+) -> AttentionBucket:
+    """The requests ``members`` (indices into ``requests``) padded to their longest query and page list."""
+    flat = layout.flat
+    num_rows, num_inputs, kv_len = flat.num_rows[members], flat.num_inputs[members], flat.kv_len[members]
+    num_pages = flat.num_pages[members]
+    query_len = int(num_rows.max())
+    pages_per_request = int(num_pages.max())
+    kv_slots = pages_per_request * page_size
+    query = np.arange(query_len)[None, :]
+    kv_slot = np.arange(kv_slots)[None, None, :]
+    real_query = query < num_rows[:, None]  # [Rb, Qb]
+    q_index = np.where(real_query, layout.first_token[members][:, None] + query, 0)
+    real_page = np.arange(pages_per_request)[None, :] < num_pages[:, None]
+    page_index = np.where(real_page, layout.first_page[members][:, None] + np.arange(pages_per_request), 0)
+    kv_pages = np.where(real_page, flat.page_ids[page_index], 0)
+    q_seq = np.where(real_query, kv_len[:, None] + query, 0)
+    mask = (kv_slot <= q_seq[:, :, None]) & (kv_slot < layout.kv_total[members][:, None, None]) & real_query[:, :, None]
+    mask[:, :, 0] |= ~real_query  # padded query rows attend slot 0 so softmax stays finite; their output is dropped
     for local, r in enumerate(members):
-        rows_brle = reqs[r].attention_masks
-        if rows_brle is not None:
-            mask[local, : ins[local], :] = brle.decode_rows(rows_brle, kb)
-    valid = np.flatnonzero(real_q.reshape(-1))
+        attention_masks = requests[r].attention_masks
+        if attention_masks is not None:
+            mask[local, : num_inputs[local], :] = brle.decode_rows(attention_masks, kv_slots)
+    valid = np.flatnonzero(real_query.reshape(-1))
     dest = q_index.reshape(-1)[valid]
     return AttentionBucket(
         q_index=torch.from_numpy(q_index),
@@ -413,70 +242,63 @@ def _bucket(members, reqs, cols: _Columns, total, tok_start, page_start, S) -> A
         q_seq=torch.from_numpy(q_seq[:, None, :, None]),
         valid=torch.from_numpy(valid),
         dest=torch.from_numpy(dest),
-        identity=qb == 1 and len(members) == len(reqs),
+        identity=query_len == 1 and len(members) == len(requests),
     )
 
 
-def _sampling_plan(
-    ok: list[int],
-    reqs: list[ForwardRequest],
-    n_in: np.ndarray,
-    tok_start: np.ndarray,
-    masked_rows: dict[int, list[MaskedRows]],
-):
-    """One logit row per slot (in slot order), then one per draft to verify; contiguous per request."""
+def _sampling_plan(checked: CheckedBatch, first_token: np.ndarray) -> tuple[list[RequestSampling], list[int]]:
+    """One logit row per slot (in slot order), then one per draft to verify; contiguous per request. Returns the
+    sampling of each valid request and the token index of every logit row."""
     sampling, logit_rows = [], []
-    for k, (idx, req) in enumerate(zip(ok, reqs, strict=True)):
-        start, first = int(tok_start[k]), len(logit_rows)
+    num_inputs = checked.flat.num_inputs
+    for k, (index, req) in enumerate(zip(checked.batch_indices, checked.requests, strict=True)):
+        start, first_row = int(first_token[k]), len(logit_rows)
         logit_rows += [start + row for row, _ in req.slots]
         slots = [s for _, s in req.slots]
-        rs = RequestSampling(idx, slots, first, len(slots), masked_rows=masked_rows[idx])
+        rs = RequestSampling(index, slots, first_row, len(slots), masked_rows=checked.masked_rows[index])
         if req.draft_tokens:
             rs.verify_slot = next(n for n, s in enumerate(slots) if s.kind.is_token)
             rs.draft_tokens = list(req.draft_tokens)
-            logit_rows += range(start + int(n_in[k]), start + int(n_in[k]) + len(req.draft_tokens))
+            first_draft = start + int(num_inputs[k])
+            logit_rows += range(first_draft, first_draft + len(req.draft_tokens))
             rs.num_rows += len(req.draft_tokens)
         sampling.append(rs)
     return sampling, logit_rows
 
 
-def _lora_groups(reqs: list[ForwardRequest], n_rows: np.ndarray, tok_start: np.ndarray) -> list[LoraGroup]:
+def _lora_groups(requests: list[ForwardRequest], layout: _Layout) -> list[LoraGroup]:
     """Requests grouped by (adapter, zo seed); requests without an adapter belong to no group."""
     members: dict[tuple[int, int | None], list[int]] = {}
-    for k, req in enumerate(reqs):
+    for k, req in enumerate(requests):
         if req.adapter is not None:
             members.setdefault((req.adapter, req.zo_seed), []).append(k)
+    first_token, num_rows = layout.first_token, layout.flat.num_rows
     groups = []
     for (adapter, seed), ks in members.items():
         rows = None
-        if len(ks) < len(reqs):
-            rows = torch.from_numpy(np.concatenate([np.arange(tok_start[k], tok_start[k] + n_rows[k]) for k in ks]))
-        groups.append(LoraGroup(adapter, seed, rows))
+        if len(ks) < len(requests):
+            rows = torch.from_numpy(
+                np.concatenate([np.arange(first_token[k], first_token[k] + num_rows[k]) for k in ks])
+            )
+        groups.append(LoraGroup(adapter=adapter, zo_seed=seed, rows=rows))
     return groups
 
 
-def _check_copies(copies: list[tuple[int, int]], num_pages: int) -> None:
-    for src, dst in copies:
-        if not (0 <= src < num_pages and 0 <= dst < num_pages):
-            raise BatchError(f"page copy {src} -> {dst} is out of the KV pool [0, {num_pages})")
-        if src == dst:
-            raise BatchError(f"page copy {src} -> {dst} copies a page onto itself")
-
-
-def _host_moves(batch: ForwardBatch, num_pages: int, host_pages: int) -> HostMoves | None:
+def _host_moves(batch: ForwardBatch) -> HostMoves | None:
+    """Offloads are (pool page, host slot) pairs, restores (host slot, pool page); both checked already."""
     if not batch.offloads and not batch.restores:
         return None
-    for what, pairs, (pages, slots) in (("offload", batch.offloads, (0, 1)), ("restore", batch.restores, (1, 0))):
-        for pair in pairs:
-            if not (0 <= pair[pages] < num_pages and 0 <= pair[slots] < host_pages):
-                raise BatchError(
-                    f"{what} {pair} is out of the KV pool [0, {num_pages}) or host buffer [0, {host_pages})"
-                )
-    offload_pages, offload_slots = _copy_pages(batch.offloads)
-    restore_slots, restore_pages = _copy_pages(batch.restores)
-    return HostMoves(offload_pages, offload_slots, restore_slots, restore_pages)
+    offload_pages, offload_slots = _pair_columns(batch.offloads)
+    restore_slots, restore_pages = _pair_columns(batch.restores)
+    return HostMoves(
+        offload_pages=offload_pages,
+        offload_slots=offload_slots,
+        restore_slots=restore_slots,
+        restore_pages=restore_pages,
+    )
 
 
-def _copy_pages(copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    arr = torch.tensor(copies, dtype=torch.long).reshape(-1, 2)
+def _pair_columns(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and the second element of every pair, as two long tensors."""
+    arr = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
     return arr[:, 0].contiguous(), arr[:, 1].contiguous()

@@ -16,7 +16,8 @@ import torch
 
 from pie_workers import sampling
 from pie_workers.adapters import AdapterStore, LoraAdapter, LoraConfig
-from pie_workers.batch_plan import BatchError, BatchPlan, PlannedBatch, RequestSampling, plan_batch
+from pie_workers.batch_checks import BatchError
+from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, plan_batch
 from pie_workers.config import ModelConfig
 from pie_workers.kv_pool import KVPool, page_bytes, pages_for_memory_fraction
 from pie_workers.layers.lora import ModuleWeights
