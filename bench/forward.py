@@ -16,6 +16,7 @@ import torch
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.tiny_model import default_model_path
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot
+from pie_workers.wire.pages import pages_for
 from rich.console import Console
 from rich.table import Table
 
@@ -23,7 +24,7 @@ from rich.table import Table
 def paged_decode(runner: ModelRunner, prompts: list[list[int]], steps: int) -> float:
     """Tokens/s of ``steps`` batched greedy decode steps after one prefill of every prompt."""
     S = runner.page_size
-    n_pages = -(-(len(prompts[0]) + steps + 1) // S)
+    n_pages = pages_for(len(prompts[0]) + steps + 1, S)
     pages = [list(range(i * n_pages, (i + 1) * n_pages)) for i in range(len(prompts))]
     kv = [0] * len(prompts)
     pending = [list(p) for p in prompts]
@@ -74,7 +75,7 @@ def main() -> None:
 
     model_dir = args.model or default_model_path("llama")
     batches = [int(b) for b in args.batches.split(",")]
-    per_seq = -(-(args.prompt + args.steps + 1) // 16)
+    per_seq = pages_for(args.prompt + args.steps + 1, 16)
     runner = ModelRunner(model_dir, RunnerSettings(num_pages=per_seq * max(batches)))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = random.Random(0)

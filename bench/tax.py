@@ -33,6 +33,7 @@ from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.tiny_model import default_model_path
+from pie_workers.wire.pages import pages_for
 from rich.console import Console
 from rich.table import Table
 
@@ -89,7 +90,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     levels = [int(n) for n in args.concurrency.split(",")]
     model_dir = default_model_path("llama")
-    pages = levels[-1] * (-(-(PROMPT + args.tokens + 2) // 16)) + 64
+    pages = levels[-1] * pages_for(PROMPT + args.tokens + 2, 16) + 64
 
     init_ray(num_cpus=4)
     replica = Replica(model_dir, 1, RunnerSettings(num_pages=pages), cpus_per_rank=args.threads, engine=BatchLimits())

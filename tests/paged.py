@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, RequestOutput, Slot, SlotKind
+from pie_workers.wire.pages import pages_for
 
 
 class PageAllocator:
@@ -39,7 +40,7 @@ def request_for(seq: Seq, alloc: PageAllocator, page_size: int, slots=None, **kw
     """A request that feeds ``seq``'s not-yet-cached tokens and samples greedily at the last one."""
     pending = seq.pending()
     n_drafts = len(kw.get("draft_tokens", []))
-    need = -(-(seq.kv_len + len(pending) + n_drafts) // page_size)
+    need = pages_for(seq.kv_len + len(pending) + n_drafts, page_size)
     seq.pages += alloc.take(need - len(seq.pages)) if need > len(seq.pages) else []
     if slots is None:
         slots = [(len(pending) - 1, Slot.argmax())]

@@ -203,6 +203,7 @@ def test_an_inferlet_that_is_aborted_times_out_or_raises_leaves_nothing_behind(c
 
 BUDGETED = """
 from inferlet import Context, Model, Sampler, scheduling
+from pie_workers.wire.pages import pages_for
 
 async def main(input):
     model = Model.load("default")
@@ -210,7 +211,7 @@ async def main(input):
     with Context(model) as ctx:
         ctx.append([300 + (i * 11) % 97 for i in range(50)])  # no other test's prefix: every page is made here
         await ctx.generate(Sampler.argmax(), max_tokens=40, auto_flush=False).collect_tokens()
-        pages = -(-ctx.seq_len // ctx.page_size)
+        pages = pages_for(ctx.seq_len, ctx.page_size)
     return {"before": before, "pages": pages, "price": scheduling.price()}
 """
 

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from pie_workers.engine import ContextError, ContextTable, OutOfPages, PageStore
+from pie_workers.wire.pages import pages_for
 
 P = 4
 
@@ -25,7 +26,7 @@ def make(num_pages: int = 16) -> tuple[PageStore, ContextTable]:
 def fill(table: ContextTable, ctx: int, tokens: list[int], commit: bool = True, salt: bytes = b"") -> None:
     """What the SDK's flush does: reserve, forward (here: record), commit the full pages."""
     v = table.view(ctx)
-    need = -(-(v.working_tokens + len(tokens)) // P) - v.working_pages
+    need = pages_for(v.working_tokens + len(tokens), P) - v.working_pages
     table.reserve(ctx, max(0, need))
     table.record(ctx, tokens, range(v.seq_len, v.seq_len + len(tokens)), salt=salt)
     if commit:
@@ -292,7 +293,7 @@ class ContextMachine(RuleBasedStateMachine):
     def release_working(self, i, n):
         ctx = self.pick(i)
         v = self.table.view(ctx)
-        empty = v.working_pages - -(-v.working_tokens // PS)
+        empty = v.working_pages - pages_for(v.working_tokens, PS)
         self.attempt(n <= empty, lambda: self.table.release_working(ctx, n))
 
     @precondition(lambda self: self.hist)
@@ -347,7 +348,7 @@ class ContextMachine(RuleBasedStateMachine):
     def do_fill(self, ctx, tokens, salt):
         """The SDK's common path: reserve what the tokens need, forward them, commit the full pages."""
         v = self.table.view(ctx)
-        need = max(0, -(-(v.working_tokens + len(tokens)) // PS) - v.working_pages)
+        need = max(0, pages_for(v.working_tokens + len(tokens), PS) - v.working_pages)
         ok, _ = self.attempt(need <= self.avail(), lambda: self.table.reserve(ctx, need))
         if ok:
             self.do_record(ctx, tokens, salt)
@@ -380,7 +381,7 @@ class ContextMachine(RuleBasedStateMachine):
     def save(self, i, name):
         ctx = self.pick(i)
         owner = self.table.owner_of(ctx)
-        need = -(-self.table.view(ctx).working_tokens // PS)
+        need = pages_for(self.table.view(ctx).working_tokens, PS)
         ok, copies = self.attempt(
             (owner, name) not in self.snaps and need <= self.avail(), lambda: self.table.save(ctx, name)
         )
@@ -392,7 +393,7 @@ class ContextMachine(RuleBasedStateMachine):
     @rule(i=IDX)
     def snapshot(self, i):
         ctx = self.pick(i)
-        need = -(-self.table.view(ctx).working_tokens // PS)
+        need = pages_for(self.table.view(ctx).working_tokens, PS)
         ok, result = self.attempt(need <= self.avail(), lambda: self.table.snapshot(ctx))
         if ok:
             name, copies = result

@@ -12,6 +12,7 @@ import math
 import pytest
 import ray
 from inferlet import Context, Model, Sampler, scheduling
+from pie_workers.wire.pages import pages_for
 
 PAGES = 24
 
@@ -150,7 +151,7 @@ def test_the_generator_bids_by_default_unless_told_otherwise(replica, market):
                 if gen.tokens_generated == 4:
                     break
             readings = gen._bid_basis  # what this step's bid was computed from
-            pages = -(-(ctx.seq_len - 1) // ctx.page_size)  # the KV the bid was made for (before the step)
+            pages = pages_for(ctx.seq_len - 1, ctx.page_size)  # the KV the bid was made for (before the step)
             out["bid"] = ctx._bid
             bids = await input["leader"].__ray_call__.remote(lambda worker: dict(worker.engine.residency.bids))
             out["engine_bid"] = bids[ctx._id]  # it reached the replica, riding in the step's forward request

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from inferlet import Context, Logits, Model, Sampler
+from pie_workers.wire.pages import pages_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|>: the ChatML template's end-of-turn set
@@ -252,7 +253,7 @@ def test_a_new_context_reuses_cached_prefix_pages(served, hf):
             add_generation_prompt=True,
         )["input_ids"]
     )
-    without_reuse = -(-(prompt_len + 5) // 16)  # pages the prompt and 5 generated tokens fill in the KV cache
+    without_reuse = pages_for(prompt_len + 5, 16)  # pages the prompt and 5 generated tokens fill in the KV cache
     fresh = before["free"] - after["free"]  # the pool is far from full: nothing is evicted to make room
     assert fresh <= without_reuse - 2, "at least the two pages of pure system prompt were adopted from the cache"
     messages = [{"role": "system", "content": long_system}, {"role": "user", "content": "Why is the sea salty?"}]

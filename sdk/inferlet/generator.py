@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pie_workers.wire.pages import pages_for
+
 from inferlet import chat, scheduling
 from inferlet.adapter import Adapter, check_zo_seed
 from inferlet.constraints import AnyJson, Constraint, ConstraintSet, JsonSchema, Schema
@@ -280,7 +282,7 @@ class Generator:
             expected, cv2 = self._max_tokens - self._generated, 1.0
         else:
             expected, cv2 = max(self._generated, 64), 1.0
-        pages = max(-(-ctx.seq_len // ctx.page_size), 1)
+        pages = max(pages_for(ctx.seq_len, ctx.page_size), 1)
         return scheduling.default_bid(readings["balance"], pages, expected, cv2, ctx.page_size, readings["dividend"])
 
     def _draft(self, fwd: Forward) -> int:
