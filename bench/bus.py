@@ -1,6 +1,6 @@
 """The message bus: messages/s and round-trip latency between inferlets, against ray.util.queue.Queue.
 
-Usage: python bench/bus.py [--messages 50000] [--rounds 2000] [--shards 2]
+Usage: python bench/bus.py [--messages 50000] [--rounds 2000] [--shards 2] [--out docs/bench]
 
 (a) push -> pull throughput: one inferlet pushes N messages while another pulls them with 64 pulls in flight (and
     with one: each pull is then a round trip to the shard, since a pull cannot prefetch without breaking exactly-once);
@@ -8,7 +8,7 @@ Usage: python bench/bus.py [--messages 50000] [--rounds 2000] [--shards 2]
 (c) round-trip latency: two inferlets play ping-pong over push/pull (one round = two bus messages).
 Each runs with both inferlets in this process, and with the second one in a Ray actor (another process, same node,
 as when inferlets run in pooled host actors). The baseline is ray.util.queue.Queue (one actor, a Ray call per
-put/get) doing the same exchange.
+put/get) doing the same exchange. The table also goes to ``OUT/bus.md`` (bench/report.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pie_cluster.bus import start_bus
 from pie_cluster.host import run_inferlet
 from pie_cluster.local_ray import init_ray
 from ray.util.queue import Queue
+from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table
 
@@ -199,6 +200,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-messages", type=int, default=2000)
+    add_out_option(ap)
     args = ap.parse_args()
 
     init_ray(num_cpus=4)
@@ -232,6 +234,7 @@ def main() -> None:
     row("ping-pong round trip, p99 µs", "p99", higher_is_better=False)
     console.print(table)
     console.print(f"left on the bus afterwards: {leftover}")
+    write_markdown(args.out, "bus", [table, f"left on the bus afterwards: {leftover}"])
 
 
 if __name__ == "__main__":

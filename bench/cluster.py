@@ -2,7 +2,7 @@
 inferlet.
 
 Usage: python bench/cluster.py [--launches 40] [--isolated-launches 8] [--messages 50000] [--rounds 2000]
-                               [--repeats 3] [--idle 200]
+                               [--repeats 3] [--idle 200] [--out docs/bench]
 
 Brings up a two-node Ray cluster on this machine (two raylets, 4 CPUs each), a Pie cluster on it (one replica of the
 embedded tiny model, the bus with 2 shards, a pooled inferlet host per node, the launcher) and the HTTP endpoint on
@@ -23,6 +23,7 @@ Ray Serve, then measures:
     The topics are picked to live on a bus shard of the first inferlet's node, so same-node traffic never leaves it.
 
 Goals (issue 6): launch < 20 ms pooled (median); >= 20k bus messages/s; < 2 MiB per idle pooled inferlet.
+The tables also go to ``OUT/cluster.md`` (bench/report.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pie_cluster.controller import LAUNCHER, start_controller
 from pie_cluster.http_app import serve_http, stop_http
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.local_ray import NAMESPACE
+from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table
 
@@ -440,6 +442,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2000, help="ping-pong rounds per run")
     ap.add_argument("--repeats", type=int, default=3, help="bus runs per configuration (best is reported)")
     ap.add_argument("--idle", type=int, default=200, help="idle pooled inferlets for the memory measurement")
+    add_out_option(ap)
     args = ap.parse_args()
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -488,6 +491,11 @@ def main() -> None:
 
     mib = 1 << 20
     goals = []
+    report = []  # what goes to OUT/cluster.md: the tables and notes printed below, in order
+
+    def show(part) -> None:
+        console.print(part)
+        report.append(part)
 
     table = Table(title=f"(a) memory per idle pooled inferlet ({memory['k']} parked in session.receive(), one host)")
     for col in ("", "RSS", "USS"):
@@ -497,9 +505,9 @@ def main() -> None:
     per = [(memory["after"][i] - memory["before"][i]) / memory["k"] for i in (0, 1)]
     table.add_row("per idle inferlet", f"{per[0] / 1024:,.0f} KiB", f"{per[1] / 1024:,.0f} KiB")
     table.add_row("host after aborting them", *(f"{memory['released'][i] / mib:,.1f} MiB" for i in (0, 1)))
-    console.print(table)
+    show(table)
     ok = memory["ended"] == memory["k"] and memory["running_after"] == memory["running_before"]
-    console.print(
+    show(
         f"aborted {memory['aborted']}/{memory['k']}, ended with 'aborted' {memory['ended']}/{memory['k']}; "
         f"launcher's running count {memory['running_before']} before, {memory['running_after']} after "
         f"({'all cleaned up' if ok else '[red]NOT all cleaned up[/red]'})"
@@ -527,7 +535,7 @@ def main() -> None:
             f"{statistics.median(latency[f'{name}-2req']):,.1f}",
             f"{statistics.median(latency[f'{name}-direct']):,.1f}",
         )
-    console.print(table)
+    show(table)
     pooled_median = statistics.median(latency["pooled"])
     goals.append(
         (
@@ -547,7 +555,7 @@ def main() -> None:
     table.add_row("push -> pull, msgs/s (1 pull in flight)", *(fmt(r["rate_one"]) for r in bus.values()))
     table.add_row("ping-pong round trip, median µs", *(fmt(r["rtt"]) for r in bus.values()))
     table.add_row("ping-pong round trip, p99 µs", *(fmt(r["p99"]) for r in bus.values()))
-    console.print(table)
+    show(table)
     for label, r in bus.items():
         goals.append((f"bus msgs/s, {label}", fmt(r["rate"]), f">= {GOAL_BUS_RATE:,}", r["rate"] >= GOAL_BUS_RATE))
 
@@ -556,11 +564,12 @@ def main() -> None:
         table.add_column(col, justify=justify)
     for name, value, goal, met in goals:
         table.add_row(name, value, goal, mark(met))
-    console.print(table)
-    console.print(
+    show(table)
+    show(
         f"load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} cores; "
         f"total {time.perf_counter() - began:.0f} s"
     )
+    write_markdown(args.out, "cluster", report)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Decode throughput of the paged runner vs transformers' own batched forward, on the same weights.
 
-Usage: python bench/forward.py [--model DIR] [--batches 1,8,32,64] [--steps 32] [--prompt 32]
+Usage: python bench/forward.py [--model DIR] [--batches 1,8,32,64] [--steps 64] [--prompt 32] [--repeats 5]
+                               [--out docs/bench]
 
 Both sides decode greedily from equal-length random prompts (no padding); HF uses its DynamicCache. Prints
-tokens/s for each batch size and the ratio paged / HF. Run on an otherwise idle machine.
+tokens/s for each batch size and the ratio paged / HF, and writes the table to ``OUT/forward.md`` and a plot to
+``OUT/forward.png`` (see bench/report.py). Run on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from pathlib import Path
 
 import torch
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.tiny_model import default_model_path
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot
 from pie_workers.wire.pages import pages_for
+from report import add_out_option, bar_plot, write_markdown
 from rich.console import Console
 from rich.table import Table
 
@@ -69,6 +73,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5, help="best of N runs per cell")
+    add_out_option(ap)
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -81,11 +86,12 @@ def main() -> None:
     rng = random.Random(0)
 
     table = Table(
-        title=f"decode tokens/s — {model_dir} — {torch.get_num_threads()} threads, "
+        title=f"decode tokens/s — {Path(model_dir).name} — {torch.get_num_threads()} threads, "
         f"prompt {args.prompt}, {args.steps} steps"
     )
     for col in ("batch", "paged runner", "transformers", "ratio"):
         table.add_column(col, justify="right")
+    paged, reference = [], []
     for b in batches:
         prompts = [[rng.randrange(3, runner.cfg.vocab_size) for _ in range(args.prompt)] for _ in range(b)]
         ours, theirs = 0.0, 0.0
@@ -93,7 +99,21 @@ def main() -> None:
             ours = max(ours, paged_decode(runner, prompts, args.steps))
             theirs = max(theirs, hf_decode(hf, prompts, args.steps))
         table.add_row(str(b), f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}")
+        paged.append(ours)
+        reference.append(theirs)
     Console().print(table)
+    write_markdown(args.out, "forward", [table])
+    bar_plot(
+        args.out,
+        "forward",
+        title=f"Paged runner vs transformers (DynamicCache): greedy decode, {torch.get_num_threads()} threads, "
+        f"best of {args.repeats}",
+        xlabel="batch size",
+        ylabel="tokens/s",
+        categories=[str(b) for b in batches],
+        series={"paged runner": paged, "transformers": reference},
+        ratios=[o / t for o, t in zip(paged, reference, strict=True)],
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The KV-page market: the cost of one market tick, and what it does for a contended replica's throughput.
 
 Usage: python bench/market.py [--contexts 10000] [--devices 8] [--processes 2500] [--ticks 200]
-                              [--inferlets 8] [--pages 64] [--tokens 128] [--runs 2]
+                              [--inferlets 8] [--pages 64] [--tokens 128] [--runs 2] [--out docs/bench]
 
 A tick is one round per device: each device's report (all its contexts: owner, bid per page, effective pages,
 resident or suspended; pages made per process) is settled — make cost, auction, rent, dividends — and its decision
@@ -17,7 +17,7 @@ is the replica without a market (every bid 0: a context needing a page while oth
 the market run reports to a market actor and every Generator bids Pie's default from its balance and remaining
 tokens. Each with the replica's host buffer (suspended pages are copied out and back) and without it (they are
 recomputed). All runs produce the same tokens; the table compares wall time, tokens/s, suspensions and mean
-completion time. Modes alternate, ``--runs`` times each.
+completion time. Modes alternate, ``--runs`` times each. The tables also go to ``OUT/market.md`` (bench/report.py).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 import ray
 from pie_cluster.local_ray import NAMESPACE, init_ray
 from pie_cluster.market import Market, get_or_create_market
+from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table
 
@@ -248,12 +249,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--skip-ticks", action="store_true", help="only the contended-throughput table")
+    add_out_option(ap)
     args = ap.parse_args()
     init_ray(num_cpus=4)
     console = Console(width=120)
-    if not args.skip_ticks:
-        console.print(tick_cost_table(args))
-    console.print(contended_table(args))
+    tables = [] if args.skip_ticks else [tick_cost_table(args)]
+    tables.append(contended_table(args))
+    for table in tables:
+        console.print(table)
+    write_markdown(args.out, "market", tables)
 
 
 if __name__ == "__main__":

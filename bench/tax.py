@@ -1,6 +1,6 @@
 """The programmability tax: inferlets on a Ray replica vs the same model runner driven by a plain in-process loop.
 
-Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7] [--threads 2]
+Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7] [--threads 2] [--out docs/bench]
 
 (a) per-token latency of one inferlet generating greedily vs the in-process loop at batch 1 — the difference is the
     tax in ms/token (channel round trip, engine bookkeeping, scheduling, SDK) — both collecting (``collect_tokens``,
@@ -11,7 +11,8 @@ Both sides use ``--threads`` torch threads: the forward takes that many cores of
 core is left to the inferlets and the engine, as on a GPU host. The inferlets run in this process on uvloop (as in
 an inferlet host: Ray's async actors run on it, and ray[serve] installs it), the model in the replica actor. Each
 round runs the loop and then the inferlets back to back, and the tables report medians over rounds: on a shared
-machine a burst of outside load then hits one round's pair, not one side of every comparison.
+machine a burst of outside load then hits one round's pair, not one side of every comparison. The tables go to
+``OUT/tax.md`` and the aggregate throughput to the plot ``OUT/tax.png`` as well (see bench/report.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pie_workers.replica import Replica
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.tiny_model import default_model_path
 from pie_workers.wire.pages import pages_for
+from report import add_out_option, bar_plot, write_markdown
 from rich.console import Console
 from rich.table import Table
 
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the replica's rank and of the loop")
+    add_out_option(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     levels = [int(n) for n in args.concurrency.split(",")]
@@ -111,25 +114,45 @@ def main() -> None:
     replica.shutdown()
 
     console = Console()
-    for label, pairs in (("collecting", rounds.get(1)), ("stepping with async for", stepping)):
+    notes, taxes = [], []
+    for label, short, pairs in (
+        ("collecting", "collecting", rounds.get(1)),
+        ("stepping with async for", "stepping (async for)", stepping),
+    ):
         if not pairs:
             continue
         ms = [(1000 / ours, 1000 / base) for ours, base in pairs]
-        console.print(
+        taxes.append(f"{median(o - b for o, b in ms):.2f} ms/token {short}")
+        notes.append(
             f"(a) one inferlet {label}: {median(o for o, _ in ms):.3f} ms/token vs in-process loop "
             f"{median(b for _, b in ms):.3f} ms/token -> programmability tax {median(o - b for o, b in ms):.3f} "
             f"ms/token (median of {args.rounds} rounds)"
         )
+        console.print(notes[-1])
     table = Table(
         title=f"(b) aggregate decode tokens/s, {args.tokens} tokens per sequence, tiny Llama, {args.threads} "
         "threads, medians"
     )
     for col in ("inferlets / batch", "inferlets on Ray", "in-process loop", "ratio"):
         table.add_column(col, justify="right")
-    for n, pairs in rounds.items():
-        ours, base = median(o for o, _ in pairs), median(b for _, b in pairs)
-        table.add_row(str(n), f"{ours:,.0f}", f"{base:,.0f}", f"{median(o / b for o, b in pairs):.2f}")
+    ours = [median(o for o, _ in pairs) for pairs in rounds.values()]
+    base = [median(b for _, b in pairs) for pairs in rounds.values()]
+    ratios = [median(o / b for o, b in pairs) for pairs in rounds.values()]
+    for n, o, b, r in zip(rounds, ours, base, ratios, strict=True):
+        table.add_row(str(n), f"{o:,.0f}", f"{b:,.0f}", f"{r:.2f}")
     console.print(table)
+    write_markdown(args.out, "tax", [*notes, table])
+    bar_plot(
+        args.out,
+        "tax",
+        title=f"Inferlets on Ray vs an in-process loop: greedy decode, tiny Llama, {args.threads} threads, "
+        f"medians of {args.rounds} rounds" + (f"\nTax of one inferlet: {', '.join(taxes)}" if taxes else ""),
+        xlabel="concurrent inferlets (loop: batch size)",
+        ylabel="tokens/s",
+        categories=[str(n) for n in rounds],
+        series={"inferlets on Ray": ours, "in-process loop": base},
+        ratios=ratios,
+    )
 
 
 if __name__ == "__main__":
