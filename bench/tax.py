@@ -146,7 +146,7 @@ def main() -> None:
         args.out,
         "tax",
         title=f"Inferlets on Ray vs an in-process loop: greedy decode, tiny Llama, {args.threads} threads, "
-        f"medians of {args.rounds} rounds" + (f"\nTax of one inferlet: {', '.join(taxes)}" if taxes else ""),
+        f"{args.rounds} rounds" + (f"\nTax of one inferlet: {', '.join(taxes)}" if taxes else ""),
         xlabel="concurrent inferlets (loop: batch size)",
         ylabel="tokens/s",
         categories=[str(n) for n in rounds],
