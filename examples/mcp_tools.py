@@ -1,6 +1,8 @@
 """MCP tools: list the tools of an MCP server declared in config.toml and call one (Pie's mcp-example).
 
-pie run examples/mcp_tools.py -- --server echo --tool echo --args '{"text": "hello"}'
+pie submit examples/mcp_tools.py -- --server echo --tool echo --args '{"text": "hello"}'
+
+(against a cluster whose config.toml declares the server, e.g. ``[mcp.echo]``; `pie run` has no MCP servers)
 
 It uses the ``_async`` forms, which wait without blocking the other inferlets that share this process.
 """

@@ -1,9 +1,11 @@
 """A long system prompt prefilled once and saved as a named snapshot, then reused by later runs.
 
-pie run examples/snapshot_prefix.py -- --mode save --name handbook
-pie run examples/snapshot_prefix.py -- --mode use --name handbook --question "How big is a page?"
-pie run examples/snapshot_prefix.py -- --mode fresh --question "How big is a page?"   (no snapshot: for comparison)
-pie run examples/snapshot_prefix.py -- --mode delete --name handbook
+Against a running cluster (`pie start`): each `pie run` has a replica of its own, which ends with the run.
+
+pie submit examples/snapshot_prefix.py -- --mode save --name handbook
+pie submit examples/snapshot_prefix.py -- --mode use --name handbook --question "How big is a page?"
+pie submit examples/snapshot_prefix.py -- --mode fresh --question "How big is a page?"   (no snapshot: to compare)
+pie submit examples/snapshot_prefix.py -- --mode delete --name handbook
 
 Snapshots are per user and outlive the inferlet that saved them (while the replica is up). ``Context.open`` gives
 a copy-on-write copy, so any number of runs can start from the same prefilled prefix without prefilling it again.

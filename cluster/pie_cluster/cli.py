@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from pie_cluster import cli_client, cli_services
 
@@ -72,7 +73,7 @@ def run(
     try:
         main = load_program(program)
     except (ValueError, SyntaxError, ImportError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
     init_ray(num_cpus=max(2, tp))
     import ray
@@ -95,7 +96,7 @@ def run(
             )
         )
     except Exception as e:
-        console.print(f"[red]error:[/red] {type(e).__name__}: {e}")
+        console.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(1) from None
     finally:
         replica.shutdown()

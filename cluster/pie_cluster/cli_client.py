@@ -21,6 +21,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pie_cluster.arguments import fold_arguments
@@ -49,10 +50,10 @@ def _refusals() -> Iterator[None]:
     try:
         yield
     except PieClientError as e:
-        err.print(f"[red]error:[/red] {e}", markup=False)
+        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(1) from None
     except ValidationError as e:
-        err.print(f"[red]error:[/red] {describe_errors(e.errors())}", markup=False)
+        err.print(f"[red]error:[/red] {escape(describe_errors(e.errors()))}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -126,7 +127,7 @@ def submit(
     try:
         data = json.loads(input_json) if input_json is not None else fold_arguments(ctx.args)
     except json.JSONDecodeError as e:
-        err.print(f"[red]error:[/red] --input is not valid JSON: {e}")
+        err.print(f"[red]error:[/red] --input is not valid JSON: {escape(str(e))}")
         raise typer.Exit(2) from None
     with _refusals():
         request = LaunchRequest(program=str(program), input=data, deadline_s=deadline, token_budget=token_budget)

@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pie_cluster.state import clear_state, load_state, save_state
@@ -73,12 +74,12 @@ def _one_line_errors(action: str) -> Iterator[None]:
     try:
         yield
     except (ConnectionError, RuntimeError, RayError, FileNotFoundError, TimeoutError) as e:
-        err.print(f"error: {action}: {_first_line(e)}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {action}: {escape(_first_line(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except subprocess.CalledProcessError as e:
         detail = (e.stderr or b"").decode(errors="replace").strip().splitlines()
         failed = f"`{' '.join(e.cmd[1:])}` failed: {detail[-1] if detail else e.returncode}"
-        err.print(f"error: {action}: {failed}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {action}: {escape(failed)}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
 
 
@@ -111,7 +112,7 @@ def start(
             cfg.auth.enabled = False
         cfg.check_auth()
     except ValueError as e:
-        err.print(f"[red]error:[/red] {e}", markup=False)
+        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
     with _one_line_errors("pie start"):
         gcs, dashboard, started = _join(address, start_if_missing=True)
