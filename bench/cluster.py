@@ -1,6 +1,8 @@
 """The cluster: launch latency, message-bus throughput and round trip within and across nodes, memory per idle
 inferlet.
 
+One file though it passes 400 lines: one two-node cluster set-up serves all of its measurements.
+
 Usage: python bench/cluster.py [--launches 40] [--isolated-launches 8] [--messages 50000] [--rounds 2000]
                                [--repeats 3] [--idle 200] [--out docs/bench]
 

@@ -1,5 +1,8 @@
 """ContextTable: commit/dedup, fork, snapshots, errors, and a stateful property test over random operation sequences.
 
+One file though it passes 400 lines: the unit cases and the stateful property test check the same invariants
+against the same simulated pool.
+
 The property test keeps a simulated KV pool (what each physical page slot holds) and writes recorded tokens into it
 through the context's page table, executing the page copies the table hands back. It then checks that every context
 and snapshot reads exactly its own token history through its page ids: that is the end-to-end meaning of dedup,

@@ -1,5 +1,8 @@
 """Engine-side contexts of one replica: committed chains, working pages, token lineage, and per-user snapshots.
 
+Kept in one file though it passes 400 lines: commit, fork, snapshot, truncate and lineage all maintain one
+page-table invariant, which is easiest to check when every edit of it is in view.
+
 A context is a committed chain in the page store's trie (shared, content-addressed, immutable) followed by working
 pages it owns exclusively, whose tokens are recorded as lineage once a forward pass has written their KV. Commit
 moves full working pages into the trie; fork and snapshots share the committed chain by reference and copy only the
