@@ -266,4 +266,8 @@ def serve_http(auth: AuthConfig, namespace: str, server: ServerConfig) -> str:
 
 
 def stop_http() -> None:
+    """Remove the app; and Serve itself when no other application uses it, so that its HTTP proxy lets go of the
+    port (the next `pie start` may ask for another one, which a running proxy would ignore)."""
     serve.delete("pie")
+    if not serve.status().applications:
+        serve.shutdown()

@@ -38,30 +38,38 @@ class Output:
     tokens: list[int] = field(default_factory=list)  # Generator-accepted tokens this step (empty for raw Forward)
     auto_sampler: SampleHandle | None = None
 
-    def token(self, h: SampleHandle) -> int | None:
-        return self.raw[h.slots[0]].token if h.slots and h.slots[0] < len(self.raw) else None
+    def token(self, h: SampleHandle | ProbeHandle) -> int | None:
+        """The token of a single-index sampler; None for a probe's handle or a slot the pass did not produce."""
+        if not isinstance(h, SampleHandle) or not h.slots or h.slots[0] >= len(self.raw):
+            return None
+        return self.raw[h.slots[0]].token
 
-    def tokens_at(self, h: SampleHandle) -> list[int]:
+    def tokens_at(self, h: SampleHandle | ProbeHandle) -> list[int]:
+        """The tokens of a (multi-index) sampler; empty for a probe's handle."""
+        if not isinstance(h, SampleHandle):
+            return []
         return [self.raw[i].token for i in h.slots if i < len(self.raw)]
 
-    def _probe(self, h: ProbeHandle, kind: SlotKind):
-        if h.kind is not kind or h.slot >= len(self.raw):
+    def _probe(self, h: SampleHandle | ProbeHandle, kind: SlotKind):
+        """The slot of a probe of ``kind``; None for any other handle (a sampler's, another probe's), as the
+        accessors return None for a handle that did not ask for what they read."""
+        if not isinstance(h, ProbeHandle) or h.kind is not kind or h.slot >= len(self.raw):
             return None
         return self.raw[h.slot]
 
-    def distribution(self, h: ProbeHandle) -> tuple[list[int], list[float]] | None:
+    def distribution(self, h: SampleHandle | ProbeHandle) -> tuple[list[int], list[float]] | None:
         out = self._probe(h, SlotKind.DISTRIBUTION)
         return None if out is None else out.distribution
 
-    def logits(self, h: ProbeHandle) -> bytes | None:
+    def logits(self, h: SampleHandle | ProbeHandle) -> bytes | None:
         out = self._probe(h, SlotKind.LOGITS)
         return None if out is None else out.logits
 
-    def logprobs(self, h: ProbeHandle) -> list[float] | None:
+    def logprobs(self, h: SampleHandle | ProbeHandle) -> list[float] | None:
         out = self._probe(h, SlotKind.LOGPROBS)
         return None if out is None else out.logprobs
 
-    def entropy(self, h: ProbeHandle) -> float | None:
+    def entropy(self, h: SampleHandle | ProbeHandle) -> float | None:
         out = self._probe(h, SlotKind.ENTROPY)
         return None if out is None else out.entropy
 
