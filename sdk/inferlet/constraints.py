@@ -3,11 +3,11 @@
 A ``Constraint`` is anything with ``step(accepted) -> BRLE``: it is told the tokens accepted since its last call
 (``[]`` on the first) and returns the mask for the next position (``[]`` = no restriction). A ``Schema`` is anything
 with ``build_constraint(model)``; the four declarative ones (``AnyJson``, ``JsonSchema``, ``Regex``, ``Ebnf``) and
-``Grammar`` build a ``GrammarConstraint``. A constraint may also expose ``is_terminated``: once true, the Generator
-stops (so it never samples from an all-false mask, which is what Pie's Generator does when the stop set lacks the
-grammar's stop token). A constraint with ``rollback(n)`` (undo its last n accepted tokens) works with speculation:
-each draft is verified under the mask the constraint gives after the drafts before it. Without it, a constrained
-Generator drafts nothing.
+``Grammar`` build a ``GrammarConstraint`` (in ``inferlet.grammar``, beside the ``Matcher`` it walks). A constraint
+may also expose ``is_terminated``: once true, the Generator stops (so it never samples from an all-false mask, which
+is what Pie's Generator does when the stop set lacks the grammar's stop token). A constraint with ``rollback(n)``
+(undo its last n accepted tokens) works with speculation: each draft is verified under the mask the constraint gives
+after the drafts before it. Without it, a constrained Generator drafts nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 from pie_workers.wire import brle
 
-from inferlet.grammar import Grammar, Matcher
+from inferlet.grammar import GrammarConstraint
 from inferlet.instruct import ModelLike
 
 
@@ -33,50 +33,6 @@ class Schema(Protocol):
     def build_constraint(self, model: ModelLike) -> Constraint:
         """A fresh constraint for this model (constraints are stateful: one per generation)."""
         ...
-
-
-class GrammarConstraint:
-    """A ``Constraint`` that walks a grammar with a ``Matcher``.
-
-    The constructors bind the grammar to the model's tokenizer with the chat template's end-of-turn tokens as the
-    grammar's stop tokens: they are allowed exactly when the grammar is complete, so with the Generator's default
-    stop set the model ends its turn right where the grammar does.
-    """
-
-    def __init__(self, matcher: Matcher) -> None:
-        self.matcher = matcher
-
-    @staticmethod
-    def from_grammar(grammar: Grammar, model: ModelLike) -> GrammarConstraint:
-        return GrammarConstraint(Matcher(grammar, model.tokenizer(), stop_tokens=model.instruct.stop_tokens()))
-
-    @staticmethod
-    def from_json_schema(schema: str | dict, model: ModelLike, *, any_whitespace: bool = False) -> GrammarConstraint:
-        return GrammarConstraint.from_grammar(Grammar.from_json_schema(schema, any_whitespace=any_whitespace), model)
-
-    @staticmethod
-    def json(model: ModelLike, *, any_whitespace: bool = False) -> GrammarConstraint:
-        return GrammarConstraint.from_grammar(Grammar.json(any_whitespace=any_whitespace), model)
-
-    @staticmethod
-    def from_regex(pattern: str, model: ModelLike) -> GrammarConstraint:
-        return GrammarConstraint.from_grammar(Grammar.from_regex(pattern), model)
-
-    @staticmethod
-    def from_ebnf(source: str, model: ModelLike) -> GrammarConstraint:
-        return GrammarConstraint.from_grammar(Grammar.from_ebnf(source), model)
-
-    def step(self, accepted: list[int]) -> list[int]:
-        if accepted:
-            self.matcher.accept_tokens(accepted)
-        return self.matcher.next_token_logit_mask()
-
-    def rollback(self, n: int) -> None:
-        self.matcher.rollback(n)
-
-    @property
-    def is_terminated(self) -> bool:
-        return self.matcher.is_terminated
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from pie_workers.wire import brle
 from inferlet.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from inferlet.constraints import GrammarConstraint
     from inferlet.instruct import ModelLike
 
 COMPILED_CACHE_SIZE = 256  # compiled grammars kept per process (each holds token masks for its grammar states)
@@ -123,8 +122,6 @@ class Grammar:
         return Grammar(("tagged_json", source), native, controls)
 
     def build_constraint(self, model: ModelLike) -> GrammarConstraint:
-        from inferlet.constraints import GrammarConstraint
-
         return GrammarConstraint.from_grammar(self, model)
 
     def __str__(self) -> str:
@@ -195,6 +192,50 @@ class Matcher:
     def reset(self) -> None:
         """Back to the start of the grammar."""
         self._matcher.reset()
+
+
+class GrammarConstraint:
+    """A ``Constraint`` that walks a grammar with a ``Matcher``.
+
+    The constructors bind the grammar to the model's tokenizer with the chat template's end-of-turn tokens as the
+    grammar's stop tokens: they are allowed exactly when the grammar is complete, so with the Generator's default
+    stop set the model ends its turn right where the grammar does.
+    """
+
+    def __init__(self, matcher: Matcher) -> None:
+        self.matcher = matcher
+
+    @staticmethod
+    def from_grammar(grammar: Grammar, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint(Matcher(grammar, model.tokenizer(), stop_tokens=model.instruct.stop_tokens()))
+
+    @staticmethod
+    def from_json_schema(schema: str | dict, model: ModelLike, *, any_whitespace: bool = False) -> GrammarConstraint:
+        return GrammarConstraint.from_grammar(Grammar.from_json_schema(schema, any_whitespace=any_whitespace), model)
+
+    @staticmethod
+    def json(model: ModelLike, *, any_whitespace: bool = False) -> GrammarConstraint:
+        return GrammarConstraint.from_grammar(Grammar.json(any_whitespace=any_whitespace), model)
+
+    @staticmethod
+    def from_regex(pattern: str, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint.from_grammar(Grammar.from_regex(pattern), model)
+
+    @staticmethod
+    def from_ebnf(source: str, model: ModelLike) -> GrammarConstraint:
+        return GrammarConstraint.from_grammar(Grammar.from_ebnf(source), model)
+
+    def step(self, accepted: list[int]) -> list[int]:
+        if accepted:
+            self.matcher.accept_tokens(accepted)
+        return self.matcher.next_token_logit_mask()
+
+    def rollback(self, n: int) -> None:
+        self.matcher.rollback(n)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated
 
 
 @functools.cache

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import shlex
@@ -97,7 +98,8 @@ async def connect_async(name: str) -> McpSession:
 
 
 def close_sessions(owner: runtime.Runtime) -> None:
-    """End every session an inferlet left open; the host calls this (through ``Runtime.close``) when it ends."""
+    """End every session an inferlet left open; ``Runtime.close`` calls this when it ends (registered with the
+    inferlet's first session)."""
     sessions = list(_live_sessions.pop(owner.instance_id, ()))  # a copy: sessions that end leave the set meanwhile
     for session in sessions:
         session._request_close()
@@ -262,6 +264,8 @@ def _start(name: str) -> McpSession:
         declared = ", ".join(sorted(current.mcp_servers)) or "none (declare [mcp.<name>] tables in config.toml)"
         raise ValueError(f"no MCP server named {name!r}; available: {declared}")
     session = McpSession(name, spec)
+    if current.instance_id not in _live_sessions:  # its stdio servers are child processes: end them with it
+        current.on_close(functools.partial(close_sessions, current))
     live = _live_sessions.setdefault(current.instance_id, set())
     live.add(session)
     session._finished.add_done_callback(lambda _: live.discard(session))

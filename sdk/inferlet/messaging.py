@@ -285,7 +285,8 @@ def _bus() -> _Bus:
     if rt.bus_client is None:
         if not rt.bus:
             raise BusError("no message bus is configured for this inferlet (its runtime has no bus addresses)")
-        rt.bus_client = _Bus(rt)
+        rt.bus_client = _Bus(rt)  # kept once closed: a task left behind gets an error, not a new client
+        rt.on_close(rt.bus_client.close)
     return rt.bus_client
 
 

@@ -6,8 +6,10 @@ one process (each asyncio task sees its own runtime).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,21 +51,22 @@ class Runtime:
     bus_client: Any = None  # opened by inferlet.messaging on first use
     mcp_servers: dict[str, Any] = field(default_factory=dict)  # name -> inferlet.mcp.ServerSpec, from config.toml
     io: SessionIO | None = None  # the launching client's side of inferlet.session; None: no client attached
+    _closers: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
+
+    def on_close(self, close: Callable[[], None]) -> None:
+        """Run ``close`` when the inferlet ends (last registered, first run). Features that hold something for the
+        inferlet (its bus client, its MCP sessions) register here, so the runtime need not know them."""
+        self._closers.callback(close)
 
     def close(self) -> None:
-        """Release everything this inferlet still holds on every replica (contexts, pages) and withdraw its pulls
-        and subscriptions from the message bus; snapshots and queued messages survive."""
-        if self.mcp_servers:  # MCP sessions it left open: their stdio servers are child processes of this one
-            from inferlet.mcp import close_sessions  # imported here: inferlet.mcp imports this module
-
-            close_sessions(self)
+        """Release everything this inferlet still holds on every replica (contexts, pages), then what its features
+        registered (bus pulls and subscriptions, MCP sessions); snapshots and queued messages survive."""
         try:
             for model in self.models_loaded.values():
                 model._close()
             self.models_loaded.clear()
         finally:
-            if self.bus_client is not None:  # kept, closed: a task left behind gets an error, not a new client
-                self.bus_client.close()
+            self._closers.close()
 
 
 _current: contextvars.ContextVar[Runtime] = contextvars.ContextVar("inferlet_runtime")
