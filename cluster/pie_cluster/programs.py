@@ -48,7 +48,9 @@ Main = Callable[[dict], Awaitable[Any]]
 def _compiled(program_id: str, label: str, entry: str, source: bytes) -> types.CodeType:
     """The entry module's code, compiled once per process (launching an instance only executes it)."""
     try:
-        return compile(source, f"<{label}>/{entry}", "exec")
+        # dont_inherit: the program gets its own __future__ flags, not this module's (postponed annotations
+        # would turn its dataclasses' field types into strings)
+        return compile(source, f"<{label}>/{entry}", "exec", dont_inherit=True)
     except SyntaxError as e:
         raise ProgramError(f"{label}: {entry} line {e.lineno}: {e.msg}") from None
 
@@ -142,7 +144,15 @@ class Program:
         module = types.ModuleType(f"{package}.{Path(self.entry).stem}" if package else f"inferlet_{self.id}")
         module.__package__ = package
         module.__file__ = f"<{self.label}>/{self.entry}"
-        exec(self._compile(), module.__dict__)
+        previous = sys.modules.get(module.__name__)
+        sys.modules[module.__name__] = module  # while it runs: dataclasses and typing look their module up there
+        try:
+            exec(self._compile(), module.__dict__)
+        finally:
+            if previous is None:
+                sys.modules.pop(module.__name__, None)
+            else:
+                sys.modules[module.__name__] = previous
         main = module.__dict__.get("main")
         if main is None or not inspect.iscoroutinefunction(main):
             raise ProgramError(f"{self.label}: {self.entry} must define `async def main(input)` at top level")
