@@ -132,7 +132,7 @@ class _Connection:
         self._loop = asyncio.get_running_loop()
         self._on_events = on_events
         self._outbox: list[list] = []
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock = _zmq_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, identity)
         self._sock.setsockopt(zmq.SNDTIMEO, int(CALL_TIMEOUT_S * 1000))  # backpressure, but never hang for good
         self._sock.setsockopt(zmq.LINGER, int(CLOSE_TIMEOUT_S * 1000))  # give back pulled messages after close
@@ -278,6 +278,21 @@ class _Bus:
                     subscription._deliver(event[2])
             elif kind == "ok":
                 self._answered.add(event[1])
+
+
+MAX_SOCKETS = 1 << 16
+"""Sockets per process: one per inferlet and shard. ZeroMQ's default cap (1,023) refused the bus to a pooled host
+past ~500 inferlets (seen with 1,000 on one node)."""
+_zmq: zmq.Context | None = None
+
+
+def _zmq_context() -> zmq.Context:
+    """This process's ZeroMQ context for bus clients, with room for every inferlet's sockets."""
+    global _zmq
+    if _zmq is None:
+        _zmq = zmq.Context()
+        _zmq.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+    return _zmq
 
 
 def _bus() -> _Bus:
