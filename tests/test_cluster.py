@@ -5,6 +5,7 @@ are aborted."""
 from __future__ import annotations
 
 import io
+import json
 import textwrap
 import time
 import zipfile
@@ -233,6 +234,34 @@ def test_a_token_budget_endows_the_instance_and_its_wallet_closes_when_it_ends(c
     assert ledger.held == 0 and ledger.balanced  # its balance went out with it
     with pytest.raises(ValueError, match="token_budget"):
         ray.get(launcher.launch.remote("alice", {"program": program, "token_budget": -5}))
+
+
+OVERSPENDER = """
+from inferlet import Context, Model, Sampler, TokenBudgetExhausted
+
+async def main(input):
+    model = Model.load("default")
+    with Context(model) as ctx:
+        ctx.user("Keep talking.")
+        if input.get("catch"):
+            try:
+                await ctx.generate(Sampler.argmax(), max_tokens=64, stop=[]).collect_tokens()
+            except TokenBudgetExhausted as e:
+                return str(e)
+        return await ctx.generate(Sampler.argmax(), max_tokens=64, stop=[]).collect_tokens()
+"""
+
+
+def test_an_instance_past_its_token_budget_fails_and_frees_its_pages(cluster, launcher):
+    program = upload(launcher, OVERSPENDER)
+    events = run_to_end(launcher, launch(launcher, program, token_budget=20))
+    assert events[-1][1] == "error" and "token budget exhausted" in events[-1][2] and "budget is 20" in events[-1][2]
+    caught = run_to_end(launcher, launch(launcher, program, {"catch": True}, token_budget=20))[-1]
+    assert caught[1] == "return" and "token budget exhausted" in caught[2]  # an inferlet may handle it itself
+    for replica in engine_stats(cluster):
+        assert replica["contexts"] == 0 and replica["pages_used"] == 0
+    enough = run_to_end(launcher, launch(launcher, program, token_budget=64))
+    assert enough[-1][1] == "return" and len(json.loads(enough[-1][2])) == 64
 
 
 def test_other_users_cannot_see_attach_to_message_or_abort_an_instance(launcher):

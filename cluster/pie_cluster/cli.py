@@ -51,7 +51,7 @@ def run(
     stdout: Annotated[bool, typer.Option("--stdout", help="relay what the inferlet prints")] = False,
     user: Annotated[str, typer.Option(help="username the inferlet runs as")] = "local",
     token_budget: Annotated[
-        int | None, typer.Option(min=0, help="tokens it may spend: its market endowment (default 64 credits)")
+        int | None, typer.Option(min=0, help="tokens it may generate; also its market endowment (default 64 credits)")
     ] = None,
 ) -> None:
     """Run one inferlet on an embedded local Ray and print its return value. Arguments after `--` become its input
@@ -93,6 +93,7 @@ def run(
                 bus=bus.addresses(),
                 market=market,
                 endowment=endowment_for(token_budget, replica.info.page_size),
+                token_budget=token_budget,
             )
         )
     except Exception as e:

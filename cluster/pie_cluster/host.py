@@ -40,10 +40,12 @@ async def run_inferlet(
     mcp_servers: Mapping[str, ServerSpec] | None = None,
     market=None,
     endowment: float | None = None,
+    token_budget: int | None = None,
 ) -> Any:
     """Await ``main(input)`` under its own runtime; whatever happens, release what it holds on every replica and
     on the message bus (``bus``: the shard addresses from ``pie_cluster.bus.Bus.addresses()``), and close its
-    wallet on ``market`` (the market actor, opened with ``endowment`` credits or its default).
+    wallet on ``market`` (the market actor, opened with ``endowment`` credits or its default). ``token_budget``: the
+    tokens it may have the model generate; past it, its next pass raises ``TokenBudgetExhausted``.
 
     ``io`` serves ``inferlet.session``; ``output`` receives what the inferlet prints, ``(stream, text)`` (None: the
     process's own stdout/stderr); ``mcp_servers`` are the MCP servers ``inferlet.mcp`` may connect to."""
@@ -54,6 +56,7 @@ async def run_inferlet(
         bus=tuple(bus),
         io=io,
         mcp_servers=dict(mcp_servers or {}),
+        token_budget=token_budget,
     )
     token = install(runtime)
     captured = stdio.capture(output) if output is not None else None

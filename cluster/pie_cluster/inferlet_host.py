@@ -52,6 +52,15 @@ class NodeServices:
     model_files: dict[str, object] = field(default_factory=dict)  # model name -> Ray ref to its tokenizer files
 
 
+@dataclass(frozen=True)
+class InstanceLimits:
+    """What an instance may use: wall time, market credits, generated tokens (None: the cluster's default)."""
+
+    deadline_s: float | None = None
+    endowment: float | None = None
+    token_budget: int | None = None
+
+
 class InferletHost:
     def __init__(self, launcher, services: NodeServices):
         self.launcher = launcher
@@ -72,18 +81,10 @@ class InferletHost:
         await asyncio.Event().wait()
 
     async def start(
-        self,
-        instance_id: str,
-        program: Program,
-        input: dict,
-        username: str,
-        deadline_s: float | None,
-        endowment: float | None = None,
+        self, instance_id: str, program: Program, input: dict, username: str, limits: InstanceLimits
     ) -> None:
         """Begin running the instance; returns at once (its events report how it goes)."""
-        task = asyncio.get_running_loop().create_task(
-            self._run(instance_id, program, input, username, deadline_s, endowment)
-        )
+        task = asyncio.get_running_loop().create_task(self._run(instance_id, program, input, username, limits))
         self._tasks[instance_id] = task
 
     async def abort(self, instance_id: str, reason: str = "aborted") -> bool:
@@ -96,7 +97,7 @@ class InferletHost:
 
     # -- one instance ------------------------------------------------------------------------------------------
 
-    async def _run(self, instance_id, program, input, username, deadline_s, endowment) -> None:
+    async def _run(self, instance_id: str, program: Program, input: dict, username: str, limits: InstanceLimits):
         def output(stream: str, text: str) -> None:
             self.emit(instance_id, stream, text)
 
@@ -105,7 +106,7 @@ class InferletHost:
             services = self.services
             if self._endpoints is None:
                 self._endpoints = await local_endpoints(services.endpoints, services.model_files)
-            async with asyncio.timeout(deadline_s) as deadline:
+            async with asyncio.timeout(limits.deadline_s) as deadline:
                 result = await run_inferlet(
                     main,
                     input,
@@ -117,14 +118,16 @@ class InferletHost:
                     output=output,
                     mcp_servers=services.mcp_servers,
                     market=services.market,
-                    endowment=endowment,
+                    endowment=limits.endowment,
+                    token_budget=limits.token_budget,
                 )
             self.emit(instance_id, "return", encode_return(result))
         except asyncio.CancelledError:
             self.emit(instance_id, "error", self._abort_reasons.pop(instance_id, "aborted"))
         except TimeoutError as e:
-            if deadline_s is not None and deadline.expired():
-                self.emit(instance_id, "error", f"deadline exceeded: the instance ran for more than {deadline_s:g} s")
+            if limits.deadline_s is not None and deadline.expired():
+                message = f"deadline exceeded: the instance ran for more than {limits.deadline_s:g} s"
+                self.emit(instance_id, "error", message)
             else:
                 self.emit(instance_id, "error", _describe(e, program))
         except ProgramError as e:

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pie_cluster.admission import Admission
 from pie_cluster.config import LauncherConfig
 from pie_cluster.events import EventLog
-from pie_cluster.inferlet_host import InferletHost, NodeServices
+from pie_cluster.inferlet_host import InferletHost, InstanceLimits, NodeServices
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.market import endowment_for
 from pie_cluster.program_store import ProgramStore
@@ -35,14 +35,6 @@ from pie_cluster.programs import Program
 
 class NotFound(LookupError):
     """No such instance or program for this user."""
-
-
-@dataclass(frozen=True)
-class _Start:
-    """What the host needs to start an instance, besides the instance itself."""
-
-    deadline_s: float | None
-    endowment: float | None
 
 
 @dataclass
@@ -61,7 +53,7 @@ class _Instance:
         default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
     )
     waiting: set[asyncio.Future] = field(default_factory=set)
-    start: _Start | None = None  # how to start it, kept while it waits for admission
+    start: InstanceLimits | None = None  # what to start it with, kept while it waits for admission
     queued: bool = False
 
     def summary(self) -> dict:
@@ -171,7 +163,8 @@ class Launcher:
         self._programs.started(program.id)
         page_size = min(e.page_size for e in self._pool.services[node].endpoints.values())
         deadline_s = request.deadline_s if request.deadline_s is not None else self._default_deadline_s
-        instance.start = _Start(deadline_s, endowment_for(request.token_budget, page_size))
+        endowment = endowment_for(request.token_budget, page_size)
+        instance.start = InstanceLimits(deadline_s, endowment, request.token_budget)
         instance.queued = not runs_now
         if runs_now:
             self._start(instance)
@@ -179,10 +172,8 @@ class Launcher:
         return instance_id
 
     def _start(self, instance: _Instance) -> None:
-        start, instance.start, instance.queued = instance.start, None, False
-        started = instance.host.start.remote(
-            instance.id, instance.program, instance.input, instance.user, start.deadline_s, start.endowment
-        )
+        limits, instance.start, instance.queued = instance.start, None, False
+        started = instance.host.start.remote(instance.id, instance.program, instance.input, instance.user, limits)
         self._spawn(self._watch_start(instance, started))
 
     async def _watch_start(self, instance: _Instance, started) -> None:

@@ -8,6 +8,7 @@ from inferlet.forward import Forward, Output, ProbeHandle, SampleHandle
 from inferlet.generator import Generator, GenStep
 from inferlet.grammar import Grammar, Matcher
 from inferlet.model import Model
+from inferlet.runtime import TokenBudgetExhausted
 from inferlet.sampler import Distribution, Entropy, Logits, Logprob, Logprobs, Sampler
 from inferlet.tokenizer import Tokenizer
 
@@ -36,6 +37,7 @@ __all__ = [
     "SampleHandle",
     "Sampler",
     "Schema",
+    "TokenBudgetExhausted",
     "Tokenizer",
     "chat",
     "mcp",

@@ -14,6 +14,7 @@ from pie_workers.wire.batch import SlotKind, SlotOutput
 from pie_workers.wire.brle import pack as pack_brle
 from pie_workers.wire.codec import output_from_wire, slot_to_wire
 
+from inferlet import runtime
 from inferlet.adapter import Adapter, check_zo_seed
 from inferlet.sampler import Probe, Sampler
 
@@ -189,4 +190,7 @@ class Forward:
     def _finish(self, reply: list) -> Output:
         slots, self._walk, seq_len, self._next_drafts = reply
         self._ctx._seq_len = seq_len
-        return Output([output_from_wire(s) for s in slots])
+        outputs = [output_from_wire(s) for s in slots]
+        # generated: a chained pass's or a verified draft run's tokens (the walk), else the sampled slots
+        runtime.current().spend_tokens(len(self._walk or ()) or sum(o.token is not None for o in outputs))
+        return Output(outputs)

@@ -40,6 +40,10 @@ class SessionIO(Protocol):
     async def receive_file(self) -> bytes: ...
 
 
+class TokenBudgetExhausted(RuntimeError):
+    """The inferlet has had the model generate more tokens than its launch's ``token_budget``."""
+
+
 @dataclass
 class Runtime:
     username: str
@@ -51,7 +55,18 @@ class Runtime:
     bus_client: Any = None  # opened by inferlet.messaging on first use
     mcp_servers: dict[str, Any] = field(default_factory=dict)  # name -> inferlet.mcp.ServerSpec, from config.toml
     io: SessionIO | None = None  # the launching client's side of inferlet.session; None: no client attached
+    token_budget: int | None = None  # tokens the model may generate for this inferlet; None: no limit
+    tokens_generated: int = 0
     _closers: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
+
+    def spend_tokens(self, n: int) -> None:
+        """Count ``n`` tokens the model generated for this inferlet; past its budget, the pass that went over
+        raises (the inferlet ends with that error unless it catches it, and its pages are released with it)."""
+        self.tokens_generated += n
+        if self.token_budget is not None and self.tokens_generated > self.token_budget:
+            raise TokenBudgetExhausted(
+                f"token budget exhausted: {self.tokens_generated} tokens generated, the budget is {self.token_budget}"
+            )
 
     def on_close(self, close: Callable[[], None]) -> None:
         """Run ``close`` when the inferlet ends (last registered, first run). Features that hold something for the
