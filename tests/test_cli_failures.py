@@ -200,21 +200,40 @@ def only_actor(address: str, class_name: str, **match) -> dict:
     return found[0]
 
 
+GENERATE = b"""
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    with Context(Model.load("victim")) as ctx:
+        ctx.user("hello")
+        return len(await ctx.generate(Sampler.argmax(), max_tokens=4, stop=[]).collect_tokens())
+"""
+
+
 @pytest.mark.slow
-def test_status_shows_a_killed_replica_and_stop_then_start_works(started, ray_cluster):
-    env = started["env"]
+def test_a_killed_replica_is_replaced_and_stop_then_start_works(started, ray_cluster):
+    import httpx
+
+    env, url = started["env"], started["url"]
     report = json.loads(pie(env, "status", "--json").stdout)
-    assert [r["state"] for r in report["replicas"]] == ["serving"]
+    assert [r["state"] for r in report["replicas"]] == ["serving"] and report["replica_restarts"] == 0
     assert all(n["alive"] and n["host"] == "serving" for n in report["nodes"])
+    program = httpx.post(f"{url}/v1/programs", params={"filename": "gen.py"}, content=GENERATE).json()["program"]
 
     rank = only_actor(ray_cluster.address, "RankWorker")
     os.kill(rank["pid"], signal.SIGKILL)  # a real crash, not a polite ray.kill
-
+    for _ in range(300):  # the controller notices (every 2 s) and loads a replacement
+        report = json.loads(pie(env, "status", "--json").stdout)
+        if report["replica_restarts"] == 1 and report["replicas"][0]["state"] == "serving":
+            break
+        time.sleep(0.5)
+    assert report["replica_restarts"] == 1 and report["replicas"][0]["state"] == "serving", report
+    assert only_actor(ray_cluster.address, "RankWorker")["pid"] != rank["pid"]
     shown = pie(env, "status")
     assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
-    assert "dead" in shown.stdout
-    report = json.loads(pie(env, "status", "--json").stdout)
-    assert [r["state"] for r in report["replicas"]] == ["dead"]
+
+    events = httpx.post(f"{url}/v1/instances", params={"stream": "true"}, json={"program": program}, timeout=120)
+    assert "event: return\ndata: \"4\"" in events.text, events.text  # new launches reach the replacement
 
     stopped = pie(env, "stop")
     assert stopped.returncode == 0 and "Pie stopped" in stopped.stdout, stopped.stderr

@@ -12,6 +12,9 @@ model where it runs, and hosts get a model's tokenizer files through Ray.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
+from dataclasses import dataclass
 
 import ray
 import ray.exceptions
@@ -32,6 +35,17 @@ from pie_cluster.market import get_or_create_market
 
 CONTROLLER = "pie-controller"
 LAUNCHER = "pie-launcher"
+_SUPERVISE_S = 2.0  # how often replicas are checked for death
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _ModelPlacement:
+    """How a model's replicas are made: its config entry and the placement group their bundles are in."""
+
+    entry: ModelConfigEntry
+    group: PlacementGroup
+    use_gpu: bool
 
 
 def _model_source(entry: ModelConfigEntry) -> ModelSource:
@@ -54,26 +68,19 @@ class Controller:
         self.config = config
         self.replicas: dict[str, list[Replica]] = {}
         self.placements: list[PlacementGroup] = []
+        self._models: dict[str, _ModelPlacement] = {}
+        self.restarting: set[tuple[str, int]] = set()  # replicas being replaced (model, index)
+        self.restarts = 0
         _check_placements(config)
         namespace = ray.get_runtime_context().namespace
         self.market = get_or_create_market(namespace, config.market.default_endowment)
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
-        model_files = {name: replicas[0].leader.model_files.remote() for name, replicas in self.replicas.items()}
         self.bus = start_bus(shards=config.bus.shards, detached=False)
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         launcher_cls = ray.remote(Launcher).options(name=LAUNCHER, num_cpus=0, max_concurrency=100_000)
         self.launcher = launcher_cls.remote(config.launcher)
-        services = {
-            node: NodeServices(
-                endpoints=self.endpoints(node),
-                bus=self.bus.addresses(node),
-                mcp_servers=config.mcp_specs(),
-                market=self.market,
-                model_files=model_files,
-            )
-            for node in nodes
-        }
+        services = self._services(nodes)
         host_cls = ray.remote(InferletHost)
         self.hosts = {
             node: host_cls.options(
@@ -90,6 +97,53 @@ class Controller:
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
         )
         ray.get(self.launcher.attach_pool.remote(pool))
+        self._stopping = threading.Event()
+        threading.Thread(target=self._supervise, name="replica-supervisor", daemon=True).start()
+
+    def _services(self, nodes) -> dict[str, NodeServices]:
+        """What inferlets on each node reach: the models (through this node's view of the replicas), bus, MCP
+        servers, market, and the models' tokenizer files (fetched anew: a dead replica's would be lost)."""
+        model_files = {name: replicas[0].leader.model_files.remote() for name, replicas in self.replicas.items()}
+        return {
+            node: NodeServices(
+                endpoints=self.endpoints(node),
+                bus=self.bus.addresses(node),
+                mcp_servers=self.config.mcp_specs(),
+                market=self.market,
+                model_files=model_files,
+            )
+            for node in nodes
+        }
+
+    # -- replicas that die are replaced ---------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Every few seconds, replace each replica whose leader is dead (a rank's process killed, its node lost).
+        Inferlets connected to it have already failed with a clear error; new launches reach the replacement."""
+        while not self._stopping.wait(_SUPERVISE_S):
+            for name, group in list(self.replicas.items()):
+                for i, replica in enumerate(list(group)):
+                    if not self._stopping.is_set() and _probe(replica.leader.engine_stats.remote()) == "dead":
+                        self._replace(name, i, replica)
+
+    def _replace(self, name: str, index: int, dead: Replica) -> None:
+        log.warning("replica %d of model %r died; starting a replacement", index, name)
+        for rank in dead.ranks:  # the survivors of a tensor-parallel group cannot go on without the dead one
+            ray.kill(rank)
+        self.restarting.add((name, index))
+        try:
+            fresh = self._new_replica(name, index)
+        except Exception:  # e.g. its node is gone and the bundle cannot be placed yet: tried again next round
+            log.exception("replacing replica %d of model %r failed", index, name)
+            return
+        finally:
+            self.restarting.discard((name, index))
+        self.replicas[name][index] = fresh
+        self.restarts += 1
+        services = self._services(list(self.hosts))
+        for node, host in self.hosts.items():
+            host.set_services.remote(services[node])
+        ray.get(self.launcher.set_services.remote(services))
 
     def _start_replicas(self, entry: ModelConfigEntry) -> list[Replica]:
         """The model's replicas, one bundle each of one placement group (spread over nodes as configured)."""
@@ -100,21 +154,23 @@ class Controller:
             entry.replicas, entry.tensor_parallel, entry.cpus_per_rank, use_gpu, entry.placement.upper()
         )
         self.placements.append(group)
-        settings = RunnerSettings(num_pages=entry.pages, page_size=entry.page_size)
-        limits = BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests)
-        return [
-            Replica(
-                _model_source(entry),
-                entry.tensor_parallel,
-                settings,
-                entry.cpus_per_rank,
-                use_gpu,
-                limits,
-                market=self.market,
-                placement=(group, i),
-            )
-            for i in range(entry.replicas)
-        ]
+        self._models[entry.name] = _ModelPlacement(entry, group, use_gpu)
+        return [self._new_replica(entry.name, i) for i in range(entry.replicas)]
+
+    def _new_replica(self, name: str, index: int) -> Replica:
+        """Replica ``index`` of model ``name``, in its bundle of the model's placement group."""
+        model = self._models[name]
+        entry = model.entry
+        return Replica(
+            _model_source(entry),
+            entry.tensor_parallel,
+            RunnerSettings(num_pages=entry.pages, page_size=entry.page_size),
+            entry.cpus_per_rank,
+            model.use_gpu,
+            BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests),
+            market=self.market,
+            placement=(model.group, index),
+        )
 
     def ready(self) -> bool:
         return True
@@ -151,6 +207,9 @@ class Controller:
                     "tensor_parallel": info.tensor_parallel_size,
                     "device": info.device,
                 }
+                if (name, i) in self.restarting:
+                    replicas.append({**row, "state": "restarting"})
+                    continue
                 s = _probe(replica.leader.engine_stats.remote())
                 if isinstance(s, str):
                     replicas.append({**row, "state": s})
@@ -180,6 +239,7 @@ class Controller:
             bus = "dead"
         return {
             "replicas": replicas,
+            "replica_restarts": self.restarts,
             "nodes": [
                 {"node": node, "alive": alive.get(node, False), "host": "serving" if got is True else got}
                 for node, got in hosts.items()
@@ -194,6 +254,7 @@ class Controller:
 
     def shutdown(self) -> None:
         """Stop everything, whatever has died already (a dead part is simply skipped)."""
+        self._stopping.set()
         for actor in [self.launcher, *self.hosts.values(), self.market]:
             ray.kill(actor)
         with contextlib.suppress(ray.exceptions.RayError):

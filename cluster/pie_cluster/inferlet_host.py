@@ -76,6 +76,10 @@ class InferletHost:
         """Answers as soon as the host is up (``pie status`` asks it)."""
         return True
 
+    async def set_services(self, services: NodeServices) -> None:
+        """What new instances reach from now on (a replica was replaced: its addresses changed)."""
+        self.services, self._endpoints = services, None
+
     async def lifetime(self) -> None:
         """Never answers: the launcher keeps this call open to learn at once that the host died (it fails)."""
         await asyncio.Event().wait()

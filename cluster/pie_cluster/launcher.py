@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import tempfile
 import time
 import uuid
@@ -101,6 +102,11 @@ class Launcher:
         for node, host in pool.hosts.items():
             self._spawn(self._watch_host(node, host))
 
+    async def set_services(self, services: dict[str, NodeServices]) -> None:
+        """Replicas were replaced: what each node's instances reach from now on (dedicated hosts made later, and
+        pooled hosts that Ray restarts, get these)."""
+        self._pool = dataclasses.replace(self._pool, services=services)
+
     def _spawn(self, work) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._watching.add(task)
@@ -124,6 +130,7 @@ class Launcher:
             while True:  # until Ray has restarted it (a lost node's host never comes back)
                 try:
                     await asyncio.wait_for(host.ready.remote(), timeout=30)
+                    await host.set_services.remote(self._pool.services[node])  # it restarted with the first ones
                     break
                 except (ray.exceptions.RayError, TimeoutError):
                     await asyncio.sleep(1.0)
