@@ -204,9 +204,17 @@ GENERATE = b"""
 from inferlet import Context, Model, Sampler
 
 async def main(input):
-    with Context(Model.load("victim")) as ctx:
-        ctx.user("hello")
-        return len(await ctx.generate(Sampler.argmax(), max_tokens=4, stop=[]).collect_tokens())
+    model = Model.load("victim")
+    if input.get("op") == "open":  # the snapshot, from wherever it now is
+        ctx = Context.open(model, "kept")
+    else:
+        ctx = Context(model)
+        ctx.user("hello " * 20)
+    with ctx:
+        if input.get("op") == "save":
+            await ctx.flush()
+            ctx.save("kept")
+        return await ctx.generate(Sampler.argmax(), max_tokens=4, stop=[]).collect_tokens()
 """
 
 
@@ -220,6 +228,15 @@ def test_a_killed_replica_is_replaced_and_stop_then_start_works(started, ray_clu
     assert all(n["alive"] and n["host"] == "serving" for n in report["nodes"])
     program = httpx.post(f"{url}/v1/programs", params={"filename": "gen.py"}, content=GENERATE).json()["program"]
 
+    def returned(input: dict) -> list[int]:
+        events = httpx.post(
+            f"{url}/v1/instances", params={"stream": "true"}, json={"program": program, "input": input}, timeout=120
+        ).text
+        assert "event: return" in events, events
+        return json.loads(json.loads(events.split("event: return\ndata: ", 1)[1].split("\n", 1)[0]))
+
+    saved = returned({"op": "save"})  # its only copy is on the replica about to die
+
     rank = only_actor(ray_cluster.address, "RankWorker")
     os.kill(rank["pid"], signal.SIGKILL)  # a real crash, not a polite ray.kill
     for _ in range(300):  # the controller notices (every 2 s) and loads a replacement
@@ -232,8 +249,8 @@ def test_a_killed_replica_is_replaced_and_stop_then_start_works(started, ray_clu
     shown = pie(env, "status")
     assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
 
-    events = httpx.post(f"{url}/v1/instances", params={"stream": "true"}, json={"program": program}, timeout=120)
-    assert "event: return\ndata: \"4\"" in events.text, events.text  # new launches reach the replacement
+    assert len(returned({})) == 4  # new launches reach the replacement
+    assert returned({"op": "open"}) == saved  # the snapshot outlived its replica: recomputed from its lineage
 
     stopped = pie(env, "stop")
     assert stopped.returncode == 0 and "Pie stopped" in stopped.stdout, stopped.stderr

@@ -118,6 +118,68 @@ def test_replicas_on_two_nodes_each_load_their_own_copy_and_serve_their_nodes_in
         assert all(after[n] == before[n] for n in after if n != node)  # ...and by no other
 
 
+SNAPSHOTS = """
+from inferlet import Context, Model, Sampler
+
+async def continuation(ctx):
+    return await ctx.generate(Sampler.argmax(), max_tokens=8, stop=[]).collect_tokens()
+
+async def main(input):
+    model, op, name = Model.load("default"), input["op"], input.get("name")
+    if op == "save":
+        with Context(model) as ctx:
+            ctx.user(input["text"] * 3)
+            await ctx.flush()
+            ctx.save(name)
+            return {"seq_len": ctx.seq_len, "tokens": await continuation(ctx)}
+    if op in ("open", "take"):
+        ctx = Context.open(model, name) if op == "open" else Context.take(model, name)
+        if ctx is None:
+            return None
+        with ctx:
+            return {"seq_len": ctx.seq_len, "tokens": await continuation(ctx)}
+    Context.delete(model, name)
+    return {"deleted": name}
+"""
+
+
+def node_pair(cluster) -> tuple[str, str]:
+    """(head node, second node), each serving one replica."""
+    second = ray.get(
+        ray.remote(lambda: ray.get_runtime_context().get_node_id()).options(resources={"second_node": 0.01}).remote()
+    )
+    (head,) = set(ray.get(cluster.nodes.remote())) - {second}
+    return head, second
+
+
+def test_a_snapshot_saved_on_one_node_opens_takes_and_deletes_from_the_other(cluster, launcher):
+    head, second = node_pair(cluster)
+    program, name = upload(launcher, SNAPSHOTS), "handbook"
+
+    def outcome(op: str, node: str, **input) -> list:
+        return run_to_end(launcher, launch(launcher, program, {"op": op, "name": name, **input}, node_id=node))[-1]
+
+    def run(op: str, node: str, **input):
+        last = outcome(op, node, **input)
+        assert last[1] == "return", last
+        return json.loads(last[2])
+
+    saved = run("save", head, text="Pages are sixteen tokens long. ")
+    assert saved["seq_len"] > 16
+    here, there = run("open", head), run("open", second)  # recomputed on the second node from the lineage
+    assert here == there == saved, "the same KV, so the same greedy continuation, wherever it is opened"
+    collision = outcome("save", second, text="x")  # the name is taken cluster-wide
+    assert collision[1] == "error" and "already exists" in collision[2]
+
+    assert run("take", second) == saved  # moved: gone from the directory and from the head's pool
+    assert run("open", head) is None and run("open", second) is None
+    assert run("save", second, text="Pages are sixteen tokens long. ") == saved
+    assert run("delete", head) == {"deleted": name}  # deleted from the other node: the second node's pages are freed
+    assert run("open", second) is None
+    for replica in engine_stats(cluster):
+        assert replica["contexts"] == 0 and replica["pages_used"] == 0, replica
+
+
 def test_a_placement_ray_could_never_satisfy_is_refused_before_anything_starts(cluster):
     config = PieConfig(auth=AuthConfig(enabled=False), model=[ModelConfigEntry(replicas=3, placement="strict_spread")])
     controller = ray.remote(Controller).options(name="pie-controller-unplaceable", num_cpus=0).remote(config)

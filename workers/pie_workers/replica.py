@@ -10,6 +10,7 @@ a model's replicas on different nodes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 from dataclasses import dataclass
@@ -87,13 +88,19 @@ class RankWorker:
             node_id=ray.get_runtime_context().get_node_id(),
         )
 
-    async def start_engine(self, limits: BatchLimits, market=None) -> dict[str, str]:
-        """Rank 0: start the engine and its channel (reporting to ``market``, the market actor, when given);
+    async def start_engine(self, limits: BatchLimits, market=None, directory=None) -> dict[str, str]:
+        """Rank 0: start the engine and its channel (reporting to ``market``, the market actor, when given; with
+        ``directory``, a (snapshot directory actor, model name) pair, its snapshots are named cluster-wide);
         returns the addresses inferlets connect to."""
+        from pie_workers.engine.directory_link import DirectoryLink
         from pie_workers.engine.service import ReplicaEngine
 
         device = f"{Path(self.runner.model_dir).name}/{ray.get_runtime_context().get_actor_id()[:12]}"
-        self.engine = ReplicaEngine(self.runner, limits, market, device)
+        link = None
+        if directory is not None:
+            actor, model = directory
+            link = DirectoryLink(actor, model, ray.get_runtime_context().current_actor)
+        self.engine = ReplicaEngine(self.runner, limits, market, device, link)
         return self.engine.start(ray.util.get_node_ip_address())
 
     async def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
@@ -105,6 +112,11 @@ class RankWorker:
     async def model_files(self) -> dict[str, bytes]:
         """The model's config, tokenizer and template files, for inferlet hosts on nodes without the model."""
         return description_files(self.runner.model_dir)
+
+    async def drop_snapshot(self, user: str, name: str) -> None:
+        """The snapshot was deleted or taken on another replica: free its pages here (if it is still here)."""
+        with contextlib.suppress(LookupError, ValueError):
+            self.engine.contexts.delete(user, name)
 
     async def engine_stats(self) -> dict:
         return await self.engine.op_stats(None)
@@ -132,11 +144,13 @@ class Replica:
         engine: BatchLimits | None = None,
         market=None,
         placement: tuple[PlacementGroup, int] | None = None,
+        directory: tuple | None = None,
     ):
         """``model``: a model directory (resolved on the replica's node) or the embedded model; ``engine``: also
         start the replica engine with these batch limits (what inferlets talk to); ``market``: the market actor its
         engine reports to (None: no market, bids only rank contexts locally); ``placement``: the bundle of a shared
-        placement group to run in (see ``replica_placement``; None: a placement group of its own)."""
+        placement group to run in (see ``replica_placement``; None: a placement group of its own); ``directory``: the
+        cluster's snapshot directory actor and this model's name in it (None: snapshots stay on this replica)."""
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0 and settings.device != "cpu"
         n = tensor_parallel_size
@@ -160,7 +174,8 @@ class Replica:
         infos = ray.get([r.start.remote(model, settings, addr, port) for r in self.ranks])
         self.info: ReplicaInfo = infos[0]
         self._following = [r.follow.remote() for r in self.ranks[1:]]
-        self.addresses = ray.get(self.leader.start_engine.remote(engine, market)) if engine is not None else {}
+        started = self.leader.start_engine.remote(engine, market, directory) if engine is not None else None
+        self.addresses = ray.get(started) if started is not None else {}
 
     @property
     def leader(self):

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pie_workers.engine.adapter_registry import AdapterRegistry
 from pie_workers.engine.channel import Answer, ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
+from pie_workers.engine.directory_link import DirectoryLink
 from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import OutOfPages, PageStore
@@ -38,9 +39,18 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaEngine:
-    def __init__(self, runner: ModelRunner, limits: BatchLimits = BatchLimits(), market=None, device: str = "replica"):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        limits: BatchLimits = BatchLimits(),
+        market=None,
+        device: str = "replica",
+        directory: DirectoryLink | None = None,
+    ):
         """``market``: the cluster's market actor (its handle), to report this device to; None runs without one
-        (bids still rank contexts locally, nobody pays rent)."""
+        (bids still rank contexts locally, nobody pays rent). ``directory``: the cluster's snapshot names (None:
+        this replica's snapshots are its own)."""
+        self.directory = directory
         self.runner = runner
         self.store = PageStore(runner.num_pages, runner.page_size)
         self.contexts = ContextTable(self.store)
@@ -235,20 +245,33 @@ class ReplicaEngine:
             await self.residency.restore_for_snapshot(ctx)
             copies = self.contexts.save(ctx, name)
         await self._run_copies(copies)
+        await self._register(session, name)
 
     async def op_snapshot(self, session: Session, ctx: int) -> str:
         async with self._turn(session, ctx):
             await self.residency.restore_for_snapshot(ctx)
             name, copies = self.contexts.snapshot(ctx)
         await self._run_copies(copies)
+        await self._register(session, name)
         return name
 
+    async def _register(self, session: Session, name: str) -> None:
+        """Enter a snapshot just saved here in the cluster's directory; a name another replica holds is refused
+        there as it would be here (and the copy just made is dropped)."""
+        if self.directory is None:
+            return
+        lineage = self.contexts.snapshot_text(session.username, name)
+        if not await self.directory.register(session.username, name, lineage):
+            self.contexts.delete(session.username, name)
+            raise ContextError(f"snapshot {name!r} already exists for user {session.username!r}")
+
     async def op_open(self, session: Session, name: str) -> list[int] | None:
-        """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short."""
+        """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short, or when
+        the snapshot was saved on another replica (recomputed from the lineage the directory keeps)."""
         try:
             pages = self.contexts.view_snapshot(session.username, name).working_pages
         except ContextError:
-            return None
+            return await self._from_elsewhere(session, name, self.directory and self.directory.lookup)
         if self.residency.try_now(None, pages):
             ctx, copies = self.contexts.open(session.username, name, session.key)
         else:
@@ -264,12 +287,38 @@ class ReplicaEngine:
     async def op_take(self, session: Session, name: str) -> list[int] | None:
         ctx = self.contexts.take(session.username, name, session.key)
         if ctx is None:
-            return None
+            return await self._from_elsewhere(session, name, self.directory and self.directory.remove)
+        if self.directory is not None:
+            await self.directory.remove(session.username, name)
         self._adopt(session, ctx)
         return [ctx, self.contexts.view(ctx).seq_len]
 
+    async def _from_elsewhere(self, session: Session, name: str, ask) -> list[int] | None:
+        """A snapshot this replica does not hold, from its lineage in the directory (``ask``: look it up, or
+        take it); a context that is recomputed on its first pass. None if the name is unknown."""
+        lineage = await ask(session.username, name) if ask else None
+        if lineage is None:
+            return None
+        text, committed = lineage
+        if text is None:
+            raise ContextError(
+                f"snapshot {name!r} is held by another replica and was written under a custom attention mask, an "
+                "adapter or a zo seed, so it cannot be recomputed here"
+            )
+        ctx = self.contexts.create(session.username, session.key)
+        self.residency.add_suspended(ctx, [tuple(t) for t in text], committed)
+        self._adopt(session, ctx)
+        return [ctx, self.residency.seq_len(ctx)]
+
     async def op_delete(self, session: Session, name: str) -> None:
-        self.contexts.delete(session.username, name)
+        try:
+            self.contexts.delete(session.username, name)
+        except ContextError:
+            if self.directory is None or await self.directory.remove(session.username, name) is None:
+                raise
+            return
+        if self.directory is not None:
+            await self.directory.remove(session.username, name)
 
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
         async with self._turn(session, ctx) as state:
