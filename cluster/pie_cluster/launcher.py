@@ -95,6 +95,7 @@ class Launcher:
         self._keep_finished = config.keep_finished
         self._default_deadline_s = config.default_deadline_s
         self._watching: set[asyncio.Task] = set()
+        self._down: set[str] = set()  # nodes whose pooled host is dead (restarting, or its node is lost)
         self.launched = 0
 
     async def attach_pool(self, pool: HostPool) -> None:
@@ -121,6 +122,7 @@ class Launcher:
             lost = [
                 i for i in self._instances.values() if i.host is host and not i.queued and i.log.terminal is None
             ]
+            self._down.add(node)
             market = self._pool.services[node].market
             for instance in lost if market is not None else ():
                 with contextlib.suppress(ray.exceptions.RayError):
@@ -131,6 +133,7 @@ class Launcher:
                 try:
                     await asyncio.wait_for(host.ready.remote(), timeout=30)
                     await host.set_services.remote(self._pool.services[node])  # it restarted with the first ones
+                    self._down.discard(node)
                     break
                 except (ray.exceptions.RayError, TimeoutError):
                     await asyncio.sleep(1.0)
@@ -199,8 +202,13 @@ class Launcher:
         if node_id is not None:
             if node_id not in hosts:
                 raise ValueError(f"no inferlet host on node {node_id!r}; nodes: {', '.join(sorted(hosts))}")
+            if node_id in self._down:
+                raise RuntimeError(f"the inferlet host on node {node_id} is down (restarting, or its node is lost)")
             return node_id
-        preferred = [n for n in self._pool.model_nodes if n in hosts] or list(hosts)
+        up = [n for n in hosts if n not in self._down]
+        if not up:
+            raise RuntimeError("every node's inferlet host is down")
+        preferred = [n for n in self._pool.model_nodes if n in up] or up
         load = {n: 0 for n in preferred}
         for inst in self._instances.values():
             if inst.log.terminal is None and inst.node_id in load:

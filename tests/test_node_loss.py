@@ -1,0 +1,68 @@
+"""Losing a worker node: a third raylet joins the session's cluster, serves a replica and an inferlet host, and is
+removed (its raylet and every process on it killed). Its replica and host are reported dead, launches avoid it,
+and the rest of the cluster keeps serving."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+
+import pytest
+import ray
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
+from pie_cluster.controller import start_controller
+from pie_cluster.launch_request import LaunchRequest
+
+GREEDY = textwrap.dedent("""
+    from inferlet import Context, Model, Sampler
+
+    async def main(input):
+        with Context(Model.load("default")) as ctx:
+            ctx.user("still serving?")
+            return await ctx.generate(Sampler.argmax(), max_tokens=4, stop=[]).collect_tokens()
+""").encode()
+
+
+def alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_cluster, ray_session):
+    before = alive_nodes()
+    doomed_node = ray_cluster.add_node(num_cpus=2)
+    ray_cluster.wait_for_nodes()
+    (doomed,) = alive_nodes() - before
+    model = ModelConfigEntry(pages=128, cpus_per_rank=1, replicas=3, placement="strict_spread")
+    controller = start_controller(PieConfig(auth=AuthConfig(enabled=False), model=[model]), detached=False)
+    try:
+        launcher = ray.get_actor("pie-launcher")
+        status = ray.get(controller.status.remote())
+        assert sorted(r["node"] for r in status["replicas"]) == sorted(before | {doomed})
+        program = ray.get(launcher.upload.remote("ann", "greedy.py", GREEDY))["program"]
+
+        ray_cluster.remove_node(doomed_node)  # the raylet and every process on the node are killed
+        for _ in range(120):
+            status = ray.get(controller.status.remote())
+            lost = {n["node"]: n for n in status["nodes"]}[doomed]
+            if not lost["alive"] and lost["host"] != "serving":
+                break
+            time.sleep(0.5)
+        assert not lost["alive"] and lost["host"] != "serving", lost
+        states = {r["node"]: r["state"] for r in status["replicas"]}
+        assert states[doomed] != "serving" and all(states[n] == "serving" for n in before), states
+
+        for node in (*sorted(before), None, None, None):  # pinned to a live node, or placed by the launcher
+            instance = ray.get(launcher.launch.remote("ann", LaunchRequest(program=program, node_id=node)))
+            events = ray.get(launcher.events.remote("ann", instance, 0, 60.0))
+            while not events["done"]:
+                more = ray.get(launcher.events.remote("ann", instance, events["next"], 60.0))
+                events = {**more, "events": events["events"] + more["events"]}
+            assert events["events"][-1][1] == "return", events["events"][-1]
+            assert len(json.loads(events["events"][-1][2])) == 4
+        with pytest.raises(RuntimeError, match="is down"):
+            ray.get(launcher.launch.remote("ann", LaunchRequest(program=program, node_id=doomed)))
+    finally:
+        ray.get(controller.shutdown.remote())
+        ray.kill(controller)
