@@ -23,13 +23,12 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from pie_workers.engine.adapter_registry import AdapterRegistry
 from pie_workers.engine.channel import Answer
 from pie_workers.engine.contexts import ContextTable, ContextView
 from pie_workers.engine.ngram import NgramDrafter
-from pie_workers.engine.protocol import PassArgs, PassReply
+from pie_workers.engine.protocol import PLAIN_PASS, PassArgs, PassBinding, PassReply, forward_request
 from pie_workers.engine.residency import Residency, pages_to_reserve
 from pie_workers.engine.scheduler import BatchScheduler
 from pie_workers.engine.state import ContextState
@@ -39,18 +38,6 @@ from pie_workers.wire.codec import output_to_wire, slot_from_wire
 from pie_workers.wire.pages import pages_for
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PassBinding:
-    """What a forward runs under besides its tokens: the salt its KV is hashed with, the adapter and zo seed."""
-
-    salt: bytes = b""
-    adapter: int | None = None
-    zo_seed: int | None = None
-
-
-PLAIN_PASS = PassBinding()
 
 
 class Passes:
@@ -107,19 +94,15 @@ class Passes:
             if need > 0:
                 self.residency.grant(ctx, need)
                 view = self.contexts.view(ctx)
-            request = ForwardRequest(
-                token_ids=tokens,
+            request = forward_request(
+                a,
+                bind,
+                tokens=tokens,
                 positions=a.positions,
-                page_ids=list(view.page_ids),
-                kv_len=view.seq_len,
                 slots=slots,
                 attention_masks=a.attention_masks,
-                logit_mask=a.logit_mask,
-                draft_tokens=a.drafts,
-                draft_positions=a.draft_positions,
-                draft_masks=a.draft_masks,
-                adapter=bind.adapter,
-                zo_seed=bind.zo_seed,
+                page_ids=list(view.page_ids),
+                kv_len=view.seq_len,
             )
         except Exception as e:
             return self.fail(state, ctx, answer, e, walk)
@@ -187,19 +170,15 @@ class Passes:
                 tokens, positions = tokens[start:], positions[start:]
                 slots = [(row - start, s) for row, s in slots]
                 attention_masks = attention_masks[start:] if attention_masks is not None else None
-            request = ForwardRequest(
-                token_ids=tokens,
+            request = forward_request(
+                a,
+                bind,
+                tokens=tokens,
                 positions=positions,
-                page_ids=[],  # set once reserved
-                kv_len=0,
                 slots=slots,
                 attention_masks=attention_masks,
-                logit_mask=a.logit_mask,
-                draft_tokens=a.drafts,
-                draft_positions=a.draft_positions,
-                draft_masks=a.draft_masks,
-                adapter=bind.adapter,
-                zo_seed=bind.zo_seed,
+                page_ids=[],  # set once reserved
+                kv_len=0,
             )
             out = await self.run(ctx, request, a.held(), bind.salt)
             reply = self._reply(state, ctx, out, a.draft_budget)

@@ -3,12 +3,15 @@
 The channel carries every operation's arguments as a positional list (see ``channel``). A forward's list is long and
 grows at its end, so the engine takes it apart in one place, ``PassArgs.from_wire``, in the order the SDK's
 ``Forward._send`` writes it; ``PassReply.to_wire`` is the list ``Forward._finish`` unpacks. The other operations take
-few arguments: their handlers' parameters, in order (see ``ReplicaEngine``'s table of operations).
+few arguments: their handlers' parameters, in order (see ``ReplicaEngine``'s table of operations). ``forward_request``
+turns a pass into the runner's ``ForwardRequest``.
 """
 
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
+
+from pie_workers.wire.batch import ForwardRequest
 
 
 @dataclass(slots=True)
@@ -135,3 +138,35 @@ class PassReply:
 
     def to_wire(self) -> list:
         return [self.slots, self.walk, self.seq_len, self.next_drafts]
+
+
+@dataclass(frozen=True, slots=True)
+class PassBinding:
+    """What a forward runs under besides its tokens: the salt its KV is hashed with, the adapter and zo seed."""
+
+    salt: bytes = b""
+    adapter: int | None = None
+    zo_seed: int | None = None
+
+
+PLAIN_PASS = PassBinding()
+
+
+def forward_request(
+    a: PassArgs, bind: PassBinding, *, tokens, positions, slots, attention_masks, page_ids, kv_len
+) -> ForwardRequest:
+    """The runner's request for a pass's rows: the given inputs, with the pass's logit mask, drafts and adapter."""
+    return ForwardRequest(
+        token_ids=tokens,
+        positions=positions,
+        page_ids=page_ids,
+        kv_len=kv_len,
+        slots=slots,
+        attention_masks=attention_masks,
+        logit_mask=a.logit_mask,
+        draft_tokens=a.drafts,
+        draft_positions=a.draft_positions,
+        draft_masks=a.draft_masks,
+        adapter=bind.adapter,
+        zo_seed=bind.zo_seed,
+    )

@@ -25,7 +25,8 @@ from pie_workers.wire.codec import output_to_wire
 from pie_workers.wire.pages import pages_for
 
 if TYPE_CHECKING:
-    from pie_workers.engine.passes import PassBinding, Passes
+    from pie_workers.engine.passes import Passes
+    from pie_workers.engine.protocol import PassBinding
 
 
 @dataclass(slots=True, eq=False)
