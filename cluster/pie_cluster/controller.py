@@ -125,19 +125,20 @@ class Controller:
         while not self._stopping.wait(_SUPERVISE_S):
             for name, group in list(self.replicas.items()):
                 for i, replica in enumerate(list(group)):
-                    if not self._stopping.is_set() and _probe(replica.leader.engine_stats.remote()) == "dead":
+                    if self._stopping.is_set() or _probe(replica.leader.engine_stats.remote()) != "dead":
+                        continue
+                    try:
                         self._replace(name, i, replica)
+                    except Exception:  # e.g. the launcher is gone too: keep supervising the others
+                        log.exception("replacing replica %d of model %r failed", i, name)
 
     def _replace(self, name: str, index: int, dead: Replica) -> None:
         log.warning("replica %d of model %r died; starting a replacement", index, name)
         for rank in dead.ranks:  # the survivors of a tensor-parallel group cannot go on without the dead one
             ray.kill(rank)
         self.restarting.add((name, index))
-        try:
+        try:  # if its node is gone and the bundle cannot be placed yet, this fails and is tried again next round
             fresh = self._new_replica(name, index)
-        except Exception:  # e.g. its node is gone and the bundle cannot be placed yet: tried again next round
-            log.exception("replacing replica %d of model %r failed", index, name)
-            return
         finally:
             self.restarting.discard((name, index))
         self.replicas[name][index] = fresh

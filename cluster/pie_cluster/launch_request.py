@@ -45,6 +45,9 @@ def describe_errors(errors: list[dict]) -> str:
     ``deadline_s: Input should be less than or equal to 604800`` (never the rejected input itself)."""
     parts = []
     for error in errors:
+        if error.get("type") == "json_invalid":  # its location is a character offset, not a field
+            parts.append(f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'cannot parse it')})")
+            continue
         where = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path", "header"))
         parts.append(f"{where}: {error.get('msg', 'invalid')}" if where else str(error.get("msg", "invalid")))
     return "; ".join(parts) or "invalid request"

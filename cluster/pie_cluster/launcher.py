@@ -45,7 +45,7 @@ class _Instance:
     program: Program
     input: dict
     node_id: str
-    host: object
+    host: object | None  # its inferlet host actor (None until a dedicated one is made at its start)
     dedicated: bool
     log: EventLog
     created: float = field(default_factory=time.time)
@@ -149,8 +149,9 @@ class Launcher:
     # -- instances -----------------------------------------------------------------------------------------------
 
     async def launch(self, user: str, request: LaunchRequest) -> str:
-        """Start an instance of an uploaded program; returns its id. ``request.token_budget`` sets its market
-        endowment to that many tokens' worth of pages (default: the market's default endowment)."""
+        """Start an instance of an uploaded program, or queue it behind the admission limits; returns its id (or
+        raises ``Overloaded`` past them). ``request.token_budget`` limits the tokens it may generate and endows it
+        with that many tokens' worth of pages on the market (default: the market's default endowment)."""
         if self._pool is None:
             raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
         try:
@@ -163,12 +164,9 @@ class Launcher:
         node = self._choose_node(request.node_id)
         instance_id = uuid.uuid4().hex
         runs_now = self._admission.admit(user, instance_id)  # raises Overloaded: nothing is created then
-        host, dedicated = self._pool.hosts[node], False
-        if program.isolated:
-            host, dedicated = self._dedicated_host(node, program), True
-        instance = _Instance(
-            instance_id, user, program, dict(request.input), node, host, dedicated, EventLog(self._event_capacity)
-        )
+        host = None if program.isolated else self._pool.hosts[node]  # a dedicated host is made when it starts
+        log = EventLog(self._event_capacity)
+        instance = _Instance(instance_id, user, program, dict(request.input), node, host, program.isolated, log)
         self._instances[instance_id] = instance
         self._programs.started(program.id)
         page_size = min(e.page_size for e in self._pool.services[node].endpoints.values())
@@ -183,6 +181,8 @@ class Launcher:
 
     def _start(self, instance: _Instance) -> None:
         limits, instance.start, instance.queued = instance.start, None, False
+        if instance.dedicated:
+            instance.host = self._dedicated_host(instance.node_id, instance.program)
         started = instance.host.start.remote(instance.id, instance.program, instance.input, instance.user, limits)
         self._spawn(self._watch_start(instance, started))
 
@@ -292,7 +292,7 @@ class Launcher:
                 self._start(self._instances[waiting])
         for waiter in list(instance.waiting):
             waiter.cancel()
-        if instance.dedicated:
+        if instance.dedicated and instance.host is not None:  # None: it ended while waiting for admission
             ray.kill(instance.host)
         self._finished[instance.id] = None
         while len(self._finished) > self._keep_finished:
