@@ -1,6 +1,10 @@
 """The cluster services on a real two-node Ray cluster: controller, a model's replicas on both nodes, launcher,
 pooled and dedicated inferlet hosts, the message bus across nodes, and cleanup after inferlets that raise, hang or
-are aborted."""
+are aborted.
+
+One file though it passes 400 lines: every case runs on the same two-node cluster (a controller with a replica
+on each node), the slowest fixture to start.
+"""
 
 from __future__ import annotations
 

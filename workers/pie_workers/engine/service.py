@@ -1,5 +1,8 @@
 """The replica engine on rank 0: contexts and pages, the batch scheduler, and the channel inferlets talk to.
 
+Just over 400 lines: every wire operation's handler sits beside the table that names it, context lifetime and
+snapshots included, so the table can be checked against them in one read.
+
 Every operation an inferlet can ask of a replica is named in ``ReplicaEngine``'s table of operations; its arguments
 are the handler's parameters after the session, in order. A forward is the exception: it goes through ``Passes``
 (``passes.py``, with chained steps and steps run ahead in ``steps.py``), which answers it itself. A context belongs
