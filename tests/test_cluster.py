@@ -184,6 +184,68 @@ def test_a_snapshot_saved_on_one_node_opens_takes_and_deletes_from_the_other(clu
         assert replica["contexts"] == 0 and replica["pages_used"] == 0, replica
 
 
+ADAPTERS = """
+import array
+from inferlet import Adapter, Context, Logits, Model
+
+async def perturbed(model, adapter):
+    \"\"\"The next-token logits under the adapter, perturbed by zo seed 5 (so its random A matters).\"\"\"
+    with Context(model) as ctx:
+        fwd = ctx.forward().input([5, 6, 7, 8]).adapter(adapter)
+        fwd.zo_seed(5)
+        handle = fwd.probe(3, Logits())
+        logits = array.array("f", (await fwd.execute()).logits(handle))
+        return [round(x, 4) for x in logits[:64]]
+
+async def main(input):
+    model, op, name = Model.load("default"), input["op"], input["name"]
+    try:
+        if op == "create":
+            adapter = Adapter.create(model, name, rank=4)
+        elif op == "open":
+            adapter = Adapter.open(model, name)
+            if adapter is None:
+                return None
+        elif op == "load":
+            adapter = Adapter.create(model, input["into"], rank=2)
+            adapter.load(input["path"])
+        elif op == "reload":
+            adapter = Adapter.open(model, name)
+            adapter.load(input["path"])
+        if input.get("save"):
+            adapter.save(input["save"])
+        logits = await perturbed(model, adapter)
+        if input.get("destroy"):
+            adapter.destroy()
+        return {"logits": logits, "rank": adapter.rank}
+    except ValueError as e:
+        return {"error": str(e)}
+"""
+
+
+def test_an_adapter_made_on_one_node_is_the_same_on_the_other(cluster, launcher):
+    head, second = node_pair(cluster)
+    program = upload(launcher, ADAPTERS)
+
+    def run(node: str, **input):
+        last = run_to_end(launcher, launch(launcher, program, input, node_id=node))[-1]
+        assert last[1] == "return", last
+        return json.loads(last[2])
+
+    made = run(head, op="create", name="shared", save="kept/shared")
+    assert made["rank"] == 4
+    assert run(second, op="open", name="shared") == made, "a copy of the same weights: the same perturbed logits"
+    assert run(second, op="load", name="x", into="loaded", path="kept/shared") == made, "saved on the head's disk"
+    assert "already exists" in run(second, op="create", name="shared")["error"]
+    other = run(head, op="create", name="other", save="kept/other")
+    assert other["logits"] != made["logits"], "the adapter's weights decide the logits (so equal ones say something)"
+    assert run(head, op="reload", name="shared", path="kept/other") == other
+    assert run(second, op="open", name="shared") == other, "new weights loaded on the head reached the copy here"
+    assert run(second, op="open", name="shared", destroy=True) == other
+    assert run(head, op="open", name="shared") is None, "destroyed on the second node: gone on the head too"
+    assert run(head, op="create", name="shared")["rank"] == 4, "the name is free again"
+
+
 def test_a_placement_ray_could_never_satisfy_is_refused_before_anything_starts(cluster):
     config = PieConfig(auth=AuthConfig(enabled=False), model=[ModelConfigEntry(replicas=3, placement="strict_spread")])
     controller = ray.remote(Controller).options(name="pie-controller-unplaceable", num_cpus=0).remote(config)

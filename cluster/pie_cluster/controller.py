@@ -29,10 +29,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus import start_bus
 from pie_cluster.config import ModelConfigEntry, PieConfig
+from pie_cluster.directory import get_or_create_directory
 from pie_cluster.inferlet_host import InferletHost, NodeServices
 from pie_cluster.launcher import HostPool, Launcher
 from pie_cluster.market import get_or_create_market
-from pie_cluster.snapshots import get_or_create_directory
 
 CONTROLLER = "pie-controller"
 LAUNCHER = "pie-launcher"
@@ -75,7 +75,7 @@ class Controller:
         _check_placements(config)
         namespace = ray.get_runtime_context().namespace
         self.market = get_or_create_market(namespace, config.market.default_endowment)
-        self.snapshots = get_or_create_directory(namespace)
+        self.directory = get_or_create_directory(namespace)
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
         self.bus = start_bus(shards=config.bus.shards, detached=False)
@@ -173,7 +173,7 @@ class Controller:
             BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests),
             market=self.market,
             placement=(model.group, index),
-            directory=(self.snapshots, name),
+            directory=(self.directory, name),
         )
 
     def ready(self) -> bool:
@@ -259,7 +259,7 @@ class Controller:
     def shutdown(self) -> None:
         """Stop everything, whatever has died already (a dead part is simply skipped)."""
         self._stopping.set()
-        for actor in [self.launcher, *self.hosts.values(), self.market, self.snapshots]:
+        for actor in [self.launcher, *self.hosts.values(), self.market, self.directory]:
             ray.kill(actor)
         with contextlib.suppress(ray.exceptions.RayError):
             self.bus.shutdown()

@@ -90,7 +90,7 @@ class RankWorker:
 
     async def start_engine(self, limits: BatchLimits, market=None, directory=None) -> dict[str, str]:
         """Rank 0: start the engine and its channel (reporting to ``market``, the market actor, when given; with
-        ``directory``, a (snapshot directory actor, model name) pair, its snapshots are named cluster-wide);
+        ``directory``, a (user directory actor, model name) pair, its snapshots and adapters are named cluster-wide);
         returns the addresses inferlets connect to."""
         from pie_workers.engine.directory_link import DirectoryLink
         from pie_workers.engine.service import ReplicaEngine
@@ -117,6 +117,14 @@ class RankWorker:
         """The snapshot was deleted or taken on another replica: free its pages here (if it is still here)."""
         with contextlib.suppress(LookupError, ValueError):
             self.engine.contexts.delete(user, name)
+
+    async def drop_adapter(self, user: str, name: str) -> None:
+        """The adapter was destroyed on another replica: drop the copy here."""
+        self.engine.adapters.drop_named(user, name)
+
+    async def refresh_adapter(self, user: str, name: str, adapter) -> None:
+        """New weights were loaded into the adapter on another replica: the copy here takes them."""
+        self.engine.adapters.refresh_named(user, name, adapter)
 
     async def engine_stats(self) -> dict:
         return await self.engine.op_stats(None)
@@ -150,7 +158,7 @@ class Replica:
         start the replica engine with these batch limits (what inferlets talk to); ``market``: the market actor its
         engine reports to (None: no market, bids only rank contexts locally); ``placement``: the bundle of a shared
         placement group to run in (see ``replica_placement``; None: a placement group of its own); ``directory``: the
-        cluster's snapshot directory actor and this model's name in it (None: snapshots stay on this replica)."""
+        cluster's user directory actor and this model's name in it (None: snapshots and adapters stay here)."""
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0 and settings.device != "cpu"
         n = tensor_parallel_size

@@ -5,6 +5,10 @@ namespace; operations name it by the id ``adapter_create``/``adapter_open`` retu
 runner, under that id. KV written under an adapter is hashed with the adapter's salt, renewed whenever its weights
 change, so only passes under the same weights share it through the prefix trie. Saving and loading read and write
 PEFT's layout in the user's directory under the adapter root.
+
+With the cluster's directory (``directory_link``), names are the user's across every replica of the model: a name
+made elsewhere is copied here when opened, new weights loaded anywhere reach every copy, a destroy drops them all,
+and a path saved on one node loads on any other.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraConfig
+from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraAdapter, LoraConfig
+from pie_workers.engine.directory_link import DirectoryLink
 from pie_workers.engine.state import Session
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
@@ -29,8 +34,9 @@ class NamedAdapter:
 
 
 class AdapterRegistry:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, directory: DirectoryLink | None = None):
         self.runner = runner
+        self.directory = directory
         self._root = Path(runner.settings.adapter_dir) if runner.settings.adapter_dir else default_root()
         self._adapters: dict[int, NamedAdapter] = {}
         self._ids: dict[tuple[str, str], int] = {}  # (user, name) -> adapter id
@@ -60,11 +66,15 @@ class AdapterRegistry:
         config = LoraConfig(rank, float(alpha), tuple(targets))
         adapter_id = self._next_id
         self.runner.create_adapter(adapter_id, config, float(sigma))
-        return self._register(adapter_id, key)
+        return await self._publish(adapter_id, key)
 
     async def open(self, session: Session, name: str) -> list | None:
         """[id, rank, alpha, target modules] of the user's adapter ``name``, or None."""
-        adapter_id = self._ids.get(self._key(session, name))
+        key = self._key(session, name)
+        adapter_id = self._ids.get(key)
+        if adapter_id is None and self.directory is not None:  # made on another replica: copy it here
+            found = await self.directory.open_adapter(*key)
+            adapter_id = None if found is None else self._ids.get(key) or self._copy_here(key, found)
         return None if adapter_id is None else self._describe(adapter_id)
 
     async def fork(self, session: Session, adapter: int, new_name: str) -> list:
@@ -74,7 +84,7 @@ class AdapterRegistry:
         self.owned(session, adapter)
         adapter_id = self._next_id
         self.runner.fork_adapter(adapter, adapter_id)
-        return self._register(adapter_id, key)
+        return await self._publish(adapter_id, key)
 
     async def save(self, session: Session, adapter: int, path: str | None = None) -> None:
         """Write the adapter in PEFT's layout to ``path`` (default: its name) in the user's adapter directory. File
@@ -82,30 +92,55 @@ class AdapterRegistry:
         named = self.owned(session, adapter)
         path = named.name if path is None else path
         directory = user_path(self._root, session.username, path)
+        weights = self.runner.adapters.get(adapter)
         try:
-            await asyncio.to_thread(write_adapter, self.runner.adapters.get(adapter), directory, self.runner.model_dir)
+            await asyncio.to_thread(write_adapter, weights, directory, self.runner.model_dir)
         except OSError as e:
             raise ValueError(f"cannot save adapter {named.name!r} to {path!r}: {e.strerror}") from None
+        if self.directory is not None:  # loadable from every node, not only this one's disk
+            await self.directory.save_adapter_file(session.username, path, weights)
 
     async def load(self, session: Session, adapter: int, path: str) -> list:
         """Replace the adapter's weights (and rank, alpha, targets) with the PEFT adapter at ``path``."""
         named = self.owned(session, adapter)
         directory = user_path(self._root, session.username, path)
-        if not directory.is_dir():
+        saved = None
+        if not directory.is_dir() and self.directory is not None:  # saved on another node
+            saved = await self.directory.load_adapter_file(session.username, path)
+        if not directory.is_dir() and saved is None:
             raise ValueError(f"no adapter directory {path!r} in user {session.username!r}'s adapter directory")
         try:
-            config, weights = await asyncio.to_thread(read_adapter, directory)
+            if saved is not None:
+                config, weights = saved.config, saved.weights
+            else:
+                config, weights = await asyncio.to_thread(read_adapter, directory)
         except OSError as e:
             raise ValueError(f"cannot read adapter {path!r}: {e.strerror}") from None
         self.owned(session, adapter)  # still there after the read
         self.runner.replace_adapter(adapter, config, weights)
         named.salt = uuid.uuid4().bytes  # new weights: KV cached under the old ones no longer matches
+        if self.directory is not None:
+            await self.directory.update_adapter(named.owner, named.name, self.runner.adapters.get(adapter))
         return self._describe(adapter)
 
     async def destroy(self, session: Session, adapter: int) -> None:
         named = self.owned(session, adapter)
-        self.runner.drop_adapter(adapter)
-        del self._adapters[adapter], self._ids[named.owner, named.name]
+        self._drop(adapter)
+        if self.directory is not None:
+            await self.directory.destroy_adapter(named.owner, named.name)
+
+    # -- from the directory: another replica destroyed the adapter, or loaded new weights into it ---------------
+
+    def drop_named(self, user: str, name: str) -> None:
+        adapter_id = self._ids.get((user, name))
+        if adapter_id is not None:
+            self._drop(adapter_id)
+
+    def refresh_named(self, user: str, name: str, adapter: LoraAdapter) -> None:
+        adapter_id = self._ids.get((user, name))
+        if adapter_id is not None:
+            self.runner.replace_adapter(adapter_id, adapter.config, adapter.weights)
+            self._adapters[adapter_id].salt = uuid.uuid4().bytes
 
     # -- for passes ----------------------------------------------------------------------------------------------
 
@@ -120,6 +155,29 @@ class AdapterRegistry:
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
         return session.username, name
+
+    async def _publish(self, adapter_id: int, key: tuple[str, str]) -> list:
+        """Register a new adapter here and in the cluster's directory; a name taken on another replica is
+        refused as it would be here (and the adapter just made is dropped)."""
+        described = self._register(adapter_id, key)
+        weights = self.runner.adapters.get(adapter_id)
+        if self.directory is not None and not await self.directory.add_adapter(*key, weights):
+            self._drop(adapter_id)
+            raise ValueError(f"adapter {key[1]!r} already exists for user {key[0]!r}: open it instead")
+        return described
+
+    def _copy_here(self, key: tuple[str, str], adapter: LoraAdapter) -> int:
+        """A copy of an adapter made on another replica."""
+        adapter_id = self._next_id
+        self.runner.create_adapter(adapter_id, adapter.config, adapter.sigma)
+        self.runner.replace_adapter(adapter_id, adapter.config, adapter.weights)
+        self._register(adapter_id, key)
+        return adapter_id
+
+    def _drop(self, adapter_id: int) -> None:
+        named = self._adapters.pop(adapter_id)
+        self.runner.drop_adapter(adapter_id)
+        del self._ids[named.owner, named.name]
 
     def _register(self, adapter_id: int, key: tuple[str, str]) -> list:
         self._next_id += 1

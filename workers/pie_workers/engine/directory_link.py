@@ -1,9 +1,11 @@
-"""The engine's link to the cluster's directory of snapshot names (``pie_cluster.snapshots``).
+"""The engine's link to the cluster's directory of what users name (``pie_cluster.directory``).
 
 The cluster hands the engine the directory actor, the model's name and this replica's own actor (the holder of
-what it saves). A save registers the name with its token lineage; an open or take that misses here asks the
-directory and recomputes the snapshot from that lineage; a delete or take drops the name everywhere. Without a
-directory (``pie run``, tests of one replica) snapshots are the replica's own, as before.
+what it saves). Snapshots: a save registers the name with its token lineage; an open or take that misses here asks
+the directory and recomputes the snapshot from that lineage; a delete or take drops the name everywhere. Adapters:
+creating one registers its weights, opening a name made elsewhere copies them here, loading new weights pushes them
+to every copy, destroying drops every copy. Without a directory (``pie run``, tests of one replica) both are the
+replica's own.
 """
 
 from __future__ import annotations
@@ -27,3 +29,23 @@ class DirectoryLink:
     async def remove(self, user: str, name: str) -> Lineage | None:
         """Forget the name; the replica holding it (if not this one) drops its pages."""
         return await self._directory.remove.remote(self._model, user, name, self._holder)
+
+    async def add_adapter(self, user: str, name: str, adapter) -> bool:
+        """False if the name is taken (an adapter of this user on any replica)."""
+        return await self._directory.add_adapter.remote(self._model, user, name, adapter, self._holder)
+
+    async def open_adapter(self, user: str, name: str):
+        """The adapter's current weights (a ``LoraAdapter``) for a copy here, or None."""
+        return await self._directory.open_adapter.remote(self._model, user, name, self._holder)
+
+    async def update_adapter(self, user: str, name: str, adapter) -> None:
+        await self._directory.update_adapter.remote(self._model, user, name, adapter, self._holder)
+
+    async def destroy_adapter(self, user: str, name: str) -> None:
+        await self._directory.destroy_adapter.remote(self._model, user, name, self._holder)
+
+    async def save_adapter_file(self, user: str, path: str, adapter) -> None:
+        await self._directory.save_adapter_file.remote(self._model, user, path, adapter)
+
+    async def load_adapter_file(self, user: str, path: str):
+        return await self._directory.load_adapter_file.remote(self._model, user, path)

@@ -76,7 +76,7 @@ class ReplicaEngine:
         self.market = (
             MarketLink(market, device, self.contexts, self.residency, self.scheduler) if market is not None else None
         )
-        self.adapters = AdapterRegistry(runner)
+        self.adapters = AdapterRegistry(runner, directory)
         self.passes = Passes(self.contexts, self.scheduler, self.residency, self.drafter, self.adapters, self._states)
         # every operation but ``forward`` (see ``_handle``): name on the wire -> handler(session, *args)
         self._operations: dict[str, Callable[..., Awaitable]] = {

@@ -1,0 +1,128 @@
+"""The cluster's directory of what users name: snapshots and LoRA adapters, per user and model, across replicas.
+
+**Snapshots.** A snapshot's KV pages live on the replica that saved it. The directory keeps, per name, that replica
+(to drop its pages when the name is deleted or taken elsewhere) and the snapshot's token lineage (each token and its
+position), from which any other replica of the model recomputes it when an inferlet there opens or takes the name.
+So a name saved on node A opens on node B, and outlives the replica that saved it. A snapshot whose KV cannot be
+recomputed (written under a custom attention mask, an adapter or a zo seed) opens only where it was saved.
+
+**Adapters.** An adapter's weights live in every replica that uses it. The directory keeps the current weights of
+each named adapter (and the PEFT files users saved, by path): opening the name on another replica makes a copy
+there; loading new weights anywhere pushes them to every copy; destroying it anywhere drops every copy.
+
+Defined outcomes: a name is unique per user and model cluster-wide (making a taken name fails, as on one replica);
+an open racing a take or destroy sees the thing if the open reached the directory first, else nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import ray
+
+DIRECTORY = "pie-directory"
+
+Text = list[tuple[int, int]]  # (token, position) of each token, in order
+Key = tuple[str, str, str]  # (model, user, name)
+
+
+@dataclass
+class _Snapshot:
+    holder: object  # the rank-0 actor of the replica whose pool holds the pages
+    text: Text | None  # None: not recomputable elsewhere
+    committed: int
+
+
+@dataclass
+class _Adapter:
+    adapter: object  # pie_workers.adapters.LoraAdapter: its configuration, weights and zo sigma
+    holders: list = field(default_factory=list)  # rank-0 actors of the replicas holding a copy
+
+
+class UserDirectory:
+    def __init__(self) -> None:
+        self._snapshots: dict[Key, _Snapshot] = {}
+        self._adapters: dict[Key, _Adapter] = {}
+        self._adapter_files: dict[Key, object] = {}  # (model, user, path) -> the adapter saved there
+
+    # -- snapshots ---------------------------------------------------------------------------------------------
+
+    async def register(self, model: str, user: str, name: str, holder, text: Text | None, committed: int) -> bool:
+        """Record a saved snapshot; False if the name is taken (by a snapshot on any replica)."""
+        key = (model, user, name)
+        if key in self._snapshots:
+            return False
+        self._snapshots[key] = _Snapshot(holder, text, committed)
+        return True
+
+    async def lookup(self, model: str, user: str, name: str) -> tuple[Text | None, int] | None:
+        """The lineage to recompute the snapshot from: (text, committed), text None when it cannot be recomputed;
+        None when there is no such snapshot."""
+        entry = self._snapshots.get((model, user, name))
+        return None if entry is None else (entry.text, entry.committed)
+
+    async def remove(self, model: str, user: str, name: str, by=None) -> tuple[Text | None, int] | None:
+        """Forget the name (deleted or taken, by replica ``by``); the holder drops its pages unless it is ``by``.
+        Returns what ``lookup`` would have (None: there was no such snapshot)."""
+        entry = self._snapshots.pop((model, user, name), None)
+        if entry is None:
+            return None
+        if entry.holder != by:
+            _tell(entry.holder, "drop_snapshot", user, name)
+        return entry.text, entry.committed
+
+    # -- adapters ----------------------------------------------------------------------------------------------
+
+    async def add_adapter(self, model: str, user: str, name: str, adapter, holder) -> bool:
+        """Record a new adapter made on ``holder``; False if the name is taken."""
+        key = (model, user, name)
+        if key in self._adapters:
+            return False
+        self._adapters[key] = _Adapter(adapter, [holder])
+        return True
+
+    async def open_adapter(self, model: str, user: str, name: str, holder):
+        """The adapter's current weights for a copy on ``holder`` (which from now on gets its updates), or None."""
+        entry = self._adapters.get((model, user, name))
+        if entry is None:
+            return None
+        if holder not in entry.holders:
+            entry.holders.append(holder)
+        return entry.adapter
+
+    async def update_adapter(self, model: str, user: str, name: str, adapter, by) -> None:
+        """New weights for the adapter (loaded on ``by``): every other copy gets them."""
+        entry = self._adapters.get((model, user, name))
+        if entry is None:
+            return
+        entry.adapter = adapter
+        for holder in entry.holders:
+            if holder != by:
+                _tell(holder, "refresh_adapter", user, name, adapter)
+
+    async def destroy_adapter(self, model: str, user: str, name: str, by) -> None:
+        """The adapter is gone: every copy but ``by``'s (which destroyed its own) is dropped."""
+        entry = self._adapters.pop((model, user, name), None)
+        for holder in entry.holders if entry is not None else ():
+            if holder != by:
+                _tell(holder, "drop_adapter", user, name)
+
+    async def save_adapter_file(self, model: str, user: str, path: str, adapter) -> None:
+        """What the user saved at ``path``, so that loading it works on every node, not only the one that wrote it."""
+        self._adapter_files[(model, user, path)] = adapter
+
+    async def load_adapter_file(self, model: str, user: str, path: str):
+        return self._adapter_files.get((model, user, path))
+
+
+def _tell(replica, method: str, *args) -> None:
+    """Ask a replica to drop or refresh its copy; a dead one has nothing left to drop."""
+    with contextlib.suppress(ray.exceptions.RayError):
+        getattr(replica, method).remote(*args)
+
+
+def get_or_create_directory(namespace: str):
+    return (
+        ray.remote(UserDirectory).options(name=DIRECTORY, namespace=namespace, get_if_exists=True, num_cpus=0).remote()
+    )
