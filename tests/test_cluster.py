@@ -544,3 +544,50 @@ async def main(input):
         messaging.push(f"go-{who}", "go")
     return sorted(ready)
 """
+
+
+def test_a_replica_killed_mid_generation_fails_only_its_inferlets_and_is_replaced(
+    cluster, launcher, served, ray_cluster
+):
+    """SIGKILL the head's replica while an inferlet on each node generates: the head's gets an error event, the
+    second node's finishes untouched, the controller replaces the replica, a new launch on the head works, and the
+    market's books, the bus and the replicas' pages balance afterwards."""
+    import os
+    import signal
+
+    from ray.util.state import list_actors
+
+    head, second = node_pair(cluster)
+    program, bounded = upload(launcher, LONG), upload(launcher, GREEDY)
+    bus_before = ray.get(cluster.status.remote())["bus"]
+    doomed = launch(launcher, program, node_id=head)
+    survivor = launch(launcher, bounded, {"prompt": "keep going", "n": 200}, node_id=second)
+    time.sleep(1.0)  # both are generating
+    served_leader = served.replica.leader._actor_id.hex()
+    (rank,) = [
+        a
+        for a in list_actors(
+            ray_cluster.address, filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")], detail=True
+        )
+        if a["node_id"] == head and a["actor_id"] != served_leader and a["ray_namespace"] == "pie-test"
+    ]
+    os.kill(rank["pid"], signal.SIGKILL)
+
+    failed = run_to_end(launcher, doomed)[-1]
+    assert failed[1] == "error" and "replica" in failed[2].lower(), failed
+    finished = run_to_end(launcher, survivor)[-1]
+    assert finished[1] == "return" and json.loads(finished[2])["tokens"], finished
+    for _ in range(240):
+        status = ray.get(cluster.status.remote())
+        if status["replica_restarts"] >= 1 and all(r["state"] == "serving" for r in status["replicas"]):
+            break
+        time.sleep(0.5)
+    assert all(r["state"] == "serving" for r in status["replicas"]), status["replicas"]
+    again = run_to_end(launcher, launch(launcher, bounded, {"prompt": "back again", "n": 4}, node_id=head))[-1]
+    assert again[1] == "return", again
+
+    status = ray.get(cluster.status.remote())
+    for replica in status["replicas"]:
+        assert replica["contexts"] == 0 and replica["pages_used"] == 0, replica
+    assert status["bus"]["subscriptions"] == bus_before["subscriptions"]
+    assert status["market"]["wallets"] == 0 and status["market"]["balanced"]
