@@ -180,6 +180,15 @@ def test_a_snapshot_saved_on_one_node_opens_takes_and_deletes_from_the_other(clu
     assert run("save", second, text="Pages are sixteen tokens long. ") == saved
     assert run("delete", head) == {"deleted": name}  # deleted from the other node: the second node's pages are freed
     assert run("open", second) is None
+
+    # a take racing an open on the other node: the directory orders them; the take always gets the snapshot, the
+    # open gets it (recomputed) if it came first, else nothing; either way the name is gone afterwards
+    assert run("save", head, text="Pages are sixteen tokens long. ") == saved
+    taking = launch(launcher, program, {"op": "take", "name": name}, node_id=head)
+    opening = launch(launcher, program, {"op": "open", "name": name}, node_id=second)
+    took, opened = (json.loads(run_to_end(launcher, i)[-1][2]) for i in (taking, opening))
+    assert took == saved and opened in (saved, None)
+    assert run("open", head) is None and run("open", second) is None
     for replica in engine_stats(cluster):
         assert replica["contexts"] == 0 and replica["pages_used"] == 0, replica
 

@@ -1,6 +1,6 @@
 """Losing a worker node: a third raylet joins the session's cluster, serves a replica and an inferlet host, and is
-removed (its raylet and every process on it killed). Its replica and host are reported dead, launches avoid it,
-and the rest of the cluster keeps serving."""
+removed (its raylet and every process on it killed). Its replica and host are reported dead, the instance running
+there fails with an error event, launches avoid the node, and the rest of the cluster keeps serving."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.controller import start_controller
 from pie_cluster.launch_request import LaunchRequest
+
+PARKED = b"""
+from inferlet import session
+
+async def main(input):
+    session.send("parked")
+    return await session.receive()
+"""
 
 GREEDY = textwrap.dedent("""
     from inferlet import Context, Model, Sampler
@@ -35,12 +43,16 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
     ray_cluster.wait_for_nodes()
     (doomed,) = alive_nodes() - before
     model = ModelConfigEntry(pages=128, cpus_per_rank=1, replicas=3, placement="strict_spread")
-    controller = start_controller(PieConfig(auth=AuthConfig(enabled=False), model=[model]), detached=False)
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[model])
+    controller = start_controller(config, detached=False)  # its control plane stays on this driver's node, the head
     try:
         launcher = ray.get_actor("pie-launcher")
         status = ray.get(controller.status.remote())
         assert sorted(r["node"] for r in status["replicas"]) == sorted(before | {doomed})
         program = ray.get(launcher.upload.remote("ann", "greedy.py", GREEDY))["program"]
+        parked = ray.get(launcher.upload.remote("ann", "parked.py", PARKED))["program"]
+        stranded = ray.get(launcher.launch.remote("ann", LaunchRequest(program=parked, node_id=doomed)))
+        assert ray.get(launcher.events.remote("ann", stranded, 0, 60.0))["events"][0][1:] == ["message", "parked"]
 
         ray_cluster.remove_node(doomed_node)  # the raylet and every process on the node are killed
         for _ in range(120):
@@ -50,6 +62,8 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
                 break
             time.sleep(0.5)
         assert not lost["alive"] and lost["host"] != "serving", lost
+        last = ray.get(launcher.events.remote("ann", stranded, 0, 60.0))["events"][-1]
+        assert last[1] == "error" and "died" in last[2], last  # its instance is reported failed
         states = {r["node"]: r["state"] for r in status["replicas"]}
         assert states[doomed] != "serving" and all(states[n] == "serving" for n in before), states
 

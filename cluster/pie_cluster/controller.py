@@ -74,13 +74,18 @@ class Controller:
         self.restarts = 0
         _check_placements(config)
         namespace = ray.get_runtime_context().namespace
-        self.market = get_or_create_market(namespace, config.market.default_endowment)
-        self.directory = get_or_create_directory(namespace)
+        # the control plane stays on the controller's node (the head's, for `pie start`): a zero-CPU actor could
+        # otherwise land on any worker, and losing that worker would take the launcher or the market with it
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.market = get_or_create_market(namespace, config.market.default_endowment, scheduling_strategy=here)
+        self.directory = get_or_create_directory(namespace, scheduling_strategy=here)
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
         self.bus = start_bus(shards=config.bus.shards, detached=False)
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        launcher_cls = ray.remote(Launcher).options(name=LAUNCHER, num_cpus=0, max_concurrency=100_000)
+        launcher_cls = ray.remote(Launcher).options(
+            name=LAUNCHER, num_cpus=0, max_concurrency=100_000, scheduling_strategy=here
+        )
         self.launcher = launcher_cls.remote(config.launcher)
         services = self._services(nodes)
         host_cls = ray.remote(InferletHost)
@@ -275,8 +280,11 @@ class Controller:
 
 
 def start_controller(config: PieConfig, detached: bool = True):
-    """Create the controller in the current namespace (or return the running one) once every service is up."""
+    """Create the controller in the current namespace (or return the running one) once every service is up, on
+    the caller's node (`pie start` runs on the head)."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     options = {"name": CONTROLLER, "num_cpus": 0, "max_concurrency": 16, "get_if_exists": True}
+    options["scheduling_strategy"] = here  # beside the caller (the head, for `pie start`): see Controller
     if detached:
         options["lifetime"] = "detached"
     controller = ray.remote(Controller).options(**options).remote(config)

@@ -122,7 +122,8 @@ def _tell(replica, method: str, *args) -> None:
         getattr(replica, method).remote(*args)
 
 
-def get_or_create_directory(namespace: str):
-    return (
-        ray.remote(UserDirectory).options(name=DIRECTORY, namespace=namespace, get_if_exists=True, num_cpus=0).remote()
-    )
+def get_or_create_directory(namespace: str, scheduling_strategy=None):
+    options = {"name": DIRECTORY, "namespace": namespace, "get_if_exists": True, "num_cpus": 0}
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
+    return ray.remote(UserDirectory).options(**options).remote()

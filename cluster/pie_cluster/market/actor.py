@@ -52,10 +52,14 @@ class MarketActor:
 
 
 def get_or_create_market(
-    namespace: str = "pie", default_endowment: float = DEFAULT_ENDOWMENT, lifetime: str | None = None
+    namespace: str = "pie",
+    default_endowment: float = DEFAULT_ENDOWMENT,
+    lifetime: str | None = None,
+    scheduling_strategy=None,
 ) -> ray.actor.ActorHandle:
     """The market named ``MARKET_NAME`` in ``namespace``, started here if no one has started it yet
-    (``lifetime="detached"`` lets it outlive the job that started it)."""
-    return MarketActor.options(name=MARKET_NAME, namespace=namespace, get_if_exists=True, lifetime=lifetime).remote(
-        default_endowment
-    )
+    (``lifetime="detached"`` lets it outlive the job that started it; ``scheduling_strategy``: where it runs)."""
+    options = {"name": MARKET_NAME, "namespace": namespace, "get_if_exists": True, "lifetime": lifetime}
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
+    return MarketActor.options(**options).remote(default_endowment)
