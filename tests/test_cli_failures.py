@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_http_cli import PIE, free_port
+from pie_procs import PIE, free_port
 
 VENV_BIN = Path(sys.executable).parent
 

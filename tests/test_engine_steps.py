@@ -134,8 +134,9 @@ def test_malformed_step_counts_are_refused(runner, kwargs, message):
 @pytest.mark.parametrize(
     ("sampler", "message"),
     [
-        ([99, 1.0, 0, 1.0, 0.0, 0, []], "unknown sampler kind code 99"),
-        ([0, [1.0], 0, 1.0, 0.0, 0, []], "malformed sampler on the wire"),
+        ([99, 1.0, 0, 1.0, 0.0, 0, [], -1], "unknown sampler kind code 99"),
+        ([0, [1.0], 0, 1.0, 0.0, 0, [], -1], "malformed sampler on the wire"),
+        ([0, 1.0, 0, 1.0, 0.0, 0, []], "malformed sampler on the wire"),
     ],
 )
 def test_malformed_samplers_are_refused(runner, sampler, message):

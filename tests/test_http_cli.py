@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,62 +17,15 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from pie_cluster.client import PieClient, PieClientError
 from pie_cluster.launch_request import LaunchRequest
+from pie_procs import PIE, started_pie
 
 ROOT = Path(__file__).resolve().parent.parent
-PIE = [sys.executable, "-m", "pie_cluster.cli"]
-
-
-def free_port() -> int:
-    """A free port in 20000-29999: above Ray's worker ports (10002-19999) and below the ephemeral range Ray's own
-    processes keep binding (a port taken from there can be gone again by the time Serve binds it)."""
-    for port in random.Random().sample(range(20000, 30000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-29999")
 
 
 @pytest.fixture(scope="module")
 def pie(ray_cluster, tmp_path_factory):
     """`pie start` as a user would run it, joining the session's cluster; `pie stop` afterwards."""
-    home = tmp_path_factory.mktemp("pie-home")
-    port = free_port()
-    config = home / "config.toml"
-    config.write_text(
-        textwrap.dedent(f"""
-        [server]
-        port = {port}
-        [auth]
-        tokens = {{ "tok-alice" = "alice", "tok-bob" = "bob" }}
-        [[model]]
-        pages = 256
-        cpus_per_rank = 1
-        max_batch_tokens = 512
-        """)
-    )
-    env = {**os.environ, "PIE_HOME": str(home), "RAY_ADDRESS": ray_cluster.address}
-    started = subprocess.run(
-        [*PIE, "start", "--config", str(config), "--address", ray_cluster.address],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert started.returncode == 0, started.stderr
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:  # Serve's proxy comes up a moment after the app is deployed
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    yield {"url": url, "env": env, "home": home}
-    stopped = subprocess.run([*PIE, "stop", "--address", ray_cluster.address], env=env, capture_output=True, text=True)
-    assert stopped.returncode == 0, stopped.stderr
+    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-home"))
 
 
 def client(pie, token="tok-alice") -> PieClient:
@@ -267,7 +218,7 @@ def assert_one_clean_line(response: httpx.Response) -> str:
     """An error body is ``{"detail": one line}``: no traceback, process or node ids, source paths or colours."""
     detail = response.json()["detail"]
     assert isinstance(detail, str) and "\n" not in detail, response.text
-    for leak in ("Traceback", "File \"", "pid=", "ip=", "ActorID", "RayTaskError", "\x1b["):
+    for leak in ("Traceback", 'File "', "pid=", "ip=", "ActorID", "RayTaskError", "\x1b["):
         assert leak not in response.text, response.text
     return detail
 

@@ -282,3 +282,29 @@ def test_property_token_always_allowed(data, vocab, kind, temperature, top_k, to
     slot = Slot(kind, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     logits = torch.tensor([row] * 8, dtype=torch.float32)
     assert set(tokens(logits, [slot] * 8)) <= ref_allowed(logits[0].numpy(), slot)
+
+
+def test_samplers_report_their_token_logprob_and_alternatives_when_asked():
+    """``report_logprobs``: the sampled token's log-probability and the top alternatives, of the masked, untempered
+    row (float64 numpy reference); rows that did not ask report nothing, and the report survives the wire."""
+    from pie_workers.wire.codec import output_from_wire, output_to_wire, slot_from_wire, slot_to_wire
+
+    rng = np.random.default_rng(3)
+    logits = torch.tensor(rng.normal(size=(3, 64)), dtype=torch.float32)
+    logits[1, :8] = NEG_INF  # a masked row: its masked tokens are never alternatives
+    slots = [
+        Slot(SlotKind.TOP_P, temperature=0.0, report_logprobs=5),
+        Slot(SlotKind.MULTINOMIAL, temperature=0.7, seed=11, report_logprobs=0),
+        Slot(SlotKind.TOP_K, temperature=1.0, top_k=4),
+    ]
+    out = run_slots(logits, [slot_from_wire(slot_to_wire(s)) for s in slots])
+    for row, report_top in ((0, 5), (1, 0)):
+        x = logits[row].double().numpy()
+        finite = np.isfinite(x)
+        ref = np.where(finite, x - (np.log(np.exp(x[finite] - x[finite].max()).sum()) + x[finite].max()), -np.inf)
+        got = output_from_wire(output_to_wire(out[row])).sampled_logprobs
+        assert out[row].token is not None and got.logprob == pytest.approx(ref[out[row].token], abs=TOL)
+        assert got.top_ids == list(np.argsort(-ref)[:report_top])
+        assert got.top_logprobs == pytest.approx(sorted(ref, reverse=True)[:report_top], abs=TOL)
+    assert out[0].token == out[0].sampled_logprobs.top_ids[0]  # greedy: the most likely token
+    assert out[2].sampled_logprobs is None and out[2].token is not None

@@ -107,6 +107,7 @@ def run(
 
 _passthrough = {"allow_extra_args": True, "ignore_unknown_options": True}
 app.command(context_settings=_passthrough)(cli_client.submit)
+app.command()(cli_client.upload)
 app.command("list")(cli_client.list_instances)
 app.command()(cli_client.attach)
 app.command()(cli_client.abort)

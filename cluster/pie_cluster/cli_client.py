@@ -1,4 +1,4 @@
-"""``pie submit / list / attach / abort``: the client side of a running cluster, over its HTTP endpoint.
+"""``pie submit / upload / list / attach / abort``: the client side of a running cluster, over its HTTP endpoint.
 
 Where to connect comes from ``--url``/``--token``, else ``$PIE_URL``/``$PIE_TOKEN``, else what ``pie start`` wrote
 to ``$PIE_HOME/cluster.json``. Streaming follows Pie's client: output lines are prefixed ``[Instance abcd1234]``,
@@ -145,6 +145,16 @@ def submit(
             return
         code = follow(client, instance_id)
     raise typer.Exit(code)
+
+
+def upload(
+    program: Annotated[Path, typer.Argument(help="a .py inferlet, or a directory with pie.toml")],
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Upload a program and print its id (e.g. for the ``inferlet`` field of an OpenAI-compatible request)."""
+    with _refusals():
+        print(connect(url, token).upload(program)["program"])
 
 
 def list_instances(url: UrlOption = None, token: TokenOption = None) -> None:

@@ -102,9 +102,7 @@ class LauncherConfig(_Strict):
     max_queued_per_user: int = Field(1024, ge=0)
 
     def admission_limits(self) -> AdmissionLimits:
-        return AdmissionLimits(
-            self.max_running, self.max_running_per_user, self.max_queued, self.max_queued_per_user
-        )
+        return AdmissionLimits(self.max_running, self.max_running_per_user, self.max_queued, self.max_queued_per_user)
 
 
 class BusConfig(_Strict):

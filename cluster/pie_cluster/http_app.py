@@ -13,7 +13,6 @@ Events stream as Server-Sent Events: ``id`` is the event's index (resume with ``
 import base64
 import json
 import logging
-import math
 from typing import Annotated, Any
 
 import ray
@@ -22,14 +21,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
-from pie_cluster.admission import Overloaded
 from pie_cluster.config import AuthConfig, ServerConfig
+from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest, describe_errors
-from pie_cluster.launcher import NotFound
+from pie_cluster.openai_requests import OpenAIError
+from pie_cluster.openai_routes import OPENAI_PATHS, OpenAIRoutes
+from pie_cluster.openai_routes import router as openai_router
 from pie_cluster.programs import MAX_PROGRAM_BYTES
 
 LOCAL_USER = "local"
@@ -56,15 +57,32 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
     return JSONResponse({"detail": message}, status_code=status, headers=headers)
 
 
+def _openai_error(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_failure(request: Request, error: OpenAIError) -> JSONResponse:
+    return _openai_error(error)
+
+
 @app.exception_handler(RequestValidationError)
 async def _invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
     """Malformed bodies and out-of-range fields are 400 with one line naming the fields, after authentication
-    (a body that is not even JSON fails before the dependencies run, so the token is checked here too)."""
+    (a body that is not even JSON fails before the dependencies run, so the token is checked here too); on the
+    OpenAI routes in OpenAI's shape, ``param`` naming the first bad field."""
+    openai = request.url.path in OPENAI_PATHS
     try:
         _ingress().user_for(request.headers.get("authorization"))
     except HTTPException as e:
+        if openai:
+            return _openai_error(OpenAIError(e.status_code, e.detail, code="invalid_api_key", headers=e.headers))
         return _error(e.status_code, e.detail, e.headers)
-    return _error(400, describe_errors(error.errors()))
+    message = describe_errors(error.errors())
+    if openai:
+        fields = [str(p) for p in (error.errors() or [{}])[0].get("loc", ()) if p != "body"]
+        return _openai_error(OpenAIError(400, message, param=fields[0] if fields else None))
+    return _error(400, message)
 
 
 @app.middleware("http")
@@ -106,24 +124,6 @@ def _wire_value(kind: str, value: str | bytes) -> str:
     return base64.b64encode(value).decode() if kind == "file" else value
 
 
-def _http_error(cause: BaseException | None) -> HTTPException:
-    """The HTTP answer for what the launcher raised: its message, never its traceback; a full cluster is 429 with
-    the seconds to wait in ``Retry-After``."""
-    if isinstance(cause, Overloaded):
-        retry = str(max(1, math.ceil(cause.retry_after_s)))
-        return HTTPException(429, str(cause), headers={"Retry-After": retry})
-    if isinstance(cause, NotFound):
-        return HTTPException(404, str(cause.args[0]) if cause.args else "not found")
-    if isinstance(cause, ValidationError):
-        return HTTPException(400, describe_errors(cause.errors()))
-    if isinstance(cause, ValueError):  # ProgramError included
-        return HTTPException(400, str(cause))
-    if isinstance(cause, RuntimeError):  # the launcher cannot serve now (e.g. no hosts yet)
-        return HTTPException(503, str(cause))
-    log.error("launcher call failed: %r", cause)
-    return HTTPException(500, "internal error serving this request; the cluster's log has the details")
-
-
 async def _read_capped(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes ``limit`` bytes (never buffered beyond it)."""
     declared = request.headers.get("content-length")
@@ -138,11 +138,14 @@ async def _read_capped(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+app.include_router(openai_router)
+
+
 # Helpers above this line: Serve freezes (pickles) the app's routes when the class is decorated, so what they
 # call must already be defined.
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
-class PieIngress:
+class PieIngress(OpenAIRoutes):
     def __init__(self, auth: AuthConfig, namespace: str):
         self._auth = auth
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
@@ -168,7 +171,7 @@ class PieIngress:
         try:
             return await method.remote(*args)
         except RayTaskError as e:
-            raise _http_error(e.cause) from None
+            raise launcher_error(e.cause) from None
         except RayActorError:
             raise HTTPException(503, "the launcher is not reachable; is the cluster running?") from None
 

@@ -38,6 +38,11 @@ class NotFound(LookupError):
     """No such instance or program for this user."""
 
 
+OPENAI_PROGRAM = "pie:openai-completions"
+"""The built-in program serving the OpenAI-compatible routes, launched by this id like any uploaded program."""
+_BUILTINS = {OPENAI_PROGRAM: Path(__file__).parent / "builtin" / "openai_completions.py"}
+
+
 @dataclass
 class _Instance:
     id: str
@@ -88,6 +93,7 @@ class Launcher:
         self._pool: HostPool | None = None
         store = Path(tempfile.mkdtemp(prefix="pie-program-store-"))
         self._programs = ProgramStore(store, config.program_store_mib << 20)
+        self._builtins = {name: Program.from_path(path) for name, path in _BUILTINS.items()}
         self._admission = Admission(config.admission_limits())
         self._instances: dict[str, _Instance] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -119,9 +125,7 @@ class Launcher:
         while True:
             with contextlib.suppress(ray.exceptions.RayError):
                 await host.lifetime.remote()
-            lost = [
-                i for i in self._instances.values() if i.host is host and not i.queued and i.log.terminal is None
-            ]
+            lost = [i for i in self._instances.values() if i.host is host and not i.queued and i.log.terminal is None]
             self._down.add(node)
             market = self._pool.services[node].market
             for instance in lost if market is not None else ():
@@ -158,7 +162,7 @@ class Launcher:
             request = LaunchRequest.model_validate(request)  # Ray callers may pass the fields as a dict
         except ValidationError as e:  # a ValueError with one line, which crosses Ray as itself
             raise ValueError(describe_errors(e.errors())) from None
-        program = self._programs.get(request.program)
+        program = self._builtins.get(request.program) or self._programs.get(request.program)
         if program is None:
             raise NotFound(f"no program {request.program!r}; upload it first")
         node = self._choose_node(request.node_id)
@@ -247,6 +251,12 @@ class Launcher:
             await self.emit([(instance_id, "error", "aborted by its user")])
             return True
         return await instance.host.abort.remote(instance_id, "aborted by its user")
+
+    async def models(self) -> list[str]:
+        """The names of the models the cluster serves (every node's inferlets reach the same ones)."""
+        if self._pool is None:
+            raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
+        return sorted({name for services in self._pool.services.values() for name in services.endpoints})
 
     async def list(self, user: str) -> list[dict]:
         return [i.summary() for i in self._instances.values() if i.user == user]

@@ -82,7 +82,10 @@ class ProgramStore:
         return program
 
     def started(self, program_id: str) -> None:
-        self._entries[program_id].running += 1
+        """An instance of it runs (it is not evicted meanwhile); built-in programs are not stored here."""
+        entry = self._entries.get(program_id)
+        if entry is not None:
+            entry.running += 1
 
     def ended(self, program_id: str) -> None:
         entry = self._entries.get(program_id)

@@ -202,9 +202,7 @@ def _unzip(filename: str, data: bytes) -> dict[str, bytes]:
                     content = f.read(left + 1)
                 left -= len(content)
                 if left < 0:
-                    raise ProgramError(
-                        f"{filename}: expands to more than the {MAX_PROGRAM_BYTES >> 20} MiB limit"
-                    )
+                    raise ProgramError(f"{filename}: expands to more than the {MAX_PROGRAM_BYTES >> 20} MiB limit")
                 files[member.filename] = content
             return files
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError) as e:

@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pie_workers.wire.batch import SlotKind, SlotOutput
+from pie_workers.wire.batch import SampledLogprobs, SlotKind, SlotOutput
 from pie_workers.wire.brle import pack as pack_brle
 from pie_workers.wire.codec import output_from_wire, slot_to_wire
 
@@ -50,6 +50,13 @@ class Output:
         if not isinstance(h, SampleHandle):
             return []
         return [self.raw[i].token for i in h.slots if i < len(self.raw)]
+
+    def sampled_logprobs(self, h: SampleHandle | ProbeHandle) -> SampledLogprobs | None:
+        """The sampled token's log-probability and the most likely alternatives, for a single-index sampler made
+        with ``Sampler.with_logprobs``; None for any other handle."""
+        if not isinstance(h, SampleHandle) or not h.slots or h.slots[0] >= len(self.raw):
+            return None
+        return self.raw[h.slots[0]].sampled_logprobs
 
     def _probe(self, h: SampleHandle | ProbeHandle, kind: SlotKind):
         """The slot of a probe of ``kind``; None for any other handle (a sampler's, another probe's), as the

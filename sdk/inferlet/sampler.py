@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pie_workers.wire.batch import Slot, SlotKind
 
 
@@ -15,6 +17,14 @@ class Sampler:
 
     def __repr__(self) -> str:
         return f"Sampler({self.slot})"
+
+    def with_logprobs(self, top: int = 0) -> Sampler:
+        """This sampler, also reporting each sampled token's log-probability and its ``top`` most likely
+        alternatives (read them with ``Output.sampled_logprobs``); log-probabilities are of the masked, untempered
+        distribution, as OpenAI's ``logprobs`` are."""
+        if not 0 <= top <= 1024:
+            raise ValueError(f"with_logprobs(top) needs 0 <= top <= 1024, got {top}")
+        return Sampler(dataclasses.replace(self.slot, report_logprobs=top))
 
     @staticmethod
     def argmax() -> Sampler:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pie_workers.wire.batch import GREEDY_TEMPERATURE, Slot, SlotKind, SlotOutput
+from pie_workers.wire.batch import GREEDY_TEMPERATURE, SampledLogprobs, Slot, SlotKind, SlotOutput
 
 _USES_TOP_K = {SlotKind.TOP_K, SlotKind.TOP_K_TOP_P}
 _USES_TOP_P = {SlotKind.TOP_P, SlotKind.TOP_K_TOP_P}
@@ -56,10 +56,12 @@ def run_slots(logits: torch.Tensor, slots: Sequence[Slot]) -> list[SlotOutput]:
     if bad := check_rows_samplable(logits, slots):
         raise ValueError(f"rows {bad} have no finite logit (NaN or infinite model output)")
     out = [SlotOutput() for _ in slots]
-    by_kind: dict[str, list[int]] = {"greedy": [], "sampled": []}
+    by_kind: dict[str, list[int]] = {"greedy": [], "sampled": [], "reporting": []}
     for i, slot in enumerate(slots):
         key = ("greedy" if slot.is_greedy else "sampled") if slot.kind.is_token else slot.kind
         by_kind.setdefault(key, []).append(i)
+        if slot.report_logprobs >= 0 and slot.kind.is_token:
+            by_kind["reporting"].append(i)
 
     if rows := by_kind["greedy"]:
         for i, tok in zip(rows, _argmax(_rows(logits, rows)), strict=True):
@@ -68,6 +70,10 @@ def run_slots(logits: torch.Tensor, slots: Sequence[Slot]) -> list[SlotOutput]:
         tokens = _sample(_rows(logits, rows), [slots[i] for i in rows])
         for i, tok in zip(rows, tokens, strict=True):
             out[i].token = tok
+    if rows := by_kind["reporting"]:
+        reports = _sampled_logprobs(logits[rows], [out[i].token for i in rows], [slots[i] for i in rows])
+        for i, report in zip(rows, reports, strict=True):
+            out[i].sampled_logprobs = report
     if rows := by_kind.get(SlotKind.DISTRIBUTION):
         for i, dist in zip(rows, _distributions(logits[rows], [slots[i] for i in rows]), strict=True):
             out[i].distribution = dist
@@ -143,6 +149,20 @@ def _distributions(logits: torch.Tensor, slots: list[Slot]) -> list[tuple[list[i
     vals, ids = probs.topk(max(ks), dim=-1)
     vals, ids = vals.tolist(), ids.tolist()
     return [(ids[j][:k], vals[j][:k]) for j, k in enumerate(ks)]
+
+
+def _sampled_logprobs(logits: torch.Tensor, tokens: list[int], slots: list[Slot]) -> list[SampledLogprobs]:
+    """Each row's sampled token's log_softmax and its ``report_logprobs`` most likely alternatives (rows that ask
+    for none get empty lists): only the rows that asked pay for the log_softmax."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
+    width = min(max(s.report_logprobs for s in slots), logits.shape[1])
+    top_vals, top_ids = logp.topk(width, dim=-1) if width > 0 else (logp[:, :0], logp[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return [
+        SampledLogprobs(lp, ids[: s.report_logprobs], vals[: s.report_logprobs])
+        for lp, ids, vals, s in zip(chosen, top_ids, top_vals, slots, strict=True)
+    ]
 
 
 def _logprobs(logits: torch.Tensor, slots: list[Slot]) -> list[list[float]]:

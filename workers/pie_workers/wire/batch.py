@@ -44,6 +44,9 @@ class Slot:
 
     ``seed`` applies to token samplers: 0 draws fresh randomness, any other value makes the draw reproducible.
     ``token_ids`` are the labels of a LOGPROBS probe; ``top_k`` is also the size of a DISTRIBUTION (0 = whole vocab).
+    ``report_logprobs`` >= 0 makes a token sampler also report the sampled token's log-probability and that many
+    most likely alternatives, from the masked, untempered logits (what OpenAI's ``logprobs`` return); -1: the token
+    alone.
     """
 
     kind: SlotKind
@@ -53,6 +56,7 @@ class Slot:
     min_p: float = 0.0
     seed: int = 0
     token_ids: tuple[int, ...] = ()
+    report_logprobs: int = -1
 
     @staticmethod
     def argmax() -> Slot:
@@ -112,6 +116,17 @@ class SlotOutput:
     logits: bytes | None = None
     logprobs: list[float] | None = None
     entropy: float | None = None
+    sampled_logprobs: SampledLogprobs | None = None  # with ``token``, when its slot asked for ``report_logprobs``
+
+
+@dataclass(frozen=True, slots=True)
+class SampledLogprobs:
+    """The sampled token's log-probability and the most likely alternatives (ids and log-probabilities,
+    descending)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass(slots=True)

@@ -1,0 +1,108 @@
+"""vLLM's own engine as a benchmark peer, run from its own venv (`make vllm-peer`) behind its OpenAI server.
+
+Standard library only: this is imported by benchmarks in the project's .venv, which does not have vLLM's server.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_VENV = ROOT / ".venv-vllm"
+PEER_PYTHON = PEER_VENV / "bin" / "python"
+STAMP = PEER_VENV / ".installed"
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 20.0
+
+
+def available() -> str | None:
+    """None when the peer venv is installed; else a one-line reason, for benchmarks to print and skip the peer."""
+    if not (PEER_PYTHON.exists() and STAMP.exists()):
+        return "vLLM's engine is not installed: run `make vllm-peer`"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the whole group (the server spawns an engine process), SIGKILL if it has not gone in 20 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def openai_server(model_dir: Path, served_name: str, threads: int = 2, max_model_len: int = 1024) -> Iterator[str]:
+    """Start vLLM's OpenAI server on `model_dir`, yield its base URL ("http://127.0.0.1:PORT/v1"), stop it on exit.
+
+    float32 to match the project's CPU runs; threads are pinned to cores 0..threads-1 (vLLM's CPU backend takes its
+    thread count only from VLLM_CPU_OMP_THREADS_BIND); prefix caching stays at vLLM's default (on).
+    """
+    reason = available()
+    if reason:
+        raise RuntimeError(reason)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}/v1"
+    env = dict(os.environ)
+    # The caller's venv must not leak into the peer's interpreter.
+    for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+        VLLM_CPU_KVCACHE_SPACE="2",
+        HF_HUB_OFFLINE="1",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )
+    cmd = [
+        str(PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", served_name,
+        "--dtype", "float32", "--max-model-len", str(max_model_len),
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="vllm-peer-") as tmp:
+        log = Path(tmp) / "server.log"
+        with log.open("wb") as out:
+            # cwd=tmp: `python -m` puts the cwd on sys.path, and the peer must import only its own venv.
+            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not _answers(f"{base}/models"):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{_tail(log)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM's server did not answer in {START_TIMEOUT_S:.0f} s:\n{_tail(log)}")
+                time.sleep(0.5)
+            yield base
+        finally:
+            _stop(proc)

@@ -1,0 +1,148 @@
+"""The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
+
+Each request runs as an inferlet instance of the requesting user — the built-in ``pie:openai-completions`` program,
+or the uploaded program a request names in ``inferlet`` — so it goes through the same admission limits, KV-page
+market and engine as any other inferlet, and prompts shared between requests reuse cached pages through the
+replica's prefix trie. An OpenAI ``api_key`` is a Pie bearer token. Errors answer in OpenAI's shape
+(``openai_requests.OpenAIError``). A client that disconnects aborts its instance, so nothing it held stays behind.
+
+The routes live in a mixin of the ingress deployment (``PieIngress``), on a router the app includes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, HTTPException
+from fastapi.responses import StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+
+from pie_cluster.http_errors import launcher_error
+from pie_cluster.launch_request import LaunchRequest
+from pie_cluster.launcher import OPENAI_PROGRAM
+from pie_cluster.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIError, check_grammars
+from pie_cluster.openai_responses import Reply, Reported, error_event
+
+router = APIRouter(tags=["OpenAI-compatible"])
+OPENAI_PATHS = ("/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+async def openai_user(authorization: Annotated[str | None, Header()] = None) -> str:
+    """The caller's user name; a missing or wrong key is 401 in OpenAI's shape, before the body is looked at."""
+    try:
+        return serve.get_replica_context().servable_object.user_for(authorization)
+    except HTTPException as e:
+        raise OpenAIError(e.status_code, str(e.detail), code="invalid_api_key", headers=e.headers) from None
+
+
+OpenAIUser = Annotated[str, Depends(openai_user)]
+
+
+def _error_status(message: str) -> int:
+    """An instance's error event as a status: what the request asked for that cannot be done is 400 (the
+    inferlet raised ValueError or TypeError on it), anything else 500."""
+    return 400 if message.startswith(("ValueError", "TypeError", "TokenBudgetExhausted")) else 500
+
+
+class OpenAIRoutes:
+    """Mixed into ``PieIngress``, which provides ``_launcher``."""
+
+    _model_names: frozenset[str] = frozenset()
+
+    @router.get("/v1/models")
+    async def list_models(self, user: OpenAIUser) -> dict:
+        names = await self._served_models()
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "pie"} for n in sorted(names)]}
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, user: OpenAIUser):
+        return await self._complete(user, body, "chat")
+
+    @router.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, user: OpenAIUser):
+        return await self._complete(user, body, "completions")
+
+    async def _complete(self, user: str, body: ChatCompletionRequest | CompletionRequest, api: str):
+        if body.model not in self._model_names and body.model not in await self._served_models():
+            message = f"the model {body.model!r} does not exist; this cluster serves: {', '.join(self._model_names)}"
+            raise OpenAIError(404, message, param="model", code="model_not_found")
+        check_grammars(body)
+        launch = LaunchRequest(program=body.inferlet or OPENAI_PROGRAM, input=body.inferlet_input())
+        instance = await self._launch(user, launch, named=body.inferlet is not None)
+        reply = Reply(api, body.model, body.include_usage)
+        if body.stream:
+            return StreamingResponse(self._streamed(user, instance, reply), media_type="text/event-stream")
+        finished = False
+        try:
+            async for kind, value in self._events(user, instance):
+                if kind == "return":
+                    finished = True
+                    return reply.complete(_reported(value))
+                if kind == "error":
+                    finished = True
+                    raise OpenAIError(_error_status(value), value)
+            raise OpenAIError(500, "the serving inferlet ended without an answer")
+        finally:
+            if not finished:  # the client went away (the handler was cancelled): free what the instance holds
+                self._launcher.abort.remote(user, instance)
+
+    async def _streamed(self, user: str, instance: str, reply: Reply) -> AsyncIterator[str]:
+        finished = False
+        try:
+            async for kind, value in self._events(user, instance):
+                if kind == "message":
+                    for line in reply.piece(json.loads(value)):
+                        yield line
+                elif kind == "return":
+                    finished = True
+                    try:
+                        lines = reply.ending(_reported(value))
+                    except OpenAIError as e:
+                        lines = [error_event(e.message, e.status)]
+                    for line in lines:
+                        yield line
+                elif kind == "error":
+                    finished = True
+                    yield error_event(value, _error_status(value))
+        finally:
+            if not finished:
+                self._launcher.abort.remote(user, instance)
+
+    async def _events(self, user: str, instance: str) -> AsyncIterator[tuple[str, str]]:
+        """The instance's events, until its terminal one."""
+        since = 0
+        while True:
+            batch = await self._launcher.events.remote(user, instance, since, 30.0)
+            for _, kind, value in batch["events"]:
+                yield kind, value
+            if batch["done"]:
+                return
+            since = batch["next"]
+
+    async def _launch(self, user: str, launch: LaunchRequest, named: bool) -> str:
+        try:
+            return await self._launcher.launch.remote(user, launch)
+        except RayTaskError as e:
+            http = launcher_error(e.cause)
+            param = "inferlet" if named and http.status_code == 404 else None
+            raise OpenAIError(http.status_code, str(http.detail), param=param, headers=http.headers) from None
+        except RayActorError:
+            raise OpenAIError(503, "the launcher is not reachable; is the cluster running?") from None
+
+    async def _served_models(self) -> frozenset[str]:
+        """The model names, asked of the launcher again when a request names one not known yet."""
+        try:
+            self._model_names = frozenset(await self._launcher.models.remote())
+        except (RayTaskError, RayActorError):
+            raise OpenAIError(503, "the cluster's models are not reachable; is the cluster running?") from None
+        return self._model_names
+
+
+def _reported(value: str) -> Reported:
+    try:
+        return Reported.parse(value)
+    except ValueError as e:
+        raise OpenAIError(502, str(e)) from None

@@ -1,0 +1,341 @@
+"""Serving OpenAI-style chat and completion requests from an inferlet.
+
+The cluster's ``/v1/chat/completions`` and ``/v1/completions`` routes run each request as an inferlet whose input is
+the validated request (``Request.from_input``). ``serve`` is the built-in behaviour: render the prompt, prefill it
+once, fork a context per choice (they share the prompt's pages), generate the choices side by side with the
+request's sampler and constraints, and report them. A program named by a request's ``inferlet`` field gets the same
+input and answers in the same shape, reusing these parts for whatever it does differently.
+
+What an inferlet behind the API reports (the ingress turns it into OpenAI's objects):
+
+* while streaming, ``session.send`` of ``{"index": i, "text": delta, "logprobs": [...]}`` pieces;
+* its return value, ``{"choices": [Choice.report() ...], "usage": {"prompt_tokens": p, "completion_tokens": c}}``
+  (when streaming, a choice's text was already sent and is not repeated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferlet import chat, session, tools
+from inferlet.constraints import AnyJson, GrammarConstraint, JsonSchema
+from inferlet.context import Context
+from inferlet.generator import Generator
+from inferlet.model import Model
+from inferlet.sampler import Sampler
+from inferlet.tokenizer import TextStream
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as the ingress validated it; ``api`` is ``"chat"`` (``messages``) or ``"completions"``
+    (``prompts``: one or more prompt strings, each with its own ``n`` choices)."""
+
+    api: str
+    model: str
+    messages: list[dict] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    logprobs: int | None = None  # alternatives to report per token; None: no logprobs
+    echo: bool = False
+    ignore_eos: bool = False
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}
+    tools: list[dict] = field(default_factory=list)
+    tool_choice: str | dict = "auto"  # "auto", "none", "required" or {"name": ...}
+
+    @staticmethod
+    def from_input(input: dict) -> Request:
+        names = {f.name for f in dataclasses.fields(Request)}
+        return Request(**{k: v for k, v in input.items() if k in names})
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+@dataclass
+class Choice:
+    """One generated choice: its text (or tool calls), why it ended, and per-token logprobs when asked."""
+
+    index: int
+    text: str = ""
+    finish_reason: str = "length"
+    completion_tokens: int = 0
+    tool_calls: list[dict] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+
+    def report(self) -> dict:
+        report = {"index": self.index, "text": self.text, "finish_reason": self.finish_reason}
+        if self.tool_calls:
+            report["tool_calls"] = self.tool_calls
+        if self.logprobs:
+            report["logprobs"] = self.logprobs
+        return report
+
+
+# -- prompts -----------------------------------------------------------------------------------------------------
+
+
+def chat_prompt(model: Model, request: Request) -> list[int]:
+    """The conversation's tokens up to the opened assistant turn: system turns, the tools (when in use), then the
+    other turns in order; an assistant's ``tool_calls`` are written in the family's call syntax and a tool result
+    is answered under the name of the call it answers."""
+    instruct = model.instruct
+    tokens: list[int] = []
+    for message in request.messages:
+        if message["role"] in ("system", "developer"):
+            tokens += instruct.system(_text(message.get("content")))
+    if request.uses_tools:
+        tokens += tools.equip_prefix(model, request.tools)
+    call_names: dict[str, str] = {}
+    for message in request.messages:
+        role, content = message["role"], _text(message.get("content"))
+        if role == "user":
+            tokens += instruct.user(content)
+        elif role == "assistant":
+            calls = message.get("tool_calls") or []
+            for call in calls:
+                call_names[call.get("id", "")] = call["function"]["name"]
+            written = [_call_text(model, c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            tokens += instruct.assistant("\n".join([content, *written]) if content else "\n".join(written))
+        elif role == "tool":
+            name = call_names.get(message.get("tool_call_id", ""), message.get("name") or "tool")
+            tokens += instruct.answer(name, content)
+    return tokens + instruct.cue()
+
+
+def _text(content: str | list | None) -> str:
+    """A message's content: a string, or the text of its list of parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.get("text", "") for part in content)
+
+
+def _call_text(model: Model, name: str, arguments: str) -> str:
+    fmt = model.instruct.tool_call_format
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        args = arguments
+    call = json.dumps({"name": name, fmt.args_key: args}, ensure_ascii=False)
+    return f"{fmt.open}\n{call}\n{fmt.close}" if fmt.open else call
+
+
+# -- sampling and constraints ------------------------------------------------------------------------------------
+
+
+def sampler(request: Request, choice: int) -> Sampler:
+    """The request's sampler for one choice. With a ``seed``, choice i draws from ``seed`` and i, so the same
+    request gives the same choices and the choices differ from each other."""
+    t = request.temperature
+    if t == 0:
+        chosen = Sampler.argmax()
+    elif request.top_k > 0 and request.top_p < 1:
+        chosen = Sampler.top_k_top_p(t, request.top_k, request.top_p)
+    elif request.top_k > 0:
+        chosen = Sampler.top_k(t, request.top_k)
+    elif request.top_p < 1:
+        chosen = Sampler.top_p(t, request.top_p)
+    elif request.min_p > 0:
+        chosen = Sampler.min_p(t, request.min_p)
+    else:
+        chosen = Sampler.multinomial(t)
+    if request.seed is not None:
+        seed = ((request.seed & 0xFFFF_FFFF) << 20 | choice) + 1  # 0 would mean fresh randomness
+        chosen = Sampler(dataclasses.replace(chosen.slot, seed=seed))
+    return chosen if request.logprobs is None else chosen.with_logprobs(request.logprobs)
+
+
+def constraint(model: Model, request: Request) -> Any:
+    """What the output must match: a forced tool call in the family's syntax, or the response format's JSON."""
+    if request.tools and request.tool_choice not in ("auto", "none"):
+        wanted = request.tools
+        if isinstance(request.tool_choice, dict):
+            wanted = [t for t in request.tools if t["function"]["name"] == request.tool_choice["name"]]
+        return GrammarConstraint(tools.native_matcher(model, wanted))
+    kind = (request.response_format or {}).get("type", "text")
+    if kind == "json_object":
+        return AnyJson()
+    if kind == "json_schema":
+        return JsonSchema(request.response_format["schema"])
+    return None
+
+
+# -- generation --------------------------------------------------------------------------------------------------
+
+
+class StopText:
+    """Cuts generated text at the first stop string, holding back a tail that may be the start of one, so a
+    stop string is never sent, even in part."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """The text that can be released now, and whether a stop string ended the choice."""
+        self._held += text
+        hits = [at for at in (self._held.find(s) for s in self._stops) if at >= 0]
+        if hits:
+            released, self._held = self._held[: min(hits)], ""
+            return released, True
+        keep = max((k for s in self._stops for k in range(len(s) - 1, 0, -1) if self._held.endswith(s[:k])), default=0)
+        cut = len(self._held) - keep
+        released, self._held = self._held[:cut], self._held[cut:]
+        return released, False
+
+    def rest(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class _ChoiceRun:
+    """Generates one choice on its own context, streaming what it may as it goes."""
+
+    def __init__(self, model: Model, request: Request, index: int, ctx: Context, echo: str) -> None:
+        self.model, self.request, self.ctx = model, request, ctx
+        self.choice = Choice(index)
+        self._text = TextStream(model.tokenizer())
+        self._special = model.tokenizer().special_ids
+        self._stop = StopText(request.stop)
+        self._pending_logprobs: list[dict] = []
+        self._hold_all = request.uses_tools  # a tool call's text is parsed at the end, never streamed as content
+        self._tokens: list[int] = []
+        if echo:
+            self._release(echo, [])
+
+    async def run(self, first_input: list[int]) -> Choice:
+        request, ctx = self.request, self.ctx
+        ctx.append(first_input)
+        stops = [] if request.ignore_eos else chat.stop_tokens(self.model)
+        gen = Generator(ctx, sampler(request, self.choice.index), max_tokens=request.max_tokens, auto_flush=False)
+        gen.stop(stops)
+        if (c := constraint(self.model, request)) is not None:
+            gen.constrain(c)
+        if request.logprobs is None:
+            await gen._drain(self._take)
+        else:  # every step's sampler output is needed, so no chained passes
+            async for step in gen:
+                if self._take(await step.execute()):
+                    break
+        if self.choice.finish_reason != "stop" and gen.tokens_generated < request.max_tokens:
+            self.choice.finish_reason = "stop"  # a stop token (or a finished grammar) ended it
+        self.choice.completion_tokens = gen.tokens_generated
+        ctx.release()
+        self._release(self._stop.rest(), [])
+        if request.uses_tools:
+            self._parse_tool_calls()
+        return self.choice
+
+    def _take(self, out) -> bool:
+        """One step's tokens: decode, cut at a stop string, stream; True ends the choice."""
+        tokens = out.tokens
+        self._tokens += tokens
+        if self.request.logprobs is not None and tokens:
+            self._pending_logprobs.append(self._logprob_entry(tokens[-1], out.sampled_logprobs(out.auto_sampler)))
+        released, stopped = self._stop.feed(self._text.push(t for t in tokens if t not in self._special))
+        self._release(released, self._pending_logprobs)
+        self._pending_logprobs = []
+        if stopped:
+            self.choice.finish_reason = "stop"
+        return stopped
+
+    def _logprob_entry(self, token: int, report) -> dict:
+        decode = self.model.tokenizer().decode
+        top = [[decode([i]), lp] for i, lp in zip(report.top_ids, report.top_logprobs, strict=True)] if report else []
+        return {"token": decode([token]), "logprob": report.logprob if report else 0.0, "top": top}
+
+    def _release(self, text: str, logprobs: list[dict]) -> None:
+        self.choice.text += text
+        self.choice.logprobs += logprobs
+        if self.request.stream and not self._hold_all and (text or logprobs):
+            piece: dict[str, Any] = {"index": self.choice.index, "text": text}
+            if logprobs:
+                piece["logprobs"] = logprobs
+            session.send(piece)
+
+    def _parse_tool_calls(self) -> None:
+        """Split the finished text into content and calls (the family's decoder finds them)."""
+        decoder = tools.Decoder(self.model)
+        event = decoder.feed(self._tokens)
+        while isinstance(event, tools.Call):
+            self.choice.tool_calls.append(
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "name": event.name, "arguments": event.args}
+            )
+            event = decoder.feed([])
+        if self.choice.tool_calls:
+            self.choice.text = _without_calls(self.model, self.choice.text)
+            self.choice.finish_reason = "tool_calls"
+
+
+def _without_calls(model: Model, text: str) -> str:
+    """The text outside the tool calls (the Llama 3 syntax is a bare call: nothing is left)."""
+    fmt = model.instruct.tool_call_format
+    if not fmt.open:
+        return ""
+    kept, at = [], 0
+    while (start := text.find(fmt.open, at)) >= 0:
+        kept.append(text[at:start])
+        end = text.find(fmt.close, start)
+        at = len(text) if end < 0 else end + len(fmt.close)
+    kept.append(text[at:])
+    return "".join(kept).strip()
+
+
+def prompts(model: Model, request: Request) -> list[tuple[list[int], str]]:
+    """Each prompt's tokens and the text its choices echo: the conversation for chat, else each prompt string."""
+    if request.api == "chat":
+        return [(chat_prompt(model, request), "")]
+    encode = model.tokenizer().encode
+    return [(encode(p), p if request.echo else "") for p in request.prompts]
+
+
+async def run_choice(model: Model, request: Request, ctx: Context, index: int, first_input: list[int]) -> Choice:
+    """Generate one choice on ``ctx`` (fed ``first_input`` first), streaming it if the request streams."""
+    return await _ChoiceRun(model, request, index, ctx, "").run(first_input)
+
+
+async def serve(input: dict) -> dict:
+    """The built-in request handler: every prompt's ``n`` choices, generated concurrently."""
+    request = Request.from_input(input)
+    model = Model.load(request.model)
+    rendered = prompts(model, request)
+    runs = []
+    for p, (tokens, echo) in enumerate(rendered):
+        runs += await _forked(model, request, tokens, echo, first_index=p * request.n)
+    choices = await asyncio.gather(*runs)
+    return {
+        "choices": [c.report() for c in choices],
+        "usage": {
+            "prompt_tokens": sum(len(tokens) for tokens, _ in rendered),
+            "completion_tokens": sum(c.completion_tokens for c in choices),
+        },
+    }
+
+
+async def _forked(model: Model, request: Request, tokens: list[int], echo: str, first_index: int) -> list:
+    """The prompt's choices as coroutines. With several, all but the prompt's last token is prefilled once and
+    each choice forks from it (sharing those pages); the last token runs with each choice's first step."""
+    if not tokens:
+        raise ValueError("the prompt is empty: there is nothing to generate from")
+    base = Context(model)
+    if request.n == 1:
+        return [_ChoiceRun(model, request, first_index, base, echo).run(tokens)]
+    base.append(tokens[:-1])
+    await base.flush()
+    runs = [_ChoiceRun(model, request, first_index + i, base.fork(), echo).run(tokens[-1:]) for i in range(request.n)]
+    base.release()
+    return runs

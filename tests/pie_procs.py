@@ -1,0 +1,71 @@
+"""`pie start` / `pie stop` as a user runs them, on the test session's Ray cluster, for the modules that test a
+started cluster over HTTP (each module starts its own, one at a time, and stops it at its end)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+PIE = [sys.executable, "-m", "pie_cluster.cli"]
+
+
+def free_port() -> int:
+    """A free port in 20000-29999: above Ray's worker ports (10002-19999) and below the ephemeral range Ray's own
+    processes keep binding (a port taken from there can be gone again by the time Serve binds it)."""
+    for port in random.Random().sample(range(20000, 30000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999")
+
+
+def started_pie(ray_cluster, home: Path, extra_config: str = "") -> Iterator[dict]:
+    """Start the services with two users (tokens ``tok-alice``, ``tok-bob``) and the tiny model as "default";
+    yields the base URL, the environment and the home directory, and stops them afterwards."""
+    port = free_port()
+    config = home / "config.toml"
+    config.write_text(
+        textwrap.dedent(f"""
+        [server]
+        port = {port}
+        [auth]
+        tokens = {{ "tok-alice" = "alice", "tok-bob" = "bob" }}
+        [[model]]
+        pages = 256
+        cpus_per_rank = 1
+        max_batch_tokens = 512
+        """)
+        + textwrap.dedent(extra_config)
+    )
+    env = {**os.environ, "PIE_HOME": str(home), "RAY_ADDRESS": ray_cluster.address}
+    started = subprocess.run(
+        [*PIE, "start", "--config", str(config), "--address", ray_cluster.address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert started.returncode == 0, started.stderr
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:  # Serve's proxy comes up a moment after the app is deployed
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    yield {"url": url, "env": env, "home": home}
+    stopped = subprocess.run([*PIE, "stop", "--address", ray_cluster.address], env=env, capture_output=True, text=True)
+    assert stopped.returncode == 0, stopped.stderr
