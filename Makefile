@@ -53,6 +53,8 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed $(VLLM_PEER)/.installed
 	$(PY) bench/forward.py
 	$(PY) bench/tax.py
+	$(PY) bench/openai_api.py
+	$(PY) bench/agents.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

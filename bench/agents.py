@@ -32,20 +32,15 @@ import httpx
 import openai
 import ray
 import vllm_peer
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
-from pie_cluster.controller import LAUNCHER, start_controller
-from pie_cluster.http_app import serve_http, stop_http
+from local_pie import local_pie
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.local_ray import NAMESPACE
-from pie_cluster.programs import Program
 from pie_workers.tiny_model import default_model_path
 from report import add_out_option, out_dir, write_markdown
 from rich.console import Console
 from rich.table import Table
 
-from cluster import wait_healthy
-
 MODEL = "default"
+SYSTEMS = ("inferlets", "openai", "vllm")
 SYSTEM = "You are a research agent. Think, then call a tool, then read its observation."
 ROLE = "You are agent {role} of a pipeline. Add to the text you are given."
 OBSERVATION = (
@@ -202,41 +197,21 @@ def timed(work) -> float:
 
 def measure_pie(args, console: Console) -> dict:
     """(a) and (b) on one cluster of this machine; returns {(workload, k, system): seconds}."""
-    ray.init(
-        num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
-    )
-    controller = None
     results: dict = {}
-    try:
-        entry = ModelConfigEntry(pages=args.pages, cpus_per_rank=2, max_batch_tokens=2048)
-        config = PieConfig(auth=AuthConfig(enabled=False), model=[entry])
-        controller = start_controller(config, detached=False)
-        url = serve_http(config.auth, NAMESPACE, config.server.model_copy(update={"port": vllm_peer.free_port()}))
-        wait_healthy(url)
-        launcher = ray.get_actor(LAUNCHER)
-        program = Program.from_upload("agent.py", AGENT_PROGRAM.encode())
-        uploaded = ray.get(launcher.upload.remote("bench", "agent.py", AGENT_PROGRAM.encode()))["program"]
-        assert uploaded == program.id
+    with local_pie(pages=args.pages) as pie:
+        program = ray.get(pie.launcher.upload.remote("bench", "agent.py", AGENT_PROGRAM.encode()))["program"]
         for n, workload in enumerate(args.workloads):  # warm-up: compile, connect, fill caches
-            asyncio.run(run_inferlets(launcher, uploaded, inferlet_inputs(workload, 2, args, f"warm{n}")))
-            asyncio.run(run_clients(f"{url}/v1", workload, 2, args))
+            asyncio.run(run_inferlets(pie.launcher, program, inferlet_inputs(workload, 2, args, f"warm{n}")))
+            asyncio.run(run_clients(f"{pie.url}/v1", workload, 2, args))
         for workload in args.workloads:
             for k in args.ks:
                 if "inferlets" in args.systems:
                     inputs = inferlet_inputs(workload, k, args, f"{workload}{k}")
-                    results[workload, k, "inferlets"] = timed(run_inferlets(launcher, uploaded, inputs))
+                    results[workload, k, "inferlets"] = timed(run_inferlets(pie.launcher, program, inputs))
                 if "openai" in args.systems:
-                    results[workload, k, "openai"] = timed(run_clients(f"{url}/v1", workload, k, args))
-                console.log(
-                    f"{workload} K={k}: "
-                    + ", ".join(f"{s} {results.get((workload, k, s), 0):.1f} s" for s in ("inferlets", "openai"))
-                )
-    finally:
-        if controller is not None:
-            stop_http()
-            ray.get(controller.shutdown.remote())
-            ray.kill(controller)
-        ray.shutdown()
+                    results[workload, k, "openai"] = timed(run_clients(f"{pie.url}/v1", workload, k, args))
+                measured = [f"{s} {results[workload, k, s]:.1f} s" for s in SYSTEMS if (workload, k, s) in results]
+                console.log(f"{workload} K={k}: " + ", ".join(measured))
     return results
 
 
@@ -281,7 +256,7 @@ def main() -> None:
 
 
 def report(args, results: dict, skipped: str | None, console: Console) -> None:
-    systems = [s for s in ("inferlets", "openai", "vllm") if any(key[2] == s for key in results)]
+    systems = [s for s in SYSTEMS if any(key[2] == s for key in results)]
     title = (
         f"Agents: {args.turns} turns x {args.tokens} tokens, tool delay {args.tool_delay} s, swarm of {args.roles} "
         f"roles; wall seconds (turns/s); speedup of inferlets"
@@ -328,6 +303,7 @@ def plot(args, results: dict, systems: list[str]) -> None:
             ks = [k for k in args.ks if (workload, k, system) in results]
             ax.plot(ks, [results[workload, k, system] for k in ks], marker="o", label=labels[system])
         ax.set_xscale("log", base=2)
+        ax.set_xticks(args.ks, [str(k) for k in args.ks])
         ax.set_xlabel("agents (ReAct) / pipelines (swarm)")
         ax.set_ylabel("wall seconds")
         ax.set_title(f"{workload}: {args.turns} turns x {args.tokens} tokens")

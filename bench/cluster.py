@@ -35,7 +35,6 @@ import io
 import json
 import logging
 import os
-import socket
 import statistics
 import tempfile
 import textwrap
@@ -44,9 +43,9 @@ import zipfile
 import zlib
 from pathlib import Path
 
-import httpx
 import psutil
 import ray
+from local_pie import wait_healthy
 from pie_cluster.bus import find_bus
 from pie_cluster.client import PieClient
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
@@ -57,6 +56,7 @@ from pie_cluster.local_ray import NAMESPACE
 from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table
+from vllm_peer import free_port
 
 GOAL_LAUNCH_MS = 20.0
 GOAL_BUS_RATE = 20_000
@@ -411,24 +411,6 @@ def bus_bench(launcher, nodes: list[str], args, console: Console) -> tuple[dict,
 
 
 # -- the cluster -------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:  # Serve's proxy comes up a moment after the app is deployed
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"the HTTP endpoint at {url} did not come up within {timeout:g} s")
 
 
 def mark(ok: bool) -> str:

@@ -3,6 +3,7 @@ started cluster over HTTP (each module starts its own, one at a time, and stops 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -69,3 +70,10 @@ def started_pie(ray_cluster, home: Path, extra_config: str = "") -> Iterator[dic
     yield {"url": url, "env": env, "home": home}
     stopped = subprocess.run([*PIE, "stop", "--address", ray_cluster.address], env=env, capture_output=True, text=True)
     assert stopped.returncode == 0, stopped.stderr
+
+
+def engine_status(pie: dict) -> dict:
+    """`pie status --json` of the started cluster."""
+    got = subprocess.run([*PIE, "status", "--json"], env=pie["env"], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    return json.loads(got.stdout)

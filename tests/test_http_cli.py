@@ -17,7 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from pie_cluster.client import PieClient, PieClientError
 from pie_cluster.launch_request import LaunchRequest
-from pie_procs import PIE, started_pie
+from pie_procs import PIE, engine_status, started_pie
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,12 +43,6 @@ def pie_cli(pie, *args, token="tok-alice", timeout=180) -> subprocess.CompletedP
     return subprocess.run(
         [*PIE, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
     )
-
-
-def engine_status(pie) -> dict:
-    got = subprocess.run([*PIE, "status", "--json"], env=pie["env"], capture_output=True, text=True, timeout=120)
-    assert got.returncode == 0, got.stderr
-    return json.loads(got.stdout)
 
 
 def test_auth_health_metrics_and_openapi(pie):

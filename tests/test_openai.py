@@ -14,6 +14,7 @@ import json
 import math
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,7 @@ import openai
 import pytest
 from pie_cluster.client import PieClient
 from pie_cluster.launch_request import LaunchRequest
-from pie_procs import PIE, started_pie
+from pie_procs import PIE, engine_status, started_pie
 
 MODEL = "default"
 ROOT = Path(__file__).resolve().parent.parent
@@ -320,3 +321,23 @@ def test_a_request_can_name_an_uploaded_program_that_serves_it(pie, api):
     assert got.usage.completion_tokens == 4 * 8
     streamed = "".join(c.choices[0].delta.content or "" for c in chat(api, stream=True, **kw) if c.choices)
     assert streamed == got.choices[0].message.content
+
+
+def test_a_client_that_goes_away_aborts_its_request_and_frees_its_pages(pie):
+    """A streamed request asking for thousands of tokens, dropped after its first chunks: its inferlet is aborted,
+    and the replica holds no context or page of it afterwards."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on forever."}], "max_tokens": 100000}
+    body |= {"stream": True, "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": "Bearer tok-bob"}
+    with httpx.stream("POST", f"{pie['url']}/v1/chat/completions", json=body, headers=headers, timeout=60) as got:
+        lines = got.iter_lines()
+        assert [next(lines) for _ in range(6)]  # the first chunks arrived: it is generating
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        (instance,) = httpx.get(f"{pie['url']}/v1/instances", headers=headers).json()
+        if instance["status"] != "running":
+            break
+        time.sleep(0.5)
+    assert instance["status"] == "failed"
+    (replica,) = engine_status(pie)["replicas"]
+    assert replica["contexts"] == 0 and replica["pages_used"] == 0

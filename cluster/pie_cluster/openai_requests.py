@@ -239,6 +239,8 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _choices_bounded(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's log-probabilities are not computed)")
         prompts = len(self.prompt) if isinstance(self.prompt, list) else 1
         if prompts * self.n > MAX_CHOICES:
             raise ValueError(f"{prompts} prompts x n={self.n} is over the {MAX_CHOICES} choices a request may ask")

@@ -1,0 +1,58 @@
+"""A Pie cluster on this machine for the benchmarks that measure it from the outside (over HTTP, as users do): one
+local Ray node, one replica of the embedded tiny model (or the model directory given), the HTTP endpoint without
+auth. ``with local_pie(...) as pie:`` gives its base URL and the launcher actor, and tears everything down after."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import ray
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
+from pie_cluster.controller import LAUNCHER, start_controller
+from pie_cluster.http_app import serve_http, stop_http
+from pie_cluster.local_ray import NAMESPACE
+from vllm_peer import free_port
+
+
+@dataclass
+class LocalPie:
+    url: str  # e.g. http://127.0.0.1:PORT; the OpenAI routes are under /v1
+    launcher: object  # the launcher actor, for launching and following inferlets without HTTP
+
+
+@contextlib.contextmanager
+def local_pie(pages: int = 4096, cpus_per_rank: int = 2, max_batch_tokens: int = 2048) -> Iterator[LocalPie]:
+    ray.init(
+        num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
+    )
+    controller = None
+    try:
+        entry = ModelConfigEntry(pages=pages, cpus_per_rank=cpus_per_rank, max_batch_tokens=max_batch_tokens)
+        config = PieConfig(auth=AuthConfig(enabled=False), model=[entry])
+        controller = start_controller(config, detached=False)
+        url = serve_http(config.auth, NAMESPACE, config.server.model_copy(update={"port": free_port()}))
+        wait_healthy(url)
+        yield LocalPie(url, ray.get_actor(LAUNCHER))
+    finally:
+        if controller is not None:
+            stop_http()
+            ray.get(controller.shutdown.remote())
+            ray.kill(controller)
+        ray.shutdown()
+
+
+def wait_healthy(url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # Serve's proxy comes up a moment after the app is deployed
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"the HTTP endpoint at {url} did not come up within {timeout:g} s")
