@@ -133,6 +133,10 @@ def test_launches_past_the_limits_wait_then_are_refused_with_429(started, tmp_pa
     refused = launch()
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
     assert refused.json() == {"detail": "user 'local' already has 1 launches waiting (the limit)"}
+    chat = {"model": "victim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    overloaded = httpx.post(f"{url}/v1/chat/completions", json=chat)  # an OpenAI request is a launch like any
+    assert overloaded.status_code == 429 and int(overloaded.headers["Retry-After"]) >= 1
+    assert overloaded.json()["error"]["type"] == "rate_limit_error"
     path = tmp_path / "p.py"
     path.write_text("async def main(input):\n    return 1\n")
     cli = pie({**started["env"], "PIE_URL": url}, "submit", str(path))
