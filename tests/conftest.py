@@ -73,8 +73,8 @@ def ray_session(ray_cluster):
     return ray
 
 
-@pytest.fixture(scope="session")
-def served(ray_session, tiny_llama):
+@pytest.fixture(scope="session", params=["torch", "vllm"])
+def served(ray_session, tiny_llama, request):
     """One replica of the tiny Llama with its engine running, served under the model name "default"."""
     from pie_cluster.host import endpoints_for
     from pie_workers.engine.scheduler import BatchLimits
@@ -82,6 +82,7 @@ def served(ray_session, tiny_llama):
     from pie_workers.runner import RunnerSettings
     from sdk_host import Served
 
-    replica = Replica(tiny_llama, 1, RunnerSettings(num_pages=512), cpus_per_rank=2, engine=BatchLimits())
+    settings = RunnerSettings(num_pages=512, backend=request.param)
+    replica = Replica(tiny_llama, 1, settings, cpus_per_rank=2, engine=BatchLimits())
     yield Served(replica, endpoints_for("default", replica))
     replica.shutdown()

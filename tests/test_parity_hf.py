@@ -1,4 +1,5 @@
-"""The paged runner gives Hugging Face transformers' answers on the same weights.
+"""The paged runner gives Hugging Face transformers' answers on the same weights, with either attention backend
+(``torch``: our SDPA over gathered pages; ``vllm``: vLLM's CPU paged-attention kernels over its own cache layout).
 
 Covers the two embedded architectures (Llama with GQA; Qwen3 with q/k norm, tied embeddings, explicit head_dim) and
 HF-initialised Mistral (sliding window) and Qwen2 (q/k/v biases) checkpoints, which also exercises the loader on
@@ -63,8 +64,13 @@ def model_dir(request, tmp_path):
     return build_hf_family(tmp_path, request.param)
 
 
-def test_prefill_and_decode_logits_match_hf(model_dir):
-    runner = ModelRunner(model_dir, RunnerSettings(num_pages=PAGES))
+@pytest.fixture(params=["torch", "vllm"])
+def backend(request) -> str:
+    return request.param
+
+
+def test_prefill_and_decode_logits_match_hf(model_dir, backend):
+    runner = ModelRunner(model_dir, RunnerSettings(num_pages=PAGES, backend=backend))
     ref = hf_model(model_dir)
     rng = random.Random(0)
     tokens = [rng.randrange(runner.cfg.vocab_size) for _ in range(40)]
@@ -87,8 +93,8 @@ def test_prefill_and_decode_logits_match_hf(model_dir):
     assert sorted(seq.pages) != seq.pages, "pages should be scattered across the pool"
 
 
-def test_greedy_tokens_match_hf_generate(model_dir):
-    runner = ModelRunner(model_dir, RunnerSettings(num_pages=PAGES))
+def test_greedy_tokens_match_hf_generate(model_dir, backend):
+    runner = ModelRunner(model_dir, RunnerSettings(num_pages=PAGES, backend=backend))
     ref = hf_model(model_dir)
     prompt = [random.Random(1).randrange(runner.cfg.vocab_size) for _ in range(21)]
     got = greedy_generate(runner, prompt, 32, PageAllocator(PAGES, seed=5))
@@ -99,8 +105,8 @@ def test_greedy_tokens_match_hf_generate(model_dir):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_mixed_batch_equals_each_request_alone(arch, request):
-    runner = ModelRunner(request.getfixturevalue(f"tiny_{arch}"), RunnerSettings(num_pages=256))
+def test_mixed_batch_equals_each_request_alone(arch, backend, request):
+    runner = ModelRunner(request.getfixturevalue(f"tiny_{arch}"), RunnerSettings(num_pages=256, backend=backend))
     rng = random.Random(2)
     prompts = [[rng.randrange(runner.cfg.vocab_size) for _ in range(n)] for n in (1, 3, 7, 16, 17, 33, 50, 64)]
     alone = [greedy_generate(runner, p, 12, PageAllocator(256, seed=i)) for i, p in enumerate(prompts)]

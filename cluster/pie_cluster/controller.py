@@ -172,7 +172,7 @@ class Controller:
         return Replica(
             _model_source(entry),
             entry.tensor_parallel,
-            RunnerSettings(num_pages=entry.pages, page_size=entry.page_size),
+            RunnerSettings(num_pages=entry.pages, page_size=entry.page_size, backend=entry.backend),
             entry.cpus_per_rank,
             model.use_gpu,
             BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests),

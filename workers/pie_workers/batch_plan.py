@@ -85,6 +85,21 @@ class HostMoves:
 
 
 @dataclass
+class PagedRequests:
+    """Each request of the batch as a paged-attention kernel takes it (vLLM's layout of a ragged batch): its rows
+    are ``query_start[r]:query_start[r + 1]`` of the batch, it attends ``seq_lens[r]`` slots through the pages of
+    ``block_table[r]``, causally by slot. ``masked_rows``: token indices of requests with a custom attention mask,
+    which the kernel cannot express (None: there are none)."""
+
+    query_start: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R] int32
+    block_table: torch.Tensor  # [R, max pages] int32 (padding -> 0)
+    masked_rows: torch.Tensor | None
+    has_empty_request: bool  # a request with no rows (the kernel wants at least one)
+    kernel_metadata: torch.Tensor | None = None  # the kernel's work split, computed once per batch by the pool
+
+
+@dataclass
 class BatchPlan:
     """Everything every tensor-parallel rank needs to run the forward (broadcast from the leader)."""
 
@@ -99,6 +114,7 @@ class BatchPlan:
     every_row_has_logits: bool = False  # logit_rows == arange(T): decode batches skip the row gather
     max_position: int = 0  # largest RoPE position in the batch (sizes the rotary table without a device sync)
     lora_groups: list[LoraGroup] = field(default_factory=list)  # empty: no request uses an adapter
+    paged: PagedRequests | None = None  # when the KV pool's kernels ask for it (plan_batch's paged_requests)
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +137,7 @@ class BatchPlan:
                 LoraGroup(adapter=g.adapter, zo_seed=g.zo_seed, rows=None if g.rows is None else move(g.rows))
                 for g in self.lora_groups
             ],
+            paged=self.paged,  # read by CPU kernels only, so it stays in host memory
         )
 
 
@@ -161,9 +178,11 @@ def plan_batch(
     vocab: int,
     adapters: Collection[int] = (),
     host_pages: int = 0,
+    paged_requests: bool = False,
 ) -> PlannedBatch:
     """``adapters``: the ids of the LoRA adapters the runner holds (requests naming another are rejected);
-    ``host_pages``: the size of its host buffer. Raises ``BatchError`` for malformed page copies or host moves."""
+    ``host_pages``: the size of its host buffer; ``paged_requests``: also describe each request for a paged-
+    attention kernel (``BatchPlan.paged``). Raises ``BatchError`` for malformed page copies or host moves."""
     checked = check_batch(batch, page_size, num_pages, vocab, adapters, host_pages)
     flat, requests = checked.flat, checked.requests
     layout = _Layout(
@@ -201,8 +220,29 @@ def plan_batch(
         every_row_has_logits=logit_rows == list(range(flat.token_ids.size)),
         max_position=int(flat.positions.max()) if flat.positions.size else 0,
         lora_groups=_lora_groups(requests, layout),
+        paged=_paged_requests(requests, layout) if paged_requests else None,
     )
     return PlannedBatch(plan=plan, sampling=sampling, errors=checked.errors)
+
+
+def _paged_requests(requests: list[ForwardRequest], layout: _Layout) -> PagedRequests:
+    flat = layout.flat
+    width = int(flat.num_pages.max()) if flat.num_pages.size else 0
+    column = np.arange(width)[None, :]
+    real_page = column < flat.num_pages[:, None]
+    block_table = np.where(real_page, flat.page_ids[np.where(real_page, layout.first_page[:, None] + column, 0)], 0)
+    masked = [k for k, req in enumerate(requests) if req.attention_masks is not None]
+    masked_rows = None
+    if masked:
+        rows = [np.arange(layout.first_token[k], layout.first_token[k] + flat.num_rows[k]) for k in masked]
+        masked_rows = torch.from_numpy(np.concatenate(rows))
+    return PagedRequests(
+        query_start=torch.from_numpy(np.concatenate([[0], np.cumsum(flat.num_rows)]).astype(np.int32)),
+        seq_lens=torch.from_numpy(layout.kv_total.astype(np.int32)),
+        block_table=torch.from_numpy(block_table.astype(np.int32)),
+        masked_rows=masked_rows,
+        has_empty_request=bool(flat.num_rows.size and flat.num_rows.min() == 0),
+    )
 
 
 def _next_power_of_two(x: np.ndarray) -> np.ndarray:

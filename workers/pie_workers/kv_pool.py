@@ -11,7 +11,9 @@ import os
 
 import torch
 
+from pie_workers.batch_plan import BatchPlan
 from pie_workers.config import ModelConfig
+from pie_workers.layers.attention import paged_attention
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, local_kv_heads: int, dtype: torch.dtype) -> int:
@@ -32,6 +34,12 @@ def pages_for_memory_fraction(fraction: float, bytes_per_page: int, device: torc
 
 
 class KVPool:
+    """The ``torch`` backend's pool: ``[layers, pages, page_size, kv_heads, head_dim]`` for K and for V, attended
+    by gathering whole pages (``layers.attention``). Any backend's pool has these methods; the model calls only
+    ``write`` and ``attend``, the runner the page moves."""
+
+    needs_paged_requests = False
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -60,6 +68,9 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].flatten(0, 1).index_copy_(0, slots, k)
         self.v[layer].flatten(0, 1).index_copy_(0, slots, v)
+
+    def attend(self, layer: int, q: torch.Tensor, plan: BatchPlan, window: int | None, scale: float) -> torch.Tensor:
+        return paged_attention(q, self.k[layer], self.v[layer], plan, window, scale)
 
     def move_to_host(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
         if pages.numel():

@@ -24,6 +24,7 @@ from pie_workers.layers.lora import ModuleWeights
 from pie_workers.loader import CheckpointReader
 from pie_workers.models.llama import LlamaModel
 from pie_workers.parallel import TensorParallel
+from pie_workers.vllm_kv_pool import VllmCpuKVPool, kernel_variant
 from pie_workers.wire.batch import ForwardBatch, RequestOutput, Slot, SlotOutput
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,16 @@ class RunnerSettings:
     device: str | None = None  # default: cuda if available
     adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
     host_pages: int | None = None  # host-memory pages for suspended contexts' KV; default: as many as the pool
+    backend: str = "torch"  # "torch": our attention over gathered pages; "vllm": vLLM's paged-attention kernels
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.backend == "vllm":
+            kernel_variant(self.page_size)  # refuses a page size its kernels cannot take
+
+
+BACKENDS = ("torch", "vllm")
 
 
 def _resolve_device_dtype(settings: RunnerSettings) -> tuple[torch.device, torch.dtype]:
@@ -78,7 +89,8 @@ class ModelRunner:
             num_pages = pages_for_memory_fraction(settings.memory_fraction, per_page, self.device)
             num_pages = tp.broadcast_object(num_pages)  # every rank must agree on the pool size
         host_pages = num_pages if settings.host_pages is None else settings.host_pages
-        self.kv = KVPool(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
+        pool = VllmCpuKVPool if settings.backend == "vllm" else KVPool
+        self.kv = pool(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
 
     @property
@@ -93,7 +105,10 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
         """Leader only. Malformed requests come back with ``error`` set; the others run normally."""
         kv = self.kv
-        planned = plan_batch(batch, kv.page_size, kv.num_pages, self.cfg.vocab_size, self.adapters.ids(), kv.host_pages)
+        planned = plan_batch(
+            batch, kv.page_size, kv.num_pages, self.cfg.vocab_size, self.adapters.ids(), kv.host_pages,
+            paged_requests=kv.needs_paged_requests,
+        )  # fmt: skip
         outputs = [RequestOutput() for _ in batch.requests]
         for i, msg in planned.errors.items():
             outputs[i].error = msg

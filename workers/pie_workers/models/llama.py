@@ -13,7 +13,6 @@ from tqdm import tqdm
 from pie_workers.batch_plan import BatchPlan
 from pie_workers.config import ModelConfig
 from pie_workers.kv_pool import KVPool
-from pie_workers.layers.attention import paged_attention
 from pie_workers.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -66,7 +65,7 @@ class DecoderLayer(torch.nn.Module):
             k = apply_rotary(self.k_norm(qkv[:, n_q * d : (n_q + n_kv) * d].view(T, n_kv, d)), cos, sin)
         v = qkv[:, (n_q + n_kv) * d :].view(T, n_kv, d)
         kv.write(self.index, plan.write_slots, k, v)
-        attn = paged_attention(q, kv.k[self.index], kv.v[self.index], plan, self.window, self.scale)
+        attn = kv.attend(self.index, q, plan, self.window, self.scale)
         h = h + self.o_proj(attn, site("o_proj"))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h), site("gate_up_proj")).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up, site("down_proj"))
