@@ -12,7 +12,6 @@ from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
 
 
-
 class ReplicaAsRunner:
     """Lets the sequence helpers drive a Ray replica exactly like an in-process runner."""
 
