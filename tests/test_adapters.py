@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from conftest import each_backend
 from inferlet import Adapter, Context, Logits, Model, Sampler
 from paged import LOGITS, PageAllocator, Seq, request_for
 from peft import LoraConfig as PeftLoraConfig
@@ -26,6 +27,8 @@ from pie_workers.peft_format import default_root, read_adapter, user_path, write
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
 from transformers import AutoModelForCausalLM
+
+served = each_backend()  # every test here runs on the torch and the vllm backend
 
 PAGES = 128
 

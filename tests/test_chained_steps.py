@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from conftest import each_backend
 from inferlet import Context, Model, Sampler
+
+served = each_backend()  # every test here runs on the torch and the vllm backend
 
 PROMPT = "Count the rivers: one blue, two blue, three"
 

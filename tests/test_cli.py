@@ -52,6 +52,13 @@ def test_pie_run_prints_the_return_value_and_fails_clearly(tmp_path):
     ok = pie("run", "examples/text_completion.py", "--pages", "256", "--", "--max-tokens", "5")
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip(), "the reply is printed"
+    on_vllm = pie(
+        "run", "--backend", "vllm", "examples/text_completion.py", "--pages", "256", "--", "--max-tokens", "5"
+    )
+    assert on_vllm.returncode == 0, on_vllm.stderr
+    assert on_vllm.stdout == ok.stdout  # greedy: vLLM's kernels give the same reply
+    unknown = pie("run", "--backend", "tensorrt", "examples/text_completion.py")
+    assert unknown.returncode == 2 and "unknown backend 'tensorrt'" in unknown.stdout + unknown.stderr
 
     bad = tmp_path / "bad.py"
     bad.write_text("async def main(input):\n    raise ValueError('the input needs a --question')\n")

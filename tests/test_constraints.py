@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import jsonschema
 import numpy as np
 import pytest
+from conftest import each_backend
 from hypothesis import given
 from hypothesis import strategies as st
 from inferlet import (
@@ -40,6 +41,8 @@ from inferlet.tokenizer import Tokenizer
 from pie_cluster.host import load_program
 from pie_workers.wire import brle
 from test_sdk_chat import StubModel
+
+served = each_backend()  # every test here runs on the torch and the vllm backend
 
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|>: the ChatML template's end-of-turn set
 SEEDS = range(1, 13)

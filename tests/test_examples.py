@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from conftest import each_backend
 from inferlet import Context
 from pie_cluster.host import load_program
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+served = each_backend()  # every test here runs on the torch and the vllm backend
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|>

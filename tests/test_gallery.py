@@ -15,10 +15,13 @@ import re
 import jsonschema
 import pytest
 import torch
+from conftest import each_backend
 from pie_cluster.bus import start_bus
 from pie_cluster.host import run_inferlet
 from test_examples import EXAMPLES, example, hf_greedy_ids, record_forwarded_tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+served = each_backend()  # every test here runs on the torch and the vllm backend
 
 
 @pytest.fixture(scope="module")

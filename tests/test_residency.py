@@ -18,15 +18,18 @@ PAGES = 24
 MEMORY = [100 + i % 50 for i in range(320)]  # a 320-token text
 
 
-@pytest.fixture(scope="module")
-def scarce(ray_session, tiny_llama):
+@pytest.fixture(scope="module", params=["torch", "vllm"])
+def scarce(ray_session, tiny_llama, request):
+    """A replica with too few pages for what the tests run on it, on each backend (suspension moves whole pages
+    in the backend's own layout)."""
     from pie_cluster.host import endpoints_for
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings
     from sdk_host import Served
 
-    replica = Replica(tiny_llama, 1, RunnerSettings(num_pages=PAGES), cpus_per_rank=1, engine=BatchLimits())
+    settings = RunnerSettings(num_pages=PAGES, backend=request.param)
+    replica = Replica(tiny_llama, 1, settings, cpus_per_rank=1, engine=BatchLimits())
     yield Served(replica, endpoints_for("default", replica))
     replica.shutdown()
 

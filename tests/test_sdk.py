@@ -6,9 +6,12 @@ import random
 
 import pytest
 import torch
+from conftest import each_backend
 from inferlet import Context, Logits, Model, Sampler
 from pie_workers.wire.pages import pages_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+served = each_backend()  # every test here runs on the torch and the vllm backend
 
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|>: the ChatML template's end-of-turn set
 

@@ -7,7 +7,10 @@ the matching handle gets the real value."""
 from __future__ import annotations
 
 import pytest
+from conftest import each_backend
 from inferlet import Context, Distribution, Entropy, Logits, Logprob, Logprobs, Model, Sampler
+
+served = each_backend()  # every test here runs on the torch and the vllm backend
 
 VOCAB = 4096
 ACCESSORS = ("token", "tokens_at", "distribution", "logits", "logprobs", "entropy")

@@ -11,8 +11,11 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import each_backend
 from inferlet import Context, Model, Regex, Sampler
 from pie_workers.engine.ngram import NgramDrafter
+
+served = each_backend()  # every test here runs on the torch and the vllm backend
 
 PROMPT = "Count: one two three, one two three, one two three, one two three,"
 DIGITS = "[0-9]{3}-[0-9]{3}-[0-9]{4}"

@@ -4,7 +4,10 @@ asks for a step ahead), whether the loop runs to its end, breaks early, or appen
 
 from __future__ import annotations
 
+from conftest import each_backend
 from inferlet import Context, Model, Sampler
+
+served = each_backend()  # every test here runs on the torch and the vllm backend
 
 PROMPT = "Count the rivers: one blue, two blue, three"
 

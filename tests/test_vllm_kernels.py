@@ -108,7 +108,7 @@ def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_b
     kernel cannot express: its rows take the torch path over vLLM's layout, the others keep the kernel's."""
     from types import SimpleNamespace
 
-    from pie_workers.kv_pool import KVPool
+    from pie_workers.kv_pool import KVPool, PoolShape
     from pie_workers.vllm_kv_pool import VllmCpuKVPool
     from pie_workers.wire import brle
 
@@ -129,8 +129,8 @@ def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_b
     ]
     plan = plan_batch(ForwardBatch(requests), page_size, num_pages, vocab=16, paged_requests=True).plan
     pools = [
-        KVPool(cfg, num_pages, page_size, HEADS_KV, torch.float32, torch.device("cpu")),
-        VllmCpuKVPool(cfg, num_pages, page_size, HEADS_KV, torch.float32, torch.device("cpu")),
+        pool(PoolShape(cfg, num_pages, page_size, HEADS_KV, torch.float32, torch.device("cpu")))
+        for pool in (KVPool, VllmCpuKVPool)
     ]
     assert pools[1].kernel_writes and pools[1].kernel_attends
     scale = HEAD_DIM**-0.5

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from inferlet.mcp import ServerSpec
-from pie_workers.vllm_kv_pool import kernel_variant
+from pie_workers.backends import check_backend
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pie_cluster.admission import AdmissionLimits
@@ -92,8 +92,7 @@ class ModelConfigEntry(_Strict):
 
     @model_validator(mode="after")
     def _backend_takes_the_page_size(self) -> ModelConfigEntry:
-        if self.backend == "vllm":
-            kernel_variant(self.page_size)  # a ValueError naming the page sizes its kernels take
+        check_backend(self.backend, self.page_size)  # a ValueError naming the page sizes its kernels take
         return self
 
 

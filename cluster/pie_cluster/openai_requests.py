@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-import xgrammar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_CHOICES = 16
@@ -270,7 +269,10 @@ def _format_input(response_format: ResponseFormat | None) -> dict | None:
 
 def check_grammars(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse, with 400 naming the field, a JSON schema the grammar compiler cannot build (before a launch)."""
-    for param, schema in request.grammar_checks():
+    checks = request.grammar_checks()
+    if checks:
+        import xgrammar  # only here: it imports torch, which the ingress otherwise never needs
+    for param, schema in checks:
         try:
             xgrammar.Grammar.from_json_schema(json.dumps(schema))
         except Exception as e:  # xgrammar raises RuntimeError (and others) with the compiler's reason

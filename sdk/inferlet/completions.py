@@ -211,7 +211,6 @@ class _ChoiceRun:
         self._text = TextStream(model.tokenizer())
         self._special = model.tokenizer().special_ids
         self._stop = StopText(request.stop)
-        self._pending_logprobs: list[dict] = []
         self._hold_all = request.uses_tools  # a tool call's text is parsed at the end, never streamed as content
         self._tokens: list[int] = []
         if echo:
@@ -244,11 +243,11 @@ class _ChoiceRun:
         """One step's tokens: decode, cut at a stop string, stream; True ends the choice."""
         tokens = out.tokens
         self._tokens += tokens
+        logprobs = []  # a stepped generation (the only kind with logprobs) yields one token per step
         if self.request.logprobs is not None and tokens:
-            self._pending_logprobs.append(self._logprob_entry(tokens[-1], out.sampled_logprobs(out.auto_sampler)))
+            logprobs.append(self._logprob_entry(tokens[-1], out.sampled_logprobs(out.auto_sampler)))
         released, stopped = self._stop.feed(self._text.push(t for t in tokens if t not in self._special))
-        self._release(released, self._pending_logprobs)
-        self._pending_logprobs = []
+        self._release(released, logprobs)
         if stopped:
             self.choice.finish_reason = "stop"
         return stopped

@@ -8,6 +8,7 @@ count or by a fraction of free memory.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,21 @@ def pages_for_memory_fraction(fraction: float, bytes_per_page: int, device: torc
     return max(1, int(free * fraction) // bytes_per_page)
 
 
+@dataclass(frozen=True)
+class PoolShape:
+    """What any backend's pool is built from: the model, how many pages of how many tokens, this rank's KV heads,
+    and ``host_pages``, a buffer in host memory (pinned when the pool is on a GPU) where suspended contexts' pages
+    wait instead of being recomputed."""
+
+    cfg: ModelConfig
+    num_pages: int
+    page_size: int
+    local_kv_heads: int
+    dtype: torch.dtype
+    device: torch.device
+    host_pages: int = 0
+
+
 class KVPool:
     """The ``torch`` backend's pool: ``[layers, pages, page_size, kv_heads, head_dim]`` for K and for V, attended
     by gathering whole pages (``layers.attention``). Any backend's pool has these methods; the model calls only
@@ -40,30 +56,18 @@ class KVPool:
 
     needs_paged_requests = False
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        num_pages: int,
-        page_size: int,
-        local_kv_heads: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        host_pages: int = 0,
-    ):
-        """``host_pages``: a buffer in host memory (pinned when the pool is on a GPU) where suspended contexts'
-        pages wait instead of being recomputed."""
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"KV pool needs >= 1 page of >= 1 token (got {num_pages} x {page_size})")
-        self.num_pages, self.page_size = num_pages, page_size
-        shape = (cfg.num_layers, num_pages, page_size, local_kv_heads, cfg.head_dim)
+    def __init__(self, shape: PoolShape):
+        if shape.num_pages < 1 or shape.page_size < 1:
+            raise ValueError(f"KV pool needs >= 1 page of >= 1 token (got {shape.num_pages} x {shape.page_size})")
+        self.num_pages, self.page_size, self.host_pages = shape.num_pages, shape.page_size, shape.host_pages
+        per_page = (shape.page_size, shape.local_kv_heads, shape.cfg.head_dim)
+        layers, dtype, device = shape.cfg.num_layers, shape.dtype, shape.device
         # zero-filled: padded attention reads stale slots under a mask, and 0 * -inf must never meet a NaN
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.host_pages = host_pages
-        host_shape = (cfg.num_layers, host_pages, page_size, local_kv_heads, cfg.head_dim)
+        self.k = torch.zeros((layers, shape.num_pages, *per_page), dtype=dtype, device=device)
+        self.v = torch.zeros((layers, shape.num_pages, *per_page), dtype=dtype, device=device)
         pin = device.type == "cuda"
-        self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
-        self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.host_k = torch.zeros((layers, shape.host_pages, *per_page), dtype=dtype, pin_memory=pin)
+        self.host_v = torch.zeros((layers, shape.host_pages, *per_page), dtype=dtype, pin_memory=pin)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].flatten(0, 1).index_copy_(0, slots, k)

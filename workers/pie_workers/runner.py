@@ -16,15 +16,16 @@ import torch
 
 from pie_workers import sampling
 from pie_workers.adapters import AdapterStore, LoraAdapter, LoraConfig
+from pie_workers.backends import check_backend
 from pie_workers.batch_checks import BatchError
 from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, plan_batch
 from pie_workers.config import ModelConfig
-from pie_workers.kv_pool import KVPool, page_bytes, pages_for_memory_fraction
+from pie_workers.kv_pool import KVPool, PoolShape, page_bytes, pages_for_memory_fraction
 from pie_workers.layers.lora import ModuleWeights
 from pie_workers.loader import CheckpointReader
 from pie_workers.models.llama import LlamaModel
 from pie_workers.parallel import TensorParallel
-from pie_workers.vllm_kv_pool import VllmCpuKVPool, kernel_variant
+from pie_workers.vllm_kv_pool import VllmCpuKVPool
 from pie_workers.wire.batch import ForwardBatch, RequestOutput, Slot, SlotOutput
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,7 @@ class RunnerSettings:
     backend: str = "torch"  # "torch": our attention over gathered pages; "vllm": vLLM's paged-attention kernels
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.backend == "vllm":
-            kernel_variant(self.page_size)  # refuses a page size its kernels cannot take
-
-
-BACKENDS = ("torch", "vllm")
+        check_backend(self.backend, self.page_size)
 
 
 def _resolve_device_dtype(settings: RunnerSettings) -> tuple[torch.device, torch.dtype]:
@@ -90,7 +85,8 @@ class ModelRunner:
             num_pages = tp.broadcast_object(num_pages)  # every rank must agree on the pool size
         host_pages = num_pages if settings.host_pages is None else settings.host_pages
         pool = VllmCpuKVPool if settings.backend == "vllm" else KVPool
-        self.kv = pool(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
+        shape = PoolShape(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
+        self.kv = pool(shape)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
 
     @property

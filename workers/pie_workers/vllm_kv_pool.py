@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from pie_workers.backends import kernel_variant
 from pie_workers.batch_plan import BatchPlan, PagedRequests
-from pie_workers.config import ModelConfig
+from pie_workers.kv_pool import PoolShape
 from pie_workers.layers.attention import paged_attention
 
 
@@ -28,36 +29,20 @@ def _ops():
     return ops
 
 
-def kernel_variant(page_size: int) -> str:
-    """The kernel's ISA variant for a page size; any other page size is refused with the reason."""
-    if page_size % 32 == 0:
-        return "vec"
-    if page_size == 16:
-        return "vec16"
-    raise ValueError(f"the vllm backend needs page_size 16 or a multiple of 32 (its CPU kernels), got {page_size}")
-
-
 class VllmCpuKVPool:
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        num_pages: int,
-        page_size: int,
-        local_kv_heads: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        host_pages: int = 0,
-    ):
-        if device.type != "cpu":
+    def __init__(self, shape: PoolShape):
+        if shape.device.type != "cpu":
             raise ValueError("the vllm backend's CPU kernels need device cpu (the CUDA path is not built yet)")
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"the vllm backend's CPU kernels take float32 or bfloat16, not {dtype}")
-        self.isa = kernel_variant(page_size)
-        self.num_pages, self.page_size, self.host_pages = num_pages, page_size, host_pages
-        shape = (cfg.num_layers, num_pages, local_kv_heads, 2 * page_size, cfg.head_dim)
-        self.cache = torch.zeros(shape, dtype=dtype)
-        self.host_cache = torch.zeros((cfg.num_layers, host_pages, *shape[2:]), dtype=dtype)
-        self.kernel_writes, self.kernel_attends = _kernel_supports(self.isa, local_kv_heads, cfg.head_dim, dtype)
+        if shape.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the vllm backend's CPU kernels take float32 or bfloat16, not {shape.dtype}")
+        self.isa = kernel_variant(shape.page_size)
+        self.num_pages, self.page_size, self.host_pages = shape.num_pages, shape.page_size, shape.host_pages
+        per_page = (shape.local_kv_heads, 2 * shape.page_size, shape.cfg.head_dim)
+        layers = shape.cfg.num_layers
+        self.cache = torch.zeros((layers, shape.num_pages, *per_page), dtype=shape.dtype)
+        self.host_cache = torch.zeros((layers, shape.host_pages, *per_page), dtype=shape.dtype)
+        heads, head_dim = shape.local_kv_heads, shape.cfg.head_dim
+        self.kernel_writes, self.kernel_attends = _kernel_supports(self.isa, heads, head_dim, shape.dtype)
 
     needs_paged_requests = True  # plan_batch must describe each request (lengths, block table) for the kernel
 

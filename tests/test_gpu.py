@@ -1,0 +1,75 @@
+"""The CUDA path, for the day a GPU is lent (``make gpu-check`` runs these; without a GPU they are skipped, saying
+why). The model code, the KV pool and the runner have CUDA branches that CPU runs never reach: bf16 weights and
+pool, pinned host buffers for suspended pages, NCCL between tensor-parallel ranks.
+
+Tolerance in bf16: its 8-bit mantissa rounds each value to ~0.4% of its size, and two implementations that sum in
+a different order drift by a few of those steps per layer. So the check is on what a user sees — the most likely
+token agrees at nearly every position (greedy decoding may legitimately diverge where two logits are within
+rounding of each other) — and on logits within 0.1 absolute, about 25 bf16 steps of a logit of magnitude 3.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from paged import LOGITS, PageAllocator, Seq, request_for
+from pie_workers.runner import ModelRunner, RunnerSettings
+from pie_workers.wire.batch import ForwardBatch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU path cannot run here"),
+]
+
+
+def test_bf16_logits_agree_with_transformers_on_the_gpu(tiny_llama):
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=64, device="cuda", dtype="bfloat16"))
+    assert runner.kv.k.is_cuda and runner.kv.k.dtype == torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).cuda().eval()
+    tokens = [random.Random(0).randrange(runner.cfg.vocab_size) for _ in range(40)]
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens], device="cuda")).logits[0].float().cpu().numpy()
+    seq = Seq(tokens)
+    out = runner.execute(ForwardBatch([request_for(seq, PageAllocator(64, 3), 16, [(i, LOGITS) for i in range(40)])]))
+    got = np.stack([np.frombuffer(s.logits, dtype=np.float32) for s in out[0].slots])
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.95
+    assert np.abs(got - expected).max() < 0.1
+
+
+def test_suspended_pages_wait_in_pinned_host_memory_and_come_back_intact(tiny_llama):
+    runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=8, device="cuda", host_pages=4))
+    assert runner.kv.host_k.is_pinned() and runner.kv.host_v.is_pinned()
+    runner.kv.k[:, 2].normal_()
+    before = runner.kv.k[:, 2].clone()
+    runner.kv.move_to_host(torch.tensor([2]), torch.tensor([1]))
+    runner.kv.k[:, 2].zero_()
+    runner.kv.move_from_host(torch.tensor([1]), torch.tensor([5]))
+    torch.cuda.synchronize()
+    assert torch.equal(runner.kv.k[:, 5], before)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
+def test_tp2_over_nccl_matches_one_gpu(tiny_llama, ray_session):
+    from paged import greedy_generate
+    from pie_workers.replica import Replica
+    from test_tensor_parallel import ReplicaAsRunner
+
+    settings = RunnerSettings(num_pages=64, device="cuda")
+    single = ModelRunner(tiny_llama, settings)
+    replica = Replica(tiny_llama, tensor_parallel_size=2, settings=settings, use_gpu=True)
+    try:
+        prompt = [random.Random(4).randrange(single.cfg.vocab_size) for _ in range(19)]
+        got = greedy_generate(ReplicaAsRunner(replica), prompt, 16, PageAllocator(64))
+        assert got == greedy_generate(single, prompt, 16, PageAllocator(64))
+    finally:
+        replica.shutdown()
+
+
+def test_the_vllm_backend_refuses_the_gpu_until_its_cuda_path_exists(tiny_llama):
+    with pytest.raises(ValueError, match="CUDA path is not built"):
+        ModelRunner(tiny_llama, RunnerSettings(num_pages=8, device="cuda", backend="vllm"))
