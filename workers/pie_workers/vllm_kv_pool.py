@@ -7,10 +7,11 @@ step, which is where the torch path spends its time at long contexts.
 
 Inside a page, values are stored token-major (``[page_size, head_dim]``) but keys head-dim-major (``[head_dim,
 page_size]``) for both ISA variants on this CPU (``vec16`` for pages of 16 tokens, ``vec`` for multiples of 32);
-``torch_pages`` reads them back in the torch path's layout. Rows the kernel cannot express — a request with a custom
-attention mask, or any layer with a sliding window — take the torch path over those views in the same batch; rows
-of other requests keep the kernel's result. Whole-page operations (fork copies, host offloads) move a page's bytes
-as they are, whatever their order inside it.
+``torch_pages`` reads them back in the torch path's layout as views (its gather copies only the pages it needs).
+Rows the kernel cannot express — a request with a custom attention mask, a layer with a sliding window, a head size
+or dtype the kernels were not compiled for — take the torch path over those views in the same batch; rows of other
+requests keep the kernel's result. Whole-page operations (fork copies, host offloads) move a page's bytes as they
+are, whatever their order inside it.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class VllmCpuKVPool:
         paged = plan.paged
         if not self.kernel_attends or window is not None or paged is None or paged.has_empty_request:
             k_pages, v_pages = self.torch_pages(layer)
-            return paged_attention(q, k_pages.contiguous(), v_pages.contiguous(), plan, window, scale)
+            return paged_attention(q, k_pages, v_pages, plan, window, scale)
         keys, values = self.cache[layer].chunk(2, dim=2)
         out = torch.empty_like(q)
         _ops().cpu_attention_with_kv_cache(
@@ -88,7 +89,7 @@ class VllmCpuKVPool:
         out = out.view(q.shape[0], -1)
         if paged.masked_rows is not None:
             k_pages, v_pages = self.torch_pages(layer)
-            masked = paged_attention(q, k_pages.contiguous(), v_pages.contiguous(), plan, window, scale)
+            masked = paged_attention(q, k_pages, v_pages, plan, window, scale)
             out[paged.masked_rows] = masked[paged.masked_rows]
         return out
 
