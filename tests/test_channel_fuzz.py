@@ -73,26 +73,8 @@ def a_good_inferlet_is_served(path: str) -> None:
             ctx = await asyncio.wait_for(channel.call("create"), 30)
             slots = [[2, SAMPLER]]
             answer = await asyncio.wait_for(
-                channel.call(
-                    "forward",
-                    ctx,
-                    [5, 6, 7],
-                    [0, 1, 2],
-                    slots,
-                    None,
-                    None,
-                    [],
-                    [],
-                    0,
-                    None,
-                    None,
-                    None,
-                    0,
-                    None,
-                    None,
-                    1,
-                    None,
-                ),  # fmt: skip
+                channel.call("forward", ctx, [5, 6, 7], [0, 1, 2], slots, None, None, [], [], 0, None, None, None,
+                             0, None, None, 1, None),  # fmt: skip
                 30,
             )
             assert isinstance(answer[0][0][1], int)
@@ -111,9 +93,7 @@ sessions = st.one_of(st.sampled_from(["fuzz/1/a", "fuzz/2/b", "nobody", "a/b/c/d
 requests = st.tuples(st.integers(0, 2**31), sessions, st.sampled_from(OPS) | values, st.lists(values, max_size=18))
 frames = st.one_of(
     st.lists(requests.map(list), min_size=1, max_size=6).map(msgpack.packb),  # well-formed, wrong contents
-    st.lists(requests.map(list), min_size=1, max_size=3)
-    .map(msgpack.packb)
-    .flatmap(  # cut short
+    st.lists(requests.map(list), min_size=1, max_size=3).map(msgpack.packb).flatmap(  # cut short
         lambda b: st.integers(1, max(1, len(b) - 1)).map(lambda n: b[:n])
     ),
     values.map(msgpack.packb),  # not a list of requests at all
