@@ -173,8 +173,11 @@ WEATHER = {
 
 
 def test_forced_tool_calls_are_parsed_into_tool_calls(api):
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        got = chat(api, "Weather in Paris?", max_tokens=64, temperature=0, tools=[WEATHER], tool_choice=choice)
+    for choice, parallel in (("required", True), ({"type": "function", "function": {"name": "get_weather"}}, False)):
+        got = chat(
+            api, "Weather in Paris?", max_tokens=64, temperature=0, tools=[WEATHER], tool_choice=choice,
+            parallel_tool_calls=parallel,
+        )  # fmt: skip
         message = got.choices[0].message
         assert got.choices[0].finish_reason == "tool_calls" and message.content is None
         (call,) = message.tool_calls
@@ -263,6 +266,16 @@ def test_32_concurrent_async_requests_equal_the_same_requests_alone(pie, api):
             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
             400,
             "presence_penalty",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": True},
+            },
+            400,
+            "stream_options",
         ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 2}}, 400, "logit_bias"),
         (

@@ -579,6 +579,20 @@ def test_tool_decoder_qwen_multiple_and_malformed(qwen3):
     assert decoder.feed(tk.encode('<tool_call>\n{"name": "f"}\n</tool_call>')) == tools.Event.Call("f", "{}")
 
 
+@pytest.mark.parametrize("variant", ["qwen3", "llama3"])
+def test_a_call_written_by_call_text_is_what_the_decoder_reads(qwen3, llama3, variant):
+    """``call_text`` replays an earlier turn's call in the family's syntax: the family's own decoder reads it back,
+    with the arguments whether given as JSON text or as a dict; the ChatML text is the hand-written one above."""
+    model = qwen3 if variant == "qwen3" else llama3
+    for arguments in (CALL_ARGS, json.loads(CALL_ARGS)):
+        text = tools.call_text(model, "get_weather", arguments)
+        assert tools.Decoder(model).feed(model.tokenizer().encode(text)) == tools.Event.Call("get_weather", CALL_ARGS)
+    if variant == "qwen3":
+        assert json.loads(tools.call_text(model, "get_weather", CALL_ARGS).split("\n")[1]) == json.loads(
+            QWEN_CALL.split("\n")[1]
+        )
+
+
 def test_tool_decoder_llama3_format(llama3):
     tk = llama3.tokenizer()
     call = '{"name": "get_weather", "parameters": {"city": "Paris", "note": "é 中文"}}'

@@ -116,7 +116,7 @@ class ResponseFormat(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: Literal[False] = False  # usage per chunk is not built: true is refused
 
 
 class _Sampling(_Strict):
@@ -182,7 +182,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="accepted; the model may write several calls")
+    parallel_tool_calls: bool = Field(True, description="false: at most one tool call per choice (the first)")
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -210,6 +210,7 @@ class ChatCompletionRequest(_Sampling):
             "response_format": _format_input(self.response_format),
             "tools": tools,
             "tool_choice": choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
         }
 
     def grammar_checks(self) -> list[tuple[str, dict]]:

@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pie_cluster.openai_requests import OpenAIError
+
 
 class ReportedCall(BaseModel):
     id: str
@@ -39,6 +41,16 @@ class ReportedUsage(BaseModel):
     completion_tokens: int = Field(0, ge=0)
 
 
+class ReportedPiece(BaseModel):
+    """A streamed piece of one choice (``session.send`` of the serving inferlet)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int = Field(ge=0)
+    text: str = ""
+    logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class Reported(BaseModel):
     """An inferlet's return value as the routes need it; anything else is the inferlet's mistake (502)."""
 
@@ -49,11 +61,13 @@ class Reported(BaseModel):
 
     @staticmethod
     def parse(value: str) -> Reported:
+        """The return event's value; anything else is the serving program's mistake, answered as 502."""
         try:
             return Reported.model_validate_json(value)
         except ValidationError as e:
             first = e.errors()[0]["msg"]
-            raise ValueError(f"the inferlet returned no completion ({e.error_count()} problems: {first})") from None
+            message = f"the inferlet returned no completion ({e.error_count()} problems: {first})"
+            raise OpenAIError(502, message) from None
 
 
 @dataclass
@@ -99,9 +113,14 @@ class Reply:
 
     # -- streams -------------------------------------------------------------------------------------------------
 
-    def piece(self, piece: dict) -> list[str]:
-        """SSE lines for one streamed piece ``{"index", "text", "logprobs"?}``."""
-        index, text, logprobs = int(piece["index"]), str(piece.get("text", "")), piece.get("logprobs") or []
+    def piece(self, message: str) -> list[str]:
+        """SSE lines for one streamed piece ``{"index", "text", "logprobs"?}``; a message that is not one (a program
+        may send others) adds nothing."""
+        try:
+            piece = ReportedPiece.model_validate_json(message)
+        except ValidationError:
+            return []
+        index, text, logprobs = piece.index, piece.text, piece.logprobs
         lines = self._opening(index)
         offset = len(self.streamed_text.get(index, ""))
         self.streamed_text[index] = self.streamed_text.get(index, "") + text

@@ -11,8 +11,8 @@ The routes live in a mixin of the ingress deployment (``PieIngress``), on a rout
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, HTTPException
@@ -75,52 +75,46 @@ class OpenAIRoutes:
         reply = Reply(api, body.model, body.include_usage)
         if body.stream:
             return StreamingResponse(self._streamed(user, instance, reply), media_type="text/event-stream")
-        finished = False
-        try:
-            async for kind, value in self._events(user, instance):
+        async with aclosing(self._events(user, instance)) as events:
+            async for kind, value in events:
                 if kind == "return":
-                    finished = True
-                    return reply.complete(_reported(value))
+                    return reply.complete(Reported.parse(value))
                 if kind == "error":
-                    finished = True
                     raise OpenAIError(_error_status(value), value)
-            raise OpenAIError(500, "the serving inferlet ended without an answer")
-        finally:
-            if not finished:  # the client went away (the handler was cancelled): free what the instance holds
-                self._launcher.abort.remote(user, instance)
+        raise OpenAIError(500, "the serving inferlet ended without an answer")
 
     async def _streamed(self, user: str, instance: str, reply: Reply) -> AsyncIterator[str]:
-        finished = False
-        try:
-            async for kind, value in self._events(user, instance):
+        async with aclosing(self._events(user, instance)) as events:
+            async for kind, value in events:
                 if kind == "message":
-                    for line in reply.piece(json.loads(value)):
+                    for line in reply.piece(value):
                         yield line
                 elif kind == "return":
-                    finished = True
                     try:
-                        lines = reply.ending(_reported(value))
+                        lines = reply.ending(Reported.parse(value))
                     except OpenAIError as e:
                         lines = [error_event(e.message, e.status)]
                     for line in lines:
                         yield line
                 elif kind == "error":
-                    finished = True
                     yield error_event(value, _error_status(value))
-        finally:
-            if not finished:
-                self._launcher.abort.remote(user, instance)
 
     async def _events(self, user: str, instance: str) -> AsyncIterator[tuple[str, str]]:
-        """The instance's events, until its terminal one."""
-        since = 0
-        while True:
-            batch = await self._launcher.events.remote(user, instance, since, 30.0)
-            for _, kind, value in batch["events"]:
-                yield kind, value
-            if batch["done"]:
-                return
-            since = batch["next"]
+        """The instance's events, until its terminal one. Closed before that (the client went away, and the
+        handler or the stream was cancelled), it aborts the instance, which frees everything it holds."""
+        since, ended = 0, False
+        try:
+            while True:
+                batch = await self._launcher.events.remote(user, instance, since, 30.0)
+                ended = batch["done"]
+                for _, kind, value in batch["events"]:
+                    yield kind, value
+                if ended:
+                    return
+                since = batch["next"]
+        finally:
+            if not ended:
+                self._launcher.abort.remote(user, instance)
 
     async def _launch(self, user: str, launch: LaunchRequest, named: bool) -> str:
         try:
@@ -139,10 +133,3 @@ class OpenAIRoutes:
         except (RayTaskError, RayActorError):
             raise OpenAIError(503, "the cluster's models are not reachable; is the cluster running?") from None
         return self._model_names
-
-
-def _reported(value: str) -> Reported:
-    try:
-        return Reported.parse(value)
-    except ValueError as e:
-        raise OpenAIError(502, str(e)) from None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +54,7 @@ class Request:
     response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}
     tools: list[dict] = field(default_factory=list)
     tool_choice: str | dict = "auto"  # "auto", "none", "required" or {"name": ...}
+    parallel_tool_calls: bool = True  # false: a choice reports its first tool call only
 
     @staticmethod
     def from_input(input: dict) -> Request:
@@ -109,7 +109,7 @@ def chat_prompt(model: Model, request: Request) -> list[int]:
             calls = message.get("tool_calls") or []
             for call in calls:
                 call_names[call.get("id", "")] = call["function"]["name"]
-            written = [_call_text(model, c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            written = [tools.call_text(model, c["function"]["name"], c["function"]["arguments"]) for c in calls]
             tokens += instruct.assistant("\n".join([content, *written]) if content else "\n".join(written))
         elif role == "tool":
             name = call_names.get(message.get("tool_call_id", ""), message.get("name") or "tool")
@@ -122,16 +122,6 @@ def _text(content: str | list | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(part.get("text", "") for part in content)
-
-
-def _call_text(model: Model, name: str, arguments: str) -> str:
-    fmt = model.instruct.tool_call_format
-    try:
-        args = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
-        args = arguments
-    call = json.dumps({"name": name, fmt.args_key: args}, ensure_ascii=False)
-    return f"{fmt.open}\n{call}\n{fmt.close}" if fmt.open else call
 
 
 # -- sampling and constraints ------------------------------------------------------------------------------------
@@ -274,7 +264,7 @@ class _ChoiceRun:
             self.choice.tool_calls.append(
                 {"id": f"call_{uuid.uuid4().hex[:24]}", "name": event.name, "arguments": event.args}
             )
-            event = decoder.feed([])
+            event = decoder.feed([]) if self.request.parallel_tool_calls else None
         if self.choice.tool_calls:
             self.choice.text = _without_calls(self.model, self.choice.text)
             self.choice.finish_reason = "tool_calls"

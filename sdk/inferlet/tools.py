@@ -33,6 +33,18 @@ def answer_prefix(model: ModelLike, name: str, value: Any) -> list[int]:
     return model.instruct.answer(name, text)
 
 
+def call_text(model: ModelLike, name: str, arguments: str | dict) -> str:
+    """A call as the model writes it in its family's syntax (to replay an earlier turn's calls); ``arguments`` is
+    JSON text or a dict."""
+    fmt = model.instruct.tool_call_format
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        args = arguments  # not JSON: kept as the text it is
+    call = json.dumps({"name": name, fmt.args_key: args}, ensure_ascii=False)
+    return f"{fmt.open}\n{call}\n{fmt.close}" if fmt.open else call
+
+
 def native_matcher(model: ModelLike, schemas: Iterable[dict | str]) -> Matcher | None:
     """A Matcher for tool calls in the model's native syntax, naming one of ``schemas`` with arguments matching its
     ``parameters``; wrap it in ``GrammarConstraint`` to constrain a Generator.
