@@ -89,12 +89,14 @@ class PagedRequests:
     """Each request of the batch as a paged-attention kernel takes it (vLLM's layout of a ragged batch): its rows
     are ``query_start[r]:query_start[r + 1]`` of the batch, it attends ``seq_lens[r]`` slots through the pages of
     ``block_table[r]``, causally by slot. ``masked_rows``: token indices of requests with a custom attention mask,
-    which the kernel cannot express (None: there are none)."""
+    which the kernel cannot express (None: there are none), and ``masked_buckets`` the attention buckets holding
+    them, which the torch path recomputes."""
 
     query_start: torch.Tensor  # [R + 1] int32
     seq_lens: torch.Tensor  # [R] int32
     block_table: torch.Tensor  # [R, max pages] int32 (padding -> 0)
     masked_rows: torch.Tensor | None
+    masked_buckets: list[int]
     has_empty_request: bool  # a request with no rows (the kernel wants at least one)
     kernel_metadata: torch.Tensor | None = None  # the kernel's work split, computed once per batch by the pool
 
@@ -220,12 +222,12 @@ def plan_batch(
         every_row_has_logits=logit_rows == list(range(flat.token_ids.size)),
         max_position=int(flat.positions.max()) if flat.positions.size else 0,
         lora_groups=_lora_groups(requests, layout),
-        paged=_paged_requests(requests, layout) if paged_requests else None,
+        paged=_paged_requests(requests, layout, bucket_members) if paged_requests else None,
     )
     return PlannedBatch(plan=plan, sampling=sampling, errors=checked.errors)
 
 
-def _paged_requests(requests: list[ForwardRequest], layout: _Layout) -> PagedRequests:
+def _paged_requests(requests: list[ForwardRequest], layout: _Layout, buckets: list[np.ndarray]) -> PagedRequests:
     flat = layout.flat
     width = int(flat.num_pages.max()) if flat.num_pages.size else 0
     column = np.arange(width)[None, :]
@@ -241,6 +243,7 @@ def _paged_requests(requests: list[ForwardRequest], layout: _Layout) -> PagedReq
         seq_lens=torch.from_numpy(layout.kv_total.astype(np.int32)),
         block_table=torch.from_numpy(block_table.astype(np.int32)),
         masked_rows=masked_rows,
+        masked_buckets=[b for b, members in enumerate(buckets) if np.isin(members, masked).any()],
         has_empty_request=bool(flat.num_rows.size and flat.num_rows.min() == 0),
     )
 

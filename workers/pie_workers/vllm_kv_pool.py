@@ -16,6 +16,8 @@ are, whatever their order inside it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pie_workers.backends import kernel_variant
@@ -87,9 +89,10 @@ class VllmCpuKVPool:
             None,
         )
         out = out.view(q.shape[0], -1)
-        if paged.masked_rows is not None:
+        if paged.masked_rows is not None:  # the torch path for the buckets holding masked requests only
             k_pages, v_pages = self.torch_pages(layer)
-            masked = paged_attention(q, k_pages, v_pages, plan, window, scale)
+            buckets = [plan.buckets[b] for b in paged.masked_buckets]
+            masked = paged_attention(q, k_pages, v_pages, dataclasses.replace(plan, buckets=buckets), window, scale)
             out[paged.masked_rows] = masked[paged.masked_rows]
         return out
 
