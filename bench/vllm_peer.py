@@ -63,28 +63,27 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def _peer_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
+    """The peer's environment: without the caller's venv (it must import only its own), its threads pinned to cores
+    0..threads-1 (vLLM's CPU backend takes its thread count only from VLLM_CPU_OMP_THREADS_BIND), offline."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
+    env.update(HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
+    return env
+
+
 @contextmanager
 def openai_server(model_dir: Path, served_name: str, threads: int = 2, max_model_len: int = 1024) -> Iterator[str]:
     """Start vLLM's OpenAI server on `model_dir`, yield its base URL ("http://127.0.0.1:PORT/v1"), stop it on exit.
 
-    float32 to match the project's CPU runs; threads are pinned to cores 0..threads-1 (vLLM's CPU backend takes its
-    thread count only from VLLM_CPU_OMP_THREADS_BIND); prefix caching stays at vLLM's default (on).
+    float32 to match the project's CPU runs; prefix caching stays at vLLM's default (on).
     """
     reason = available()
     if reason:
         raise RuntimeError(reason)
     port = free_port()
     base = f"http://127.0.0.1:{port}/v1"
-    env = dict(os.environ)
-    # The caller's venv must not leak into the peer's interpreter.
-    for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
-        env.pop(name, None)
-    env.update(
-        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-        VLLM_CPU_KVCACHE_SPACE="2",
-        HF_HUB_OFFLINE="1",
-        VLLM_LOGGING_LEVEL="WARNING",
-    )
+    env = _peer_env(threads, kv_cache_gib=2)
     cmd = [
         str(PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", served_name,
@@ -116,9 +115,7 @@ def engine_decode(model_dir: Path, rows: list[dict], threads: int = 2, repeats: 
     if reason:
         raise RuntimeError(reason)
     longest = max(len(p) for row in rows for p in row["prompts"]) + max(row["steps"] for row in rows) + 8
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="4", HF_HUB_OFFLINE="1")
-    env.update(VLLM_LOGGING_LEVEL="WARNING")
+    env = _peer_env(threads, kv_cache_gib=4)
     with tempfile.TemporaryDirectory(prefix="vllm-engine-") as tmp:
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps(dict(model=str(model_dir), max_model_len=longest, rows=rows, repeats=repeats)))
