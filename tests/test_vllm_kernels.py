@@ -4,7 +4,8 @@ The vLLM backend keeps our model code and swaps in these ops (``pie_workers.vllm
 the torch path on what the engine sends: ragged batches mixing prefill, chunked-prefill and decode rows, pages in
 random order, page sizes 16 and 32 (the kernel's "vec16" and "vec" variants on this CPU), and grouped-query heads.
 Both are checked against a float64 reference computed request by request, and the two backends' pools against each
-other on a batch where one request's custom mask sends its rows down the torch path.
+other on a batch where one request's custom mask sends its rows down the torch path. The fused elementwise ops
+(RMSNorm with the residual add, rotary embedding) against the torch layers they replace.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import pytest
 import torch
 import vllm._custom_ops as vllm_ops
 from pie_workers.batch_plan import plan_batch
+from pie_workers.config import RopeConfig
 from pie_workers.layers.attention import paged_attention
+from pie_workers.layers.norm import RMSNorm
+from pie_workers.layers.rope import RotaryEmbedding
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest
 from pie_workers.wire.pages import pages_for
 
@@ -101,17 +105,26 @@ def test_vllm_cpu_paged_attention_equals_ours_on_a_ragged_batch(page_size):
             assert error < 1e-5, f"{name}, request {i} {SHAPES[i]}: max error {error}"
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
-def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_batch(page_size):
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+
+@pytest.mark.parametrize(
+    "device,page_size",
+    [("cpu", 16), ("cpu", 32), pytest.param("cuda", 16, marks=ON_GPU), pytest.param("cuda", 32, marks=ON_GPU)],
+)
+def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_batch(device, page_size):
     """The two backends' pools on the same ragged batch, written through their own ``write`` and read through
-    their own ``attend``: equal within float32 noise. One request carries a custom attention mask, which the
-    kernel cannot express: its rows take the torch path over vLLM's layout, the others keep the kernel's."""
+    their own ``attend``: equal within float32 noise on the CPU, within bf16 rounding (2^-8 of values below 1, a
+    few times over) on a GPU. One request carries a custom attention mask, which the kernels cannot express: its
+    rows take the torch path over the vllm pool's layout, the others keep the kernel's."""
     from types import SimpleNamespace
 
     from pie_workers.kv_pool import KVPool, PoolShape
+    from pie_workers.vllm_cuda_kv_pool import VllmCudaKVPool
     from pie_workers.vllm_kv_pool import VllmCpuKVPool
     from pie_workers.wire import brle
 
+    dtype, tolerance = (torch.float32, 2e-5) if device == "cpu" else (torch.bfloat16, 2e-2)
     rng, gen = random.Random(7 + page_size), torch.Generator().manual_seed(page_size)
     cfg = SimpleNamespace(num_layers=2, head_dim=HEAD_DIM)
     needed = [pages_for(kv + rows, page_size) for kv, rows in SHAPES]
@@ -128,20 +141,20 @@ def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_b
         brle.encode([s % 2 == 0 or s == kv + i for s in range(kv + i + 1)]) for i in range(n)
     ]
     plan = plan_batch(ForwardBatch(requests), page_size, num_pages, vocab=16, paged_requests=True).plan
-    pools = [
-        pool(PoolShape(cfg, num_pages, page_size, HEADS_KV, torch.float32, torch.device("cpu")))
-        for pool in (KVPool, VllmCpuKVPool)
-    ]
-    assert pools[1].kernel_writes and pools[1].kernel_attends
+    plan = plan.to(torch.device(device))
+    shape = PoolShape(cfg, num_pages, page_size, HEADS_KV, dtype, torch.device(device))
+    pools = [KVPool(shape), (VllmCpuKVPool if device == "cpu" else VllmCudaKVPool)(shape)]
+    assert device == "cuda" or (pools[1].kernel_writes and pools[1].kernel_attends)
     scale = HEAD_DIM**-0.5
-    q = torch.randn(plan.num_tokens, HEADS_Q, HEAD_DIM, generator=gen)
+    q = torch.randn(plan.num_tokens, HEADS_Q, HEAD_DIM, generator=gen).to(device, dtype)
     history = {}  # every request's earlier tokens' K/V, written first as earlier batches would have
     for layer in range(cfg.num_layers):
         for r, (kv_len, rows) in enumerate(SHAPES):
-            history[layer, r] = torch.randn(2, kv_len + rows, HEADS_KV, HEAD_DIM, generator=gen)
+            history[layer, r] = torch.randn(2, kv_len + rows, HEADS_KV, HEAD_DIM, generator=gen).to(device, dtype)
         slots = torch.tensor(
             [pages[i // page_size] * page_size + i % page_size
-             for (kv_len, rows), pages in zip(SHAPES, page_lists, strict=True) for i in range(kv_len + rows)]
+             for (kv_len, rows), pages in zip(SHAPES, page_lists, strict=True) for i in range(kv_len + rows)],
+            device=device,
         )  # fmt: skip
         k = torch.cat([history[layer, r][0] for r in range(len(SHAPES))])
         v = torch.cat([history[layer, r][1] for r in range(len(SHAPES))])
@@ -149,14 +162,47 @@ def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_b
         for pool in pools:
             pool.write(layer, slots, k, v)
             outs.append(pool.attend(layer, q, plan, None, scale))
-        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+        torch.testing.assert_close(outs[1], outs[0], atol=tolerance, rtol=0)
     # The masked request's rows follow its mask, not causality: a float64 reference with the mask, on the last layer.
     start = sum(rows for _, rows in SHAPES[:masked])
-    keys, values = (t.double().repeat_interleave(HEADS_Q // HEADS_KV, dim=1) for t in history[layer, masked])
-    scores = torch.einsum("qhd,khd->hqk", q[start : start + n].double(), keys) * scale
+    keys, values = (t.cpu().double().repeat_interleave(HEADS_Q // HEADS_KV, dim=1) for t in history[layer, masked])
+    scores = torch.einsum("qhd,khd->hqk", q[start : start + n].cpu().double(), keys) * scale
     allowed = torch.tensor([[s <= kv + i and (s % 2 == 0 or s == kv + i) for s in range(kv + n)] for i in range(n)])
     expected = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1), values)
-    got = outs[1][start : start + n].view(n, HEADS_Q, HEAD_DIM).double()
-    assert (got - expected).abs().max() < 1e-5
-    causal = reference(q[start : start + n], *history[layer, masked], n, scale)
+    got = outs[1][start : start + n].view(n, HEADS_Q, HEAD_DIM).cpu().double()
+    assert (got - expected).abs().max() < tolerance
+    causal = reference(q[start : start + n].cpu(), *(t.cpu() for t in history[layer, masked]), n, scale)
     assert (got - causal).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, (1e-5, 0)), (torch.bfloat16, (1e-3, 2**-7))])
+def test_vllm_rms_norm_and_fused_residual_add_equal_torchs(dtype, tolerance):
+    """bf16: the two may round an output differently, by one unit in its last place (2^-7 of it)."""
+    atol, rtol = tolerance
+    gen = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(37, 256, generator=gen).to(dtype) for _ in range(2))
+    ours, fused = RMSNorm(256, 1e-6), RMSNorm(256, 1e-6, use_vllm_ops=True)
+    ours.weight.data = fused.weight.data = torch.randn(256, generator=gen).to(dtype)
+    torch.testing.assert_close(fused(x), ours(x), atol=atol, rtol=rtol)
+    heads = x.view(37, 4, 64)[:, 1:3]  # strided, as a q/k norm sees a slice of the fused projection
+    norm64, fused64 = RMSNorm(64, 1e-6).to(dtype), RMSNorm(64, 1e-6, use_vllm_ops=True).to(dtype)
+    torch.testing.assert_close(fused64(heads), norm64(heads), atol=atol, rtol=rtol)
+    expected_normed, expected_sum = ours.add_forward(x, residual)
+    normed, summed = fused.add_forward(x.clone(), residual.clone())
+    torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0)
+    torch.testing.assert_close(normed, expected_normed, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(
+    "rope", [RopeConfig(theta=10000.0), RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0)]
+)
+def test_vllm_rotary_equals_ours_in_place_on_a_slice_of_the_fused_projection(rope):
+    tokens, heads_q, heads_kv, dim = 9, 8, 2, 64
+    qkv = torch.randn(tokens, (heads_q + 2 * heads_kv) * dim)
+    positions = torch.tensor([0, 1, 17, 255, 256, 1023, 1024, 3000, 5])
+    ours, fused = RotaryEmbedding(rope, dim), RotaryEmbedding(rope, dim, use_vllm_ops=True)
+    expected = ours.for_batch(positions, 3000, torch.float32)(qkv[:, : (heads_q + heads_kv) * dim])
+    got_qkv = qkv.clone()
+    got = fused.for_batch(positions, 3000, torch.float32)(got_qkv[:, : (heads_q + heads_kv) * dim])
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+    assert torch.equal(got_qkv[:, (heads_q + heads_kv) * dim :], qkv[:, (heads_q + heads_kv) * dim :])  # v untouched

@@ -7,6 +7,7 @@ length (powers of two) so that padding stays under 2x while there is no per-requ
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -98,7 +99,22 @@ class PagedRequests:
     masked_rows: torch.Tensor | None
     masked_buckets: list[int]
     has_empty_request: bool  # a request with no rows (the kernel wants at least one)
+    max_query_len: int = 0  # the longest request's rows and KV slots, known here without a device sync
+    max_seq_len: int = 0
     kernel_metadata: torch.Tensor | None = None  # the kernel's work split, computed once per batch by the pool
+
+    def to(self, device: torch.device) -> PagedRequests:
+        """On a GPU the kernels read these from device memory; CPU kernels read them where they are."""
+        if device.type == "cpu":
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return dataclasses.replace(
+            self,
+            query_start=move(self.query_start),
+            seq_lens=move(self.seq_lens),
+            block_table=move(self.block_table),
+            masked_rows=move(self.masked_rows),
+        )
 
 
 @dataclass
@@ -139,7 +155,7 @@ class BatchPlan:
                 LoraGroup(adapter=g.adapter, zo_seed=g.zo_seed, rows=None if g.rows is None else move(g.rows))
                 for g in self.lora_groups
             ],
-            paged=self.paged,  # read by CPU kernels only, so it stays in host memory
+            paged=None if self.paged is None else self.paged.to(device),
         )
 
 
@@ -245,6 +261,8 @@ def _paged_requests(requests: list[ForwardRequest], layout: _Layout, buckets: li
         masked_rows=masked_rows,
         masked_buckets=[b for b, members in enumerate(buckets) if np.isin(members, masked).any()],
         has_empty_request=bool(flat.num_rows.size and flat.num_rows.min() == 0),
+        max_query_len=int(flat.num_rows.max()) if flat.num_rows.size else 0,
+        max_seq_len=int(layout.kv_total.max()) if layout.kv_total.size else 0,
     )
 
 

@@ -25,6 +25,7 @@ from pie_workers.layers.lora import ModuleWeights
 from pie_workers.loader import CheckpointReader
 from pie_workers.models.llama import LlamaModel
 from pie_workers.parallel import TensorParallel
+from pie_workers.vllm_cuda_kv_pool import VllmCudaKVPool
 from pie_workers.vllm_kv_pool import VllmCpuKVPool
 from pie_workers.wire.batch import ForwardBatch, RequestOutput, Slot, SlotOutput
 
@@ -73,7 +74,7 @@ class ModelRunner:
             torch.set_default_dtype(self.dtype)
             try:
                 with self.device:
-                    self.model = LlamaModel(self.cfg, tp, reader)
+                    self.model = LlamaModel(self.cfg, tp, reader, use_vllm_ops=settings.backend == "vllm")
             finally:
                 torch.set_default_dtype(default_dtype)
             self.model.load(reader, show_progress and tp.is_leader)
@@ -84,7 +85,9 @@ class ModelRunner:
             num_pages = pages_for_memory_fraction(settings.memory_fraction, per_page, self.device)
             num_pages = tp.broadcast_object(num_pages)  # every rank must agree on the pool size
         host_pages = num_pages if settings.host_pages is None else settings.host_pages
-        pool = VllmCpuKVPool if settings.backend == "vllm" else KVPool
+        pool = (
+            KVPool if settings.backend == "torch" else VllmCudaKVPool if self.device.type == "cuda" else VllmCpuKVPool
+        )
         shape = PoolShape(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
         self.kv = pool(shape)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)

@@ -18,24 +18,6 @@ _USES_TOP_K = {SlotKind.TOP_K, SlotKind.TOP_K_TOP_P}
 _USES_TOP_P = {SlotKind.TOP_P, SlotKind.TOP_K_TOP_P}
 
 
-def check_rows_samplable(logits: torch.Tensor, slots: Sequence[Slot]) -> list[int]:
-    """Indices of token-sampler rows with no finite logit (a mask that excludes every token is refused earlier,
-    by the batch plan, so here it means NaN / +inf logits, which would otherwise sample garbage).
-
-    Tested as "the row's max is not finite": one reduction.
-    """
-    rows = [i for i, slot in enumerate(slots) if slot.kind.is_token]
-    if not rows:
-        return []
-    finite = torch.isfinite(_rows(logits, rows).amax(dim=-1)).tolist()
-    return [i for i, ok in zip(rows, finite, strict=True) if not ok]
-
-
-def _argmax(rows: torch.Tensor) -> list[int]:
-    """Per-row argmax; ``max(-1).indices`` is ~2.5x faster than ``argmax`` on CPU."""
-    return rows.max(dim=-1).indices.tolist()
-
-
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``t[rows]`` for ascending unique ``rows``, without the full-size copy when they are every row."""
     return t if len(rows) == t.shape[0] else t[rows]
@@ -53,8 +35,6 @@ def run_slots(logits: torch.Tensor, slots: Sequence[Slot]) -> list[SlotOutput]:
     if any(not 0 <= t < vocab for s in slots if s.kind is SlotKind.LOGPROBS for t in s.token_ids):
         raise ValueError(f"logprobs label outside the vocab of {vocab}")
     logits = logits.float()
-    if bad := check_rows_samplable(logits, slots):
-        raise ValueError(f"rows {bad} have no finite logit (NaN or infinite model output)")
     out = [SlotOutput() for _ in slots]
     by_kind: dict[str, list[int]] = {"greedy": [], "sampled": [], "reporting": []}
     for i, slot in enumerate(slots):
@@ -63,9 +43,15 @@ def run_slots(logits: torch.Tensor, slots: Sequence[Slot]) -> list[SlotOutput]:
         if slot.report_logprobs >= 0 and slot.kind.is_token:
             by_kind["reporting"].append(i)
 
-    if rows := by_kind["greedy"]:
-        for i, tok in zip(rows, _argmax(_rows(logits, rows)), strict=True):
-            out[i].token = tok
+    # One max over every token row: a row whose max is not finite has NaN / +inf logits and would sample garbage
+    # (a mask excluding every token is refused earlier, by the batch plan); greedy rows take its index.
+    if token_rows := sorted(by_kind["greedy"] + by_kind["sampled"]):
+        maxima = _rows(logits, token_rows).max(dim=-1)  # ~2.5x faster than argmax on a CPU
+        finite, argmax = torch.isfinite(maxima.values).tolist(), maxima.indices.tolist()
+        if bad := [i for i, ok in zip(token_rows, finite, strict=True) if not ok]:
+            raise ValueError(f"rows {bad} have no finite logit (NaN or infinite model output)")
+        for i, token in zip(token_rows, argmax, strict=True):
+            out[i].token = token  # the sampled rows' are replaced below
     if rows := by_kind["sampled"]:
         tokens = _sample(_rows(logits, rows), [slots[i] for i in rows])
         for i, tok in zip(rows, tokens, strict=True):
@@ -116,7 +102,7 @@ def _sample(logits: torch.Tensor, slots: list[Slot]) -> list[int]:
         if s.seed != 0:
             noise[j].exponential_(generator=torch.Generator(device=dev).manual_seed(s.seed))
     # A zero draw would turn a filtered-out token's 0/0 into NaN; the clamp keeps it at 0.
-    return _argmax(probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny))
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).max(dim=-1).indices.tolist()
 
 
 def _rank_filter(probs: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:

@@ -35,7 +35,9 @@ def _ops():
 class VllmCpuKVPool:
     def __init__(self, shape: PoolShape):
         if shape.device.type != "cpu":
-            raise ValueError("the vllm backend's CPU kernels need device cpu (the CUDA path is not built yet)")
+            raise ValueError(
+                f"the vllm backend's CPU pool needs device cpu, not {shape.device} (see vllm_cuda_kv_pool)"
+            )
         if shape.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the vllm backend's CPU kernels take float32 or bfloat16, not {shape.dtype}")
         self.isa = kernel_variant(shape.page_size)

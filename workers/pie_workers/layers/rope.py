@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from pie_workers.config import RopeConfig
+from pie_workers.layers import vllm_ops
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -34,27 +36,48 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 class RotaryEmbedding(torch.nn.Module):
     """Looks cos/sin up in a table that grows (doubling) to the largest position seen, so a decode step costs
-    one gather instead of recomputing trigonometry."""
+    one gather instead of recomputing trigonometry; ``use_vllm_ops`` rotates with vLLM's compiled kernel."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int):
+    def __init__(self, rope: RopeConfig, head_dim: int, use_vllm_ops: bool = False):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
+        self.head_dim, self.use_vllm_ops = head_dim, use_vllm_ops
         self.table: torch.Tensor | None = None  # [positions, 2, head_dim]: cos, sign-folded sin
+        self.cos_sin: torch.Tensor | None = None  # [positions, head_dim]: cos then sin of each frequency (vLLM's)
 
-    def cos_sin(
-        self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin ``[T, 1, head_dim]`` for the given positions (computed in fp32, as HF does).
-
-        The sin table's first half is negated so that ``apply_rotary`` can swap halves without a negation.
-        """
+    def for_batch(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> Rotation:
+        """The rotation of a batch's tokens at ``positions`` (computed in fp32, as HF does, then cast)."""
         if self.table is None or self.table.shape[0] <= max_position or self.table.dtype != dtype:
             size = max(1024, 1 << max_position.bit_length())
             freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
             cos, sin = freqs.cos(), freqs.sin()
+            # the sin table's first half is negated so that apply_rotary can swap halves without a negation
             self.table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1).to(dtype)
+            self.cos_sin = torch.cat((cos, sin), -1).to(dtype)
+        if self.use_vllm_ops:
+            return Rotation(positions, self.head_dim, cos_sin=self.cos_sin)
         rows = self.table.index_select(0, positions)
-        return rows[:, :1], rows[:, 1:]
+        return Rotation(positions, self.head_dim, cos=rows[:, :1], signed_sin=rows[:, 1:])
+
+
+@dataclass
+class Rotation:
+    """One batch's rotary embedding: the torch path's per-token cos/sin rows, or the table vLLM's kernel reads."""
+
+    positions: torch.Tensor  # [T]
+    head_dim: int
+    cos: torch.Tensor | None = None  # [T, 1, head_dim]
+    signed_sin: torch.Tensor | None = None
+    cos_sin: torch.Tensor | None = None  # [positions, head_dim]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[T, heads * head_dim]`` (rows may be strided, e.g. a slice of the fused q/k/v projection);
+        returns it rotated as ``[T, heads, head_dim]`` (vLLM's kernel rotates it in place)."""
+        heads = x.view(x.shape[0], -1, self.head_dim)
+        if self.cos_sin is None:
+            return apply_rotary(heads, self.cos, self.signed_sin)
+        vllm_ops.rotate(self.positions, x, self.head_dim, self.cos_sin)
+        return heads
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
