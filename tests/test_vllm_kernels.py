@@ -109,14 +109,21 @@ ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), rea
 
 
 @pytest.mark.parametrize(
-    "device,page_size",
-    [("cpu", 16), ("cpu", 32), pytest.param("cuda", 16, marks=ON_GPU), pytest.param("cuda", 32, marks=ON_GPU)],
+    "device,page_size,window",
+    [
+        ("cpu", 16, None),
+        ("cpu", 32, None),
+        ("cpu", 16, 24),
+        pytest.param("cuda", 16, None, marks=ON_GPU),
+        pytest.param("cuda", 32, None, marks=ON_GPU),
+    ],
 )
-def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_batch(device, page_size):
+def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_batch(device, page_size, window):
     """The two backends' pools on the same ragged batch, written through their own ``write`` and read through
     their own ``attend``: equal within float32 noise on the CPU, within bf16 rounding (2^-8 of values below 1, a
     few times over) on a GPU. One request carries a custom attention mask, which the kernels cannot express: its
-    rows take the torch path over the vllm pool's layout, the others keep the kernel's."""
+    rows take the torch path over the vllm pool's layout, the others keep the kernel's. With a sliding window (of
+    24 tokens, shorter than most requests' keys) the CPU kernel applies it itself."""
     from types import SimpleNamespace
 
     from pie_workers.kv_pool import KVPool, PoolShape
@@ -161,8 +168,10 @@ def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_b
         outs = []
         for pool in pools:
             pool.write(layer, slots, k, v)
-            outs.append(pool.attend(layer, q, plan, None, scale))
+            outs.append(pool.attend(layer, q, plan, window, scale))
         torch.testing.assert_close(outs[1], outs[0], atol=tolerance, rtol=0)
+    if window is not None:
+        return
     # The masked request's rows follow its mask, not causality: a float64 reference with the mask, on the last layer.
     start = sum(rows for _, rows in SHAPES[:masked])
     keys, values = (t.cpu().double().repeat_interleave(HEADS_Q // HEADS_KV, dim=1) for t in history[layer, masked])

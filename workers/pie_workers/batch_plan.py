@@ -101,7 +101,7 @@ class PagedRequests:
     has_empty_request: bool  # a request with no rows (the kernel wants at least one)
     max_query_len: int = 0  # the longest request's rows and KV slots, known here without a device sync
     max_seq_len: int = 0
-    kernel_metadata: torch.Tensor | None = None  # the kernel's work split, computed once per batch by the pool
+    kernel_metadata: dict[int, torch.Tensor] = field(default_factory=dict)  # the CPU kernel's work split, by window
 
     def to(self, device: torch.device) -> PagedRequests:
         """On a GPU the kernels read these from device memory; CPU kernels read them where they are."""
@@ -114,6 +114,7 @@ class PagedRequests:
             seq_lens=move(self.seq_lens),
             block_table=move(self.block_table),
             masked_rows=move(self.masked_rows),
+            kernel_metadata={},
         )
 
 

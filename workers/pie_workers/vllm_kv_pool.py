@@ -8,9 +8,9 @@ step, which is where the torch path spends its time at long contexts.
 Inside a page, values are stored token-major (``[page_size, head_dim]``) but keys head-dim-major (``[head_dim,
 page_size]``) for both ISA variants on this CPU (``vec16`` for pages of 16 tokens, ``vec`` for multiples of 32);
 ``torch_pages`` reads them back in the torch path's layout as views (its gather copies only the pages it needs).
-Rows the kernel cannot express — a request with a custom attention mask, a layer with a sliding window, a head size
-or dtype the kernels were not compiled for — take the torch path over those views in the same batch; rows of other
-requests keep the kernel's result. Whole-page operations (fork copies, host offloads) move a page's bytes as they
+Rows the kernel cannot express — a request with a custom attention mask, a head size or dtype the kernels were not
+compiled for — take the torch path over those views in the same batch; rows of other requests keep the kernel's
+result. Sliding-window layers stay on the kernel, which takes the window. Whole-page operations (fork copies, host offloads) move a page's bytes as they
 are, whatever their order inside it.
 """
 
@@ -69,7 +69,7 @@ class VllmCpuKVPool:
     def attend(self, layer: int, q: torch.Tensor, plan: BatchPlan, window: int | None, scale: float) -> torch.Tensor:
         """``[T, Hq * D]``: the kernel for every request it can express, the torch path for the rest."""
         paged = plan.paged
-        if not self.kernel_attends or window is not None or paged is None or paged.has_empty_request:
+        if not self.kernel_attends or paged is None or paged.has_empty_request:
             k_pages, v_pages = self.torch_pages(layer)
             return paged_attention(q, k_pages, v_pages, plan, window, scale)
         keys, values = self.cache[layer].chunk(2, dim=2)
@@ -84,10 +84,10 @@ class VllmCpuKVPool:
             scale,
             True,
             None,
-            -1,
+            -1 if window is None else window,
             paged.block_table,
             0.0,
-            self._scheduler_metadata(paged, q),
+            self._scheduler_metadata(paged, q, window),
             None,
         )
         out = out.view(q.shape[0], -1)
@@ -98,15 +98,17 @@ class VllmCpuKVPool:
             out[paged.masked_rows] = masked[paged.masked_rows]
         return out
 
-    def _scheduler_metadata(self, paged: PagedRequests, q: torch.Tensor) -> torch.Tensor:
-        """How the kernel splits this batch over threads: computed on the first layer, kept with the batch."""
-        if paged.kernel_metadata is None:
+    def _scheduler_metadata(self, paged: PagedRequests, q: torch.Tensor, window: int | None) -> torch.Tensor:
+        """How the kernel splits this batch over threads: computed on the first layer with this sliding window (or
+        none), kept with the batch."""
+        key = -1 if window is None else window
+        if key not in paged.kernel_metadata:
             heads_q, heads_kv, dim = q.shape[1], self.cache.shape[2], q.shape[2]
-            paged.kernel_metadata = _ops().cpu_attn_get_scheduler_metadata(
+            paged.kernel_metadata[key] = _ops().cpu_attn_get_scheduler_metadata(
                 paged.seq_lens.numel(), heads_q, heads_kv, dim, paged.seq_lens, q.dtype, paged.query_start, True,
-                -1, self.isa, False,
+                key, self.isa, False,
             )  # fmt: skip
-        return paged.kernel_metadata
+        return paged.kernel_metadata[key]
 
     def move_to_host(self, pages: torch.Tensor, slots: torch.Tensor) -> None:  # whole pages, as their bytes lie
         if pages.numel():
