@@ -21,6 +21,7 @@ from pie_workers.batch_checks import BatchError
 from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, plan_batch
 from pie_workers.config import ModelConfig
 from pie_workers.kv_pool import KVPool, PoolShape, page_bytes, pages_for_memory_fraction
+from pie_workers.layers import vllm_ops
 from pie_workers.layers.lora import ModuleWeights
 from pie_workers.loader import CheckpointReader
 from pie_workers.models.llama import LlamaModel
@@ -78,6 +79,8 @@ class ModelRunner:
             finally:
                 torch.set_default_dtype(default_dtype)
             self.model.load(reader, show_progress and tp.is_leader)
+        if settings.backend == "vllm" and self.device.type == "cpu" and vllm_ops.onednn_available():
+            self.model.pack_linear_weights()
         local_kv_heads = self.cfg.num_kv_heads // tp.world_size
         num_pages = settings.num_pages
         if num_pages is None:

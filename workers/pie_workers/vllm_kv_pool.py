@@ -10,8 +10,8 @@ page_size]``) for both ISA variants on this CPU (``vec16`` for pages of 16 token
 ``torch_pages`` reads them back in the torch path's layout as views (its gather copies only the pages it needs).
 Rows the kernel cannot express — a request with a custom attention mask, a head size or dtype the kernels were not
 compiled for — take the torch path over those views in the same batch; rows of other requests keep the kernel's
-result. Sliding-window layers stay on the kernel, which takes the window. Whole-page operations (fork copies, host offloads) move a page's bytes as they
-are, whatever their order inside it.
+result; sliding-window layers stay on the kernel, which takes the window. Whole-page operations (fork copies, host
+offloads) move a page's bytes as they are, whatever their order inside it.
 """
 
 from __future__ import annotations

@@ -10,11 +10,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pie_workers.layers import vllm_ops
 from pie_workers.layers.lora import LoraSite
 from pie_workers.parallel import TensorParallel
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class PackableLinear(torch.nn.Module):
+    """``x W^T (+ b)`` by ``F.linear``, or — after ``pack`` (the ``vllm`` backend on a CPU) — by vLLM's oneDNN
+    matmul over a packed copy of W, which then replaces it."""
+
+    weight: torch.nn.Parameter
+    packed: vllm_ops.PackedLinear | None = None
+
+    def pack(self) -> None:
+        self.packed = vllm_ops.PackedLinear(self.weight)
+        self.weight = torch.nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias) if self.packed is None else self.packed(x, bias)
+
+
+class ColumnParallelLinear(PackableLinear):
     """``y = x W^T`` with W's output rows split across ranks; several checkpoint matrices may be fused.
 
     ``out_features`` lists the full output size of each fused part (e.g. q, k, v); each part is split evenly, so a
@@ -31,13 +47,13 @@ class ColumnParallelLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(sum(self.parts)), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, lora: LoraSite | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         if lora is not None:
             lora.add_(x, y)
         return y
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(PackableLinear):
     """``y = x W^T`` with W's input columns split; partial products are summed across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
@@ -49,7 +65,7 @@ class RowParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraSite | None = None) -> torch.Tensor:
         """A LoRA delta on this rank's input shard is a partial sum too: it joins the same all-reduce."""
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if lora is not None:
             lora.add_(x, y)
         y = self.tp.all_reduce(y)
@@ -78,7 +94,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(torch.nn.Module):
+class ParallelLMHead(PackableLinear):
     """Vocab-parallel output projection; the leader gathers full logits, trimmed to the real vocabulary."""
 
     def __init__(self, vocab_size: int, dim: int, tp: TensorParallel):
@@ -89,5 +105,5 @@ class ParallelLMHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(self.end - self.start, dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather_last_dim(F.linear(x, self.weight))
+        logits = self.tp.gather_last_dim(self.matmul(x))
         return None if logits is None else logits[..., : self.vocab_size]

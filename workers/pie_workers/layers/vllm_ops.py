@@ -2,7 +2,9 @@
 
 Measured on a 2-core CPU: RMSNorm on the tiny model's ``[32, 128]`` rows takes 3 µs against torch's 12.5 µs (50 µs
 against 1.4 ms at ``[512, 1024]``), and can fuse the residual add before it; rotary embedding takes 5 µs against
-20 µs. vLLM's CPU ``silu_and_mul`` is slower than torch's, so it runs on GPUs only. The ops write their results in
+20 µs; a matmul through oneDNN with the weight packed once takes 2-4x less than ``F.linear`` (which packs it again
+on every call) at decode batch sizes on 1,024-wide layers. vLLM's CPU ``silu_and_mul`` is slower than torch's, so
+it runs on GPUs only. The ops write their results in
 place, walk rows through a row stride but assume each row contiguous, and give wrong results (no error) for other
 layouts: the wrappers pass them only 2-D row-contiguous tensors.
 """
@@ -44,3 +46,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     torch.ops._C.silu_and_mul(out, gate_up.contiguous())
     return out
+
+
+class PackedLinear:
+    """``x @ weight.T + bias`` through vLLM's oneDNN matmul (CPU), with the weight packed into oneDNN's blocked
+    layout once, here; the packed copy is all the layer keeps."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.handle = _ops().create_onednn_mm(weight.t(), 32)  # 32: oneDNN primitives cached per input shape
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _ops().onednn_mm(self.handle, x.contiguous(), bias)
+
+
+def onednn_available() -> bool:
+    return bool(_ops()._supports_onednn)

@@ -18,6 +18,7 @@ from pie_workers.kv_pool import KVPool
 from pie_workers.layers import vllm_ops
 from pie_workers.layers.linear import (
     ColumnParallelLinear,
+    PackableLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -131,6 +132,12 @@ class LlamaModel(torch.nn.Module):
         h = self.norm(h if plan.every_row_has_logits else h[plan.logit_rows])
         logits = self.lm_head(h)
         return None if logits is None else logits.float()
+
+    def pack_linear_weights(self) -> None:
+        """The vllm backend on a CPU: every projection's weight packed once for vLLM's oneDNN matmul."""
+        for module in self.modules():
+            if isinstance(module, PackableLinear):
+                module.pack()
 
     def load(self, reader: CheckpointReader, show_progress: bool) -> None:
         """Fill every parameter from the checkpoint (this rank's shards only), one layer at a time."""
