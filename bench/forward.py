@@ -4,8 +4,9 @@ Usage: python bench/forward.py [--models tiny,bigger] [--batches 1,8,32,64] [--l
                                [--steps 64] [--long-steps 16] [--repeats 3] [--no-engine] [--out docs/bench]
 
 Every column decodes greedily from the same random prompts (equal length, no padding) and times decode steps only,
-after an untimed prefill: the paged runner with the ``torch`` backend (SDPA over gathered pages) and with the
-``vllm`` backend (vLLM's CPU paged-attention kernels over its own cache layout), transformers' batched forward with
+after an untimed prefill: the paged runner with the ``torch`` backend (SDPA over gathered pages, torch's oneDNN
+matmuls on packed weights) and with the ``vllm`` backend (vLLM's paged attention over its own cache layout, its fused
+RMSNorm and rotary, its oneDNN matmuls on packed weights), transformers' batched forward with
 its ``DynamicCache``, and vLLM's own engine (``LLM.generate`` offline, in its virtualenv from ``make vllm-peer``;
 its decode time is a generate of ``steps + 1`` tokens minus a generate of one). Rows: short prompts at several batch
 sizes, and long prompts at one batch size where avoiding the page gather should show. Models: the embedded tiny
@@ -89,8 +90,11 @@ def measure_model(label: str, model_dir, rows: list[Row], args, console: Console
 
     pages = max(r.batch * pages_for(r.prompt + r.steps + 1, 16) for r in rows)
     gpu = torch.cuda.is_available()  # the runner then defaults to the GPU in bf16; so does transformers here
-    backends = ("torch",) if gpu else ("torch", "vllm")  # the vllm backend's CUDA path is not built yet
-    runners = {b: ModelRunner(model_dir, RunnerSettings(num_pages=pages, backend=b)) for b in backends}
+    runners = {"torch": ModelRunner(model_dir, RunnerSettings(num_pages=pages))}
+    try:  # on a GPU host the vllm backend needs vLLM's CUDA build (make gpu-check installs it)
+        runners["vllm"] = ModelRunner(model_dir, RunnerSettings(num_pages=pages, backend="vllm"))
+    except (ImportError, RuntimeError, ValueError) as e:
+        console.log(f"vllm backend skipped: {e}")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if gpu else torch.float32).eval()
     hf = hf.to("cuda" if gpu else "cpu")
     rng = random.Random(0)
@@ -144,7 +148,7 @@ def report(rows: list[Row], args, console: Console) -> None:
     title = f"greedy decode tokens/s, {torch.get_num_threads()} threads, best of {args.repeats}"
     table = Table(title=title)
     columns = ["model", "batch x prompt", "torch backend", "vllm backend", "vllm / torch", "transformers"]
-    columns += ["torch / HF"] + (["vLLM engine", "vllm backend / engine"] if engine else [])
+    columns += ["torch / HF", "vllm / HF"] + (["vLLM engine", "vllm backend / engine"] if engine else [])
     for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
@@ -154,6 +158,7 @@ def report(rows: list[Row], args, console: Console) -> None:
             f"{s['vllm'] / s['torch']:.2f}x",
             f"{s['transformers']:,.0f}",
             f"{s['torch'] / s['transformers']:.2f}x",
+            f"{s['vllm'] / s['transformers']:.2f}x",
         ]
         if engine:
             cells += [f"{s['vllm engine']:,.0f}", f"{s['vllm'] / s['vllm engine']:.2f}x"]

@@ -5,7 +5,7 @@ the torch path on what the engine sends: ragged batches mixing prefill, chunked-
 random order, page sizes 16 and 32 (the kernel's "vec16" and "vec" variants on this CPU), and grouped-query heads.
 Both are checked against a float64 reference computed request by request, and the two backends' pools against each
 other on a batch where one request's custom mask sends its rows down the torch path. The fused elementwise ops
-(RMSNorm with the residual add, rotary embedding) and the packed oneDNN matmul against the torch layers they replace.
+(RMSNorm with the residual add, rotary embedding) and the packed oneDNN matmuls against the torch layers they replace.
 """
 
 from __future__ import annotations
@@ -219,9 +219,12 @@ def test_vllm_rotary_equals_ours_in_place_on_a_slice_of_the_fused_projection(rop
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, (1e-4, 1e-5)), (torch.bfloat16, (1e-2, 2**-7))])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_packed_onednn_linear_equals_torchs_and_drops_the_unpacked_weight(dtype, tolerance, rows):
-    """fp32: sums of 1,024 products in another order differ by ~1e-5 of the outputs' size (~30)."""
-    from pie_workers.layers.linear import ColumnParallelLinear
+@pytest.mark.parametrize("packer", ["vllm", "torch"])
+def test_packed_onednn_linear_equals_f_linear_and_drops_the_unpacked_weight(dtype, tolerance, rows, packer):
+    """vLLM's oneDNN matmul (the vllm backend) and torch's (the torch backend), each over a weight packed once.
+    fp32: sums of 1,024 products in another order differ by ~1e-5 of the outputs' size (~30)."""
+    from pie_workers.layers.linear import ColumnParallelLinear, TorchPackedLinear
+    from pie_workers.layers.vllm_ops import PackedLinear
     from pie_workers.parallel import TensorParallel
 
     gen = torch.Generator().manual_seed(rows)
@@ -230,6 +233,22 @@ def test_packed_onednn_linear_equals_torchs_and_drops_the_unpacked_weight(dtype,
     layer.bias.data = torch.randn(768, generator=gen).to(dtype)
     x = torch.randn(rows, 2048, generator=gen).to(dtype)[:, ::2]  # strided, as a slice of a wider output
     expected = layer(x)
-    layer.pack()
+    layer.pack(PackedLinear if packer == "vllm" else TorchPackedLinear)
     assert layer.weight.numel() == 0
     torch.testing.assert_close(layer(x), expected, atol=tolerance[0], rtol=tolerance[1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host may have vLLM's CUDA build")
+def test_the_gpu_pool_names_the_missing_cuda_build_before_any_batch():
+    from types import SimpleNamespace
+
+    from pie_workers.kv_pool import PoolShape
+    from pie_workers.vllm_cuda_kv_pool import VllmCudaKVPool
+
+    cfg = SimpleNamespace(num_layers=2, head_dim=HEAD_DIM)
+    with pytest.raises(ValueError, match="needs vLLM's CUDA build"):
+        VllmCudaKVPool(PoolShape(cfg, 4, 16, HEADS_KV, torch.bfloat16, torch.device("cuda")))
+    with pytest.raises(ValueError, match="bfloat16 or float16, not torch.float32"):
+        VllmCudaKVPool(PoolShape(cfg, 4, 16, HEADS_KV, torch.float32, torch.device("cuda")))
+    with pytest.raises(ValueError, match="multiple of 16, got 24"):
+        VllmCudaKVPool(PoolShape(cfg, 4, 24, HEADS_KV, torch.bfloat16, torch.device("cuda")))

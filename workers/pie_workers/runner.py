@@ -22,6 +22,7 @@ from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, pla
 from pie_workers.config import ModelConfig
 from pie_workers.kv_pool import KVPool, PoolShape, page_bytes, pages_for_memory_fraction
 from pie_workers.layers import vllm_ops
+from pie_workers.layers.linear import TorchPackedLinear
 from pie_workers.layers.lora import ModuleWeights
 from pie_workers.loader import CheckpointReader
 from pie_workers.models.llama import LlamaModel
@@ -79,8 +80,8 @@ class ModelRunner:
             finally:
                 torch.set_default_dtype(default_dtype)
             self.model.load(reader, show_progress and tp.is_leader)
-        if settings.backend == "vllm" and self.device.type == "cpu" and vllm_ops.onednn_available():
-            self.model.pack_linear_weights()
+        if self.device.type == "cpu":
+            self._pack_linear_weights()
         local_kv_heads = self.cfg.num_kv_heads // tp.world_size
         num_pages = settings.num_pages
         if num_pages is None:
@@ -94,6 +95,15 @@ class ModelRunner:
         shape = PoolShape(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
         self.kv = pool(shape)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
+
+    def _pack_linear_weights(self) -> None:
+        """On a CPU the matmuls run over weights packed once for oneDNN: vLLM's op for the vllm backend (every
+        projection), torch's own for the torch backend (projections of 2^18 weights or more: on the tiny model's
+        128 x 256 ones F.linear is faster)."""
+        if self.settings.backend == "vllm" and vllm_ops.onednn_available():
+            self.model.pack_linear_weights(vllm_ops.PackedLinear)
+        elif self.settings.backend == "torch" and torch.backends.mkldnn.is_available():
+            self.model.pack_linear_weights(TorchPackedLinear, min_elements=1 << 18)
 
     @property
     def num_pages(self) -> int:

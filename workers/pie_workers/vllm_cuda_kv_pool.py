@@ -26,6 +26,7 @@ class VllmCudaKVPool(KVPool):
             raise ValueError(f"the vllm backend's GPU kernels take bfloat16 or float16, not {shape.dtype}")
         if shape.page_size % 16:
             raise ValueError(f"the vllm backend's GPU kernels need a page_size multiple of 16, got {shape.page_size}")
+        _check_cuda_build()
         super().__init__(shape)
         self._unit_scale = torch.ones((), dtype=torch.float32, device=shape.device)  # no KV quantisation
 
@@ -62,3 +63,18 @@ class VllmCudaKVPool(KVPool):
             masked = super().attend(layer, q, dataclasses.replace(plan, buckets=buckets), window, scale)
             out[paged.masked_rows] = masked[paged.masked_rows]
         return out
+
+
+def _check_cuda_build() -> None:
+    """vLLM's CPU build (what ``make test`` installs) has neither op: say so before the first batch fails."""
+    import vllm._custom_ops  # noqa: F401  (registers the compiled ops)
+
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
+
+        torch.ops._C_cache_ops.reshape_and_cache_flash  # noqa: B018
+    except (ImportError, AttributeError, RuntimeError) as e:
+        raise ValueError(
+            "the vllm backend on a GPU needs vLLM's CUDA build (pip install --no-deps vllm==0.32.0, which make "
+            f"gpu-check does): {e}"
+        ) from e

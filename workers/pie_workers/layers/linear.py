@@ -7,23 +7,36 @@ rows/columns from the checkpoint (see ``pie_workers.loader``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from pie_workers.layers import vllm_ops
 from pie_workers.layers.lora import LoraSite
 from pie_workers.parallel import TensorParallel
 
 
+class TorchPackedLinear:
+    """torch's own oneDNN matmul — the one its compiler uses once weights are frozen — over a weight reordered into
+    oneDNN's blocked layout once, here. ``F.linear`` repacks the weight on every call, which at decode batch sizes
+    costs more than the product (measured: 2-4x slower on 1,024-wide layers, 1.5x on a 128 x 4,096 LM head)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+
+
 class PackableLinear(torch.nn.Module):
-    """``x W^T (+ b)`` by ``F.linear``, or — after ``pack`` (the ``vllm`` backend on a CPU) — by vLLM's oneDNN
-    matmul over a packed copy of W, which then replaces it."""
+    """``x W^T (+ b)`` by ``F.linear``, or — after ``pack``, on a CPU — by a matmul over a copy of W packed once for
+    oneDNN (torch's, or vLLM's for the ``vllm`` backend), which then replaces W."""
 
     weight: torch.nn.Parameter
-    packed: vllm_ops.PackedLinear | None = None
+    packed: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
-    def pack(self) -> None:
-        self.packed = vllm_ops.PackedLinear(self.weight)
+    def pack(self, packer: Callable[[torch.Tensor], Callable]) -> None:
+        self.packed = packer(self.weight)
         self.weight = torch.nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,6 +6,7 @@ names follow the Hugging Face checkpoints, so ``load`` reads them directly (each
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -133,11 +134,11 @@ class LlamaModel(torch.nn.Module):
         logits = self.lm_head(h)
         return None if logits is None else logits.float()
 
-    def pack_linear_weights(self) -> None:
-        """The vllm backend on a CPU: every projection's weight packed once for vLLM's oneDNN matmul."""
+    def pack_linear_weights(self, packer: Callable[[torch.Tensor], Callable], min_elements: int = 0) -> None:
+        """On a CPU: the projection weights of at least ``min_elements`` packed once for a oneDNN matmul."""
         for module in self.modules():
-            if isinstance(module, PackableLinear):
-                module.pack()
+            if isinstance(module, PackableLinear) and module.weight.numel() >= min_elements:
+                module.pack(packer)
 
     def load(self, reader: CheckpointReader, show_progress: bool) -> None:
         """Fill every parameter from the checkpoint (this rank's shards only), one layer at a time."""
