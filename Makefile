@@ -55,6 +55,7 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed $(VLLM_PEER)/.installed
 	$(PY) bench/forward.py
 	$(PY) bench/tax.py
+	$(PY) bench/tax.py --backend vllm
 	$(PY) bench/openai_api.py
 	$(PY) bench/agents.py
 

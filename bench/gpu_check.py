@@ -75,8 +75,9 @@ def main() -> None:
         bench = [sys.executable, "bench/forward.py", "--bigger-model", str(model), "--long", "1024,2048"]
         ok, log = run([*bench, "--bigger-long", "1024,2048", "--repeats", "2", "--out", out])
         step("forward bench", "done" if ok else "FAILED", log)
-        ok, log = run([sys.executable, "bench/tax.py", "--rounds", "3", "--out", out])
-        step("tax bench", "done" if ok else "FAILED", log)
+        for backend in ("torch", "vllm"):
+            ok, log = run([sys.executable, "bench/tax.py", "--rounds", "3", "--backend", backend, "--out", out])
+            step(f"tax bench, {backend} backend", "done" if ok else "FAILED", log)
     else:
         step("benches", "skipped: they measure the GPU, and there is none usable here")
     directory = out_dir(args.out)

@@ -1,6 +1,7 @@
 """The programmability tax: inferlets on a Ray replica vs the same model runner driven by a plain in-process loop.
 
-Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7] [--threads 2] [--out docs/bench]
+Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7] [--threads 2] [--backend torch]
+                           [--out docs/bench]
 
 (a) per-token latency of one inferlet generating greedily vs the in-process loop at batch 1 — the difference is the
     tax in ms/token (channel round trip, engine bookkeeping, scheduling, SDK) — both collecting (``collect_tokens``,
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the replica's rank and of the loop")
+    ap.add_argument("--backend", default="torch", choices=("torch", "vllm"), help="the model backend of both sides")
     add_out_option(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -96,9 +98,10 @@ def main() -> None:
     pages = levels[-1] * pages_for(PROMPT + args.tokens + 2, 16) + 64
 
     init_ray(num_cpus=4)
-    replica = Replica(model_dir, 1, RunnerSettings(num_pages=pages), cpus_per_rank=args.threads, engine=BatchLimits())
+    settings = RunnerSettings(num_pages=pages, backend=args.backend)
+    replica = Replica(model_dir, 1, settings, cpus_per_rank=args.threads, engine=BatchLimits())
     endpoints = endpoints_for("default", replica)
-    local = ModelRunner(model_dir, RunnerSettings(num_pages=pages))
+    local = ModelRunner(model_dir, settings)
     gc.freeze()  # as an inferlet host and the replica's ranks do after start-up (the loop runs here too)
     rng = random.Random(0)
 
@@ -130,8 +133,8 @@ def main() -> None:
         )
         console.print(notes[-1])
     table = Table(
-        title=f"(b) aggregate decode tokens/s, {args.tokens} tokens per sequence, tiny Llama, {args.threads} "
-        "threads, medians"
+        title=f"(b) aggregate decode tokens/s, {args.tokens} tokens per sequence, tiny Llama, {args.backend} backend, "
+        f"{args.threads} threads, medians"
     )
     for col in ("inferlets / batch", "inferlets on Ray", "in-process loop", "ratio"):
         table.add_column(col, justify="right")
@@ -141,11 +144,13 @@ def main() -> None:
     for n, o, b, r in zip(rounds, ours, base, ratios, strict=True):
         table.add_row(str(n), f"{o:,.0f}", f"{b:,.0f}", f"{r:.2f}")
     console.print(table)
-    write_markdown(args.out, "tax", [*notes, table])
+    name = "tax" if args.backend == "torch" else f"tax-{args.backend}"
+    write_markdown(args.out, name, [*notes, table])
     bar_plot(
         args.out,
-        "tax",
-        title=f"Inferlets on Ray vs an in-process loop: greedy decode, tiny Llama, {args.threads} threads, "
+        name,
+        title=f"Inferlets on Ray vs an in-process loop: greedy decode, tiny Llama, {args.backend} backend, "
+        f"{args.threads} threads, "
         f"{args.rounds} rounds" + (f"\nTax of one inferlet: {', '.join(taxes)}" if taxes else ""),
         xlabel="concurrent inferlets (loop: batch size)",
         ylabel="tokens/s",

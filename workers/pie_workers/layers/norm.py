@@ -1,5 +1,5 @@
 """RMSNorm as Llama/Qwen define it (normalise in fp32, scale in the weight's dtype), with the pre-norm block's
-residual add optionally fused in; ``vllm_ops`` runs vLLM's compiled kernel instead of torch's."""
+residual add optionally fused in; ``use_vllm_ops`` runs vLLM's compiled kernel instead of torch's."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
-"""vLLM's compiled elementwise ops, which the ``vllm`` backend runs in place of the torch code beside each use.
+"""vLLM's compiled ops, which the ``vllm`` backend runs in place of the torch code beside each use.
 
 Measured on a 2-core CPU: RMSNorm on the tiny model's ``[32, 128]`` rows takes 3 µs against torch's 12.5 µs (50 µs
 against 1.4 ms at ``[512, 1024]``), and can fuse the residual add before it; rotary embedding takes 5 µs against
 20 µs; a matmul through oneDNN with the weight packed once takes 2-4x less than ``F.linear`` (which packs it again
 on every call) at decode batch sizes on 1,024-wide layers. vLLM's CPU ``silu_and_mul`` is slower than torch's, so
-it runs on GPUs only. The ops write their results in
-place, walk rows through a row stride but assume each row contiguous, and give wrong results (no error) for other
-layouts: the wrappers pass them only 2-D row-contiguous tensors.
-"""
+it runs on GPUs only. The elementwise ops write their results in place, walk rows through a row stride but assume
+each row contiguous, and give wrong results (no error) for other layouts: the wrappers pass them only 2-D
+row-contiguous tensors."""
 
 from __future__ import annotations
 
