@@ -1,5 +1,6 @@
 """The paged runner gives Hugging Face transformers' answers on the same weights, with either attention backend
-(``torch``: our SDPA over gathered pages; ``vllm``: vLLM's CPU paged-attention kernels over its own cache layout).
+(``torch``: our SDPA over gathered pages; ``vllm``: vLLM's CPU paged attention over its own cache layout, its
+fused RMSNorm and rotary, its packed oneDNN matmuls).
 
 Covers the two embedded architectures (Llama with GQA; Qwen3 with q/k norm, tied embeddings, explicit head_dim) and
 HF-initialised Mistral (sliding window) and Qwen2 (q/k/v biases) checkpoints, which also exercises the loader on

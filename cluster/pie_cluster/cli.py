@@ -49,7 +49,7 @@ def run(
     tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
     pages: Annotated[int, typer.Option(help="KV pool size in pages")] = 4096,
     backend: Annotated[
-        str, typer.Option(help="attention: torch (gathered pages) or vllm (vLLM's paged-attention kernels)")
+        str, typer.Option(help="model backend: torch, or vllm (vLLM's paged attention, fused ops and packed matmuls)")
     ] = "torch",
     stdout: Annotated[bool, typer.Option("--stdout", help="relay what the inferlet prints")] = False,
     user: Annotated[str, typer.Option(help="username the inferlet runs as")] = "local",

@@ -45,7 +45,7 @@ class RunnerSettings:
     device: str | None = None  # default: cuda if available
     adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
     host_pages: int | None = None  # host-memory pages for suspended contexts' KV; default: as many as the pool
-    backend: str = "torch"  # "torch": our attention over gathered pages; "vllm": vLLM's paged-attention kernels
+    backend: str = "torch"  # "torch": plain torch; "vllm": vLLM's paged attention, fused ops and packed matmuls
 
     def __post_init__(self) -> None:
         check_backend(self.backend, self.page_size)
