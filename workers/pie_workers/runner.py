@@ -80,8 +80,7 @@ class ModelRunner:
             finally:
                 torch.set_default_dtype(default_dtype)
             self.model.load(reader, show_progress and tp.is_leader)
-        if self.device.type == "cpu":
-            self._pack_linear_weights()
+        self._pack_linear_weights()
         local_kv_heads = self.cfg.num_kv_heads // tp.world_size
         num_pages = settings.num_pages
         if num_pages is None:
@@ -99,7 +98,9 @@ class ModelRunner:
     def _pack_linear_weights(self) -> None:
         """On a CPU the matmuls run over weights packed once for oneDNN: vLLM's op for the vllm backend (every
         projection), torch's own for the torch backend (projections of 2^18 weights or more: on the tiny model's
-        128 x 256 ones F.linear is faster)."""
+        128 x 256 ones F.linear is faster). On a GPU, cuBLAS needs no packing."""
+        if self.device.type != "cpu":
+            return
         if self.settings.backend == "vllm" and vllm_ops.onednn_available():
             self.model.pack_linear_weights(vllm_ops.PackedLinear)
         elif self.settings.backend == "torch" and torch.backends.mkldnn.is_available():

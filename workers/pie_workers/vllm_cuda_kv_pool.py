@@ -10,12 +10,11 @@ No GPU is available where this repository's CI runs: ``tests/test_gpu.py`` check
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from pie_workers.batch_plan import BatchPlan
 from pie_workers.kv_pool import KVPool, PoolShape
+from pie_workers.layers.attention import overwrite_masked_rows
 
 
 class VllmCudaKVPool(KVPool):
@@ -59,9 +58,7 @@ class VllmCudaKVPool(KVPool):
         )
         out = out.view(q.shape[0], -1)
         if paged.masked_rows is not None:
-            buckets = [plan.buckets[b] for b in paged.masked_buckets]
-            masked = super().attend(layer, q, dataclasses.replace(plan, buckets=buckets), window, scale)
-            out[paged.masked_rows] = masked[paged.masked_rows]
+            overwrite_masked_rows(out, q, self.k[layer], self.v[layer], plan, window, scale)
         return out
 
 

@@ -16,14 +16,12 @@ offloads) move a page's bytes as they are, whatever their order inside it.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from pie_workers.backends import kernel_variant
 from pie_workers.batch_plan import BatchPlan, PagedRequests
 from pie_workers.kv_pool import PoolShape
-from pie_workers.layers.attention import paged_attention
+from pie_workers.layers.attention import overwrite_masked_rows, paged_attention
 
 
 def _ops():
@@ -33,6 +31,8 @@ def _ops():
 
 
 class VllmCpuKVPool:
+    needs_paged_requests = True  # plan_batch must describe each request (lengths, block table) for the kernel
+
     def __init__(self, shape: PoolShape):
         if shape.device.type != "cpu":
             raise ValueError(
@@ -48,8 +48,6 @@ class VllmCpuKVPool:
         self.host_cache = torch.zeros((layers, shape.host_pages, *per_page), dtype=shape.dtype)
         heads, head_dim = shape.local_kv_heads, shape.cfg.head_dim
         self.kernel_writes, self.kernel_attends = _kernel_supports(self.isa, heads, head_dim, shape.dtype)
-
-    needs_paged_requests = True  # plan_batch must describe each request (lengths, block table) for the kernel
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.kernel_writes:
@@ -91,11 +89,8 @@ class VllmCpuKVPool:
             None,
         )
         out = out.view(q.shape[0], -1)
-        if paged.masked_rows is not None:  # the torch path for the buckets holding masked requests only
-            k_pages, v_pages = self.torch_pages(layer)
-            buckets = [plan.buckets[b] for b in paged.masked_buckets]
-            masked = paged_attention(q, k_pages, v_pages, dataclasses.replace(plan, buckets=buckets), window, scale)
-            out[paged.masked_rows] = masked[paged.masked_rows]
+        if paged.masked_rows is not None:
+            overwrite_masked_rows(out, q, *self.torch_pages(layer), plan, window, scale)
         return out
 
     def _scheduler_metadata(self, paged: PagedRequests, q: torch.Tensor, window: int | None) -> torch.Tensor:

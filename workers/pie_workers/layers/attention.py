@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -45,3 +47,16 @@ def paged_attention(
             return o
         out[b.dest] = o[b.valid]
     return out
+
+
+def overwrite_masked_rows(
+    out: torch.Tensor, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: BatchPlan,
+    window: int | None, scale: float,
+) -> None:  # fmt: skip
+    """After a paged-attention kernel filled ``out`` ``[T, Hq * D]``: the rows of requests with a custom attention
+    mask (``plan.paged.masked_rows``), which no kernel expresses, recomputed by the torch path over the buckets
+    that hold them only."""
+    paged = plan.paged
+    buckets = [plan.buckets[b] for b in paged.masked_buckets]
+    masked = paged_attention(q, k_pages, v_pages, dataclasses.replace(plan, buckets=buckets), window, scale)
+    out[paged.masked_rows] = masked[paged.masked_rows]
