@@ -77,6 +77,17 @@ def test_example_config_loads_as_written():
     assert set(config.mcp_specs()) == {"docs", "search"}
 
 
+def test_a_model_entry_names_a_backend_and_a_page_size_its_kernels_take():
+    def entry(**fields):
+        return PieConfig.model_validate({"model": [fields]}).model[0]
+
+    assert entry(backend="vllm", page_size=32).backend == "vllm"
+    with pytest.raises(ValueError, match="the vllm backend needs page_size 16 or a multiple of 32.*got 24"):
+        entry(backend="vllm", page_size=24)
+    with pytest.raises(ValueError, match="backend"):
+        entry(backend="tensorrt")
+
+
 # --- ray up cluster YAMLs -------------------------------------------------------------------------------------------
 
 
