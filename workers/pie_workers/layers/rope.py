@@ -42,8 +42,9 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
         self.head_dim, self.use_vllm_ops = head_dim, use_vllm_ops
-        self.table: torch.Tensor | None = None  # [positions, 2, head_dim]: cos, sign-folded sin
-        self.cos_sin: torch.Tensor | None = None  # [positions, head_dim]: cos then sin of each frequency (vLLM's)
+        # torch: [positions, 2, head_dim], cos and sign-folded sin; vLLM's kernel: [positions, head_dim], the cos
+        # then the sin of each frequency
+        self.table: torch.Tensor | None = None
 
     def for_batch(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> Rotation:
         """The rotation of a batch's tokens at ``positions`` (computed in fp32, as HF does, then cast)."""
@@ -51,11 +52,12 @@ class RotaryEmbedding(torch.nn.Module):
             size = max(1024, 1 << max_position.bit_length())
             freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
             cos, sin = freqs.cos(), freqs.sin()
-            # the sin table's first half is negated so that apply_rotary can swap halves without a negation
-            self.table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1).to(dtype)
-            self.cos_sin = torch.cat((cos, sin), -1).to(dtype)
+            if self.use_vllm_ops:
+                self.table = torch.cat((cos, sin), -1).to(dtype)
+            else:  # the sin's first half negated, so that apply_rotary can swap halves without a negation
+                self.table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1).to(dtype)
         if self.use_vllm_ops:
-            return Rotation(positions, self.head_dim, cos_sin=self.cos_sin)
+            return Rotation(positions, self.head_dim, cos_sin=self.table)
         rows = self.table.index_select(0, positions)
         return Rotation(positions, self.head_dim, cos=rows[:, :1], signed_sin=rows[:, 1:])
 
