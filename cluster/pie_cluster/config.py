@@ -120,6 +120,26 @@ class MarketConfig(_Strict):
     default_endowment: float = Field(64.0, ge=0)  # credits of an instance launched without a token budget
 
 
+class SandboxConfig(_Strict):
+    """How uploaded programs are confined (``[sandbox]``): each user's inferlets run in that user's worker processes
+    under bubblewrap, with these limits per worker. ``mode = "off"`` runs them inside the trusted host instead —
+    only for clusters whose users are all trusted (every program can then reach Ray and every other user's work)."""
+
+    mode: Literal["bubblewrap", "off"] = "bubblewrap"
+    memory_mib: int = Field(4096, ge=64)  # address space of each worker process (RLIMIT_AS)
+    cpu_seconds: int = Field(3600, ge=1)  # CPU time of one worker process before the kernel ends it (RLIMIT_CPU)
+    max_processes: int = Field(64, ge=4)  # processes and threads of one worker (RLIMIT_NPROC, with its own uid)
+    max_file_mib: int = Field(256, ge=1)  # largest file a worker may write (RLIMIT_FSIZE)
+    scratch_mib: int = Field(256, ge=1)  # the worker's private /tmp (a tmpfs)
+    egress: bool = False  # True: workers share the node's network (MCP servers by URL, web tools); never Ray's ports
+    stall_s: float = Field(10.0, gt=0)  # a worker whose event loop answers no ping for this long is ended
+    idle_s: float = Field(60.0, ge=0)  # an idle worker is kept this long for the user's next launch
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
 class PieConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
@@ -128,6 +148,7 @@ class PieConfig(_Strict):
     bus: BusConfig = Field(default_factory=BusConfig)
     market: MarketConfig = Field(default_factory=MarketConfig)
     mcp: dict[str, dict] = Field(default_factory=dict)  # [mcp.<name>] server declarations
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
     @field_validator("model")
     @classmethod
