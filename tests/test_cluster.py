@@ -13,23 +13,32 @@ import json
 import textwrap
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 import ray
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
+from pie_cluster.config import AuthConfig, LauncherConfig, ModelConfigEntry, PieConfig
 from pie_cluster.controller import Controller, start_controller
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import NotFound
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session):
+def store_parent(tmp_path_factory) -> Path:
+    """Where the cluster's launcher makes its program store (``[launcher] program_store_dir``)."""
+    return tmp_path_factory.mktemp("program-stores")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, store_parent):
     model = ModelConfigEntry(pages=256, cpus_per_rank=1, max_batch_tokens=512, replicas=2, placement="strict_spread")
-    config = PieConfig(auth=AuthConfig(enabled=False), model=[model])
+    launcher = LauncherConfig(program_store_dir=str(store_parent))
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], launcher=launcher)  # sandboxed: the default
     controller = start_controller(config, detached=False)
     yield controller
     ray.get(controller.shutdown.remote())
     ray.kill(controller)
+    assert not list(store_parent.iterdir()), "the stopped cluster left its program store behind"
 
 
 @pytest.fixture(scope="module")
@@ -416,6 +425,16 @@ def test_other_users_cannot_see_attach_to_message_or_abort_an_instance(launcher)
             ray.get(call)
 
 
+def test_another_users_program_id_is_unknown_to_them_and_the_store_is_private(launcher, store_parent):
+    program = upload(launcher, "async def main(input):\n    return 'mine'\n")
+    with pytest.raises(NotFound, match=f"no program '{program}'; upload it first"):  # as for an unknown id
+        launch(launcher, program, user="bob")
+    assert upload(launcher, "async def main(input):\n    return 'mine'\n", user="bob") == program  # his own now
+    assert run_to_end(launcher, launch(launcher, program, user="bob"), user="bob")[-1][1:] == ["return", "mine"]
+    (store,) = store_parent.iterdir()
+    assert store.stat().st_mode & 0o777 == 0o700
+
+
 def test_bad_programs_and_launches_get_clear_errors(launcher):
     from pie_cluster.programs import ProgramError
 
@@ -436,13 +455,22 @@ def zip_program(files: dict[str, str]) -> bytes:
     return buf.getvalue()
 
 
-def test_an_isolated_directory_program_runs_in_its_own_process(launcher):
+def inferlet_host_actors(ray_cluster) -> int:
+    """Inferlet host actors this test session's clusters ever made, alive or not."""
+    from ray.util.state import list_actors
+
+    made = list_actors(ray_cluster.address, filters=[("class_name", "=", "InferletHost")], detail=True, limit=10_000)
+    return sum(a["ray_namespace"] == "pie-test" for a in made)
+
+
+def test_an_isolated_directory_program_runs_on_the_pooled_host_when_sandboxed(launcher, ray_cluster):
+    """Sandboxed, the node's pooled host gives an isolated program a worker of its own: no Ray actor is made for
+    it (a dedicated Ray host is what a cluster with the sandbox off makes: test_trusted_mode.py)."""
     main = """
-    import os
     from .helpers import shout
 
     async def main(input):
-        return {"pid": os.getpid(), "text": shout(input["text"])}
+        return shout(input["text"])
     """
     manifest = """
     [package]
@@ -454,30 +482,24 @@ def test_an_isolated_directory_program_runs_in_its_own_process(launcher):
     data = zip_program({"pie.toml": manifest, "main.py": main, "helpers.py": "def shout(s):\n    return s.upper()\n"})
     uploaded = ray.get(launcher.upload.remote("alice", "shouter.zip", data))
     assert uploaded["name"] == "shouter@1.2.3" and uploaded["isolated"]
-    pooled = upload(launcher, "import os\nasync def main(input):\n    return {'pid': os.getpid()}\n")
-    import json
-
-    isolated_pid = json.loads(run_to_end(launcher, launch(launcher, uploaded["program"], {"text": "hey"}))[-1][2])
-    pooled_pid = json.loads(run_to_end(launcher, launch(launcher, pooled))[-1][2])
-    assert isolated_pid["text"] == "HEY"
-    assert isolated_pid["pid"] != pooled_pid["pid"]
+    hosts = inferlet_host_actors(ray_cluster)
+    assert run_to_end(launcher, launch(launcher, uploaded["program"], {"text": "hey"}))[-1][1:] == ["return", "HEY"]
+    assert inferlet_host_actors(ray_cluster) == hosts
 
 
-def test_a_program_whose_host_cannot_start_ends_with_an_error_event(cluster, launcher):
+def test_a_manifests_runtime_env_is_refused_when_sandboxed(launcher):
     manifest = """
     [package]
-    name = "unbuildable"
+    name = "wider"
     version = "0.1.0"
     [inferlet.runtime_env]
-    conda = "pie-test-no-such-env"
+    pip = ["rapidfuzz"]
     """
     data = zip_program({"pie.toml": manifest, "main.py": "async def main(input):\n    return 'never'\n"})
-    program = ray.get(launcher.upload.remote("alice", "unbuildable.zip", data))["program"]
-    instance = launch(launcher, program)  # the launch itself is accepted...
-    (event,) = run_to_end(launcher, instance)  # ...and the instance ends saying why it never ran
-    assert event[1] == "error" and "could not start the instance" in event[2] and "runtime env" in event[2]
-    assert ray.get(launcher.abort.remote("alice", instance)) is False
-    assert ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0
+    from pie_cluster.programs import ProgramError
+
+    with pytest.raises(ProgramError, match=r"wider@0\.1\.0: pie.toml's \[inferlet.runtime_env\] is refused.*sandbox"):
+        ray.get(launcher.upload.remote("alice", "wider.zip", data))
 
 
 PING = """
@@ -529,11 +551,11 @@ def test_inferlets_on_different_nodes_play_ping_pong_and_swarm_over_the_bus(clus
     assert json.loads(run_to_end(launcher, ping)[-1][2]) == [f"pong-{i}" for i in range(rounds)]
     assert json.loads(run_to_end(launcher, pong)[-1][2]) == [f"ping-{i}" for i in range(rounds)]
 
-    swarm, n, per = upload(launcher, SWARM), 8, 5
+    swarm, n, per = upload(launcher, SWARM, user="bob"), 8, 5
     ids = [
         launch(launcher, swarm, {"me": f"m{i}", "n": n, "per": per}, user="bob", node_id=nodes[i % 2]) for i in range(n)
     ]
-    gate = upload(launcher, GATE)
+    gate = upload(launcher, GATE, user="bob")
     launch(launcher, gate, {"n": n}, user="bob")  # releases the swarm once all have subscribed
     results = [json.loads(run_to_end(launcher, i, "bob")[-1][2]) for i in ids]
     everything = sorted(f"m{i}:{j}" for i in range(n) for j in range(per))

@@ -148,6 +148,29 @@ def test_a_second_user_cannot_list_attach_abort_or_open_the_first_users_things(p
     assert kind == "return" and value.startswith("opened ")
 
 
+def test_another_users_program_id_answers_404_exactly_like_an_unknown_one(pie, tmp_path):
+    program = client(pie).upload(write_program(tmp_path, "async def main(input):\n    return 'alices'\n"))["program"]
+    url, headers = pie["url"], {"Authorization": "Bearer tok-bob"}
+    for probe in (program, "0" * len(program)):  # alice's id, and one nobody uploaded
+        got = httpx.post(f"{url}/v1/instances", json={"program": probe}, headers=headers)
+        assert got.status_code == 404 and assert_one_clean_line(got) == f"no program {probe!r}; upload it first"
+    with pytest.raises(PieClientError, match="404"):
+        client(pie, "tok-bob").launch(LaunchRequest(program=program))
+
+
+def test_a_manifests_runtime_env_is_400_naming_it_when_sandboxed(pie):
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("pie.toml", '[package]\nname = "wider"\nversion = "0.1.0"\n[inferlet.runtime_env]\npip = ["x"]\n')
+        z.writestr("main.py", "async def main(input):\n    return 1\n")
+    headers = {"Authorization": "Bearer tok-alice"}
+    got = httpx.post(f"{pie['url']}/v1/programs", params={"filename": "w.zip"}, content=buf.getvalue(), headers=headers)
+    assert got.status_code == 400 and "[inferlet.runtime_env] is refused" in assert_one_clean_line(got)
+
+
 def test_pie_submit_over_http_folds_arguments_and_prints_the_return_value(pie, served):
     from pie_cluster.host import load_program
 

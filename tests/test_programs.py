@@ -108,32 +108,83 @@ def small(tag: str, size: int = 1000) -> Program:
 def test_the_store_keeps_one_copy_and_reads_it_back_from_disk(tmp_path):
     store = ProgramStore(tmp_path, capacity_bytes=1 << 20, decoded=1)
     a, b = small("a"), small("b")
-    store.put(a)
-    store.put(a)  # deduplicated: the id is the content's hash
-    store.put(b)  # pushes a out of the decoded cache: the next get reads the disk
+    store.put("alice", a)
+    store.put("alice", a)  # deduplicated: the id is the content's hash
+    store.put("bob", a)  # bob holds it too, from the same files
+    store.put("alice", b)  # pushes a out of the decoded cache: the next get reads the disk
     assert len(store) == 2 and len(list(tmp_path.iterdir())) == 2
-    loaded = store.get(a.id)
+    loaded = store.get("alice", a.id)
     assert loaded == a and loaded is not a
-    assert store.get("no-such-id") is None
+    assert store.get("bob", a.id) == a
+    assert store.get("alice", "no-such-id") is None
+
+
+def test_another_users_program_id_reads_as_unknown(tmp_path):
+    store = ProgramStore(tmp_path, capacity_bytes=1 << 20)
+    a = small("a")
+    store.put("alice", a)
+    assert store.get("bob", a.id) is None
+    store.started("bob", a.id)  # no hold of bob's: nothing to count
+    store.ended("bob", a.id)
+    assert store.get("alice", a.id) == a
 
 
 def test_the_store_evicts_least_recently_used_idle_programs_never_running_ones(tmp_path):
     a, b, c = small("a"), small("b"), small("c")
     size = sum(len(v) for v in a.files.values())
     store = ProgramStore(tmp_path, capacity_bytes=2 * size + size // 2)
-    store.put(a)
-    store.put(b)
-    store.started(a.id)  # a has a running instance
-    store.put(c)  # over capacity: b (idle) goes, a (running) stays although it is older
-    assert store.get(b.id) is None and not (tmp_path / b.id).exists()
-    assert store.get(a.id) == a and store.get(c.id) == c
-    store.ended(a.id)
-    store.put(b)  # over again: now the least recently used idle one goes
-    assert len(store) == 2 and store.get(b.id) == b
-    assert store.stored_bytes <= 2 * size + size // 2
+    store.put("alice", a)
+    store.put("alice", b)
+    store.started("alice", a.id)  # a has a running instance
+    store.put("alice", c)  # over capacity: b (idle) goes, a (running) stays although it is older
+    assert store.get("alice", b.id) is None and not (tmp_path / b.id).exists()
+    assert store.get("alice", a.id) == a and store.get("alice", c.id) == c
+    store.ended("alice", a.id)
+    store.put("alice", b)  # over again: now the least recently used idle one goes
+    assert len(store) == 2 and store.get("alice", b.id) == b
+    assert store.stored_bytes("alice") <= 2 * size + size // 2
+
+
+def test_the_limit_is_per_user_and_one_users_uploads_never_evict_anothers(tmp_path):
+    a, b, c, d = small("a"), small("b"), small("c"), small("d")
+    size = sum(len(v) for v in a.files.values())
+    store = ProgramStore(tmp_path, capacity_bytes=2 * size)
+    store.put("alice", a)
+    store.put("alice", b)  # alice's store is full
+    store.put("bob", a)  # the same program, held by bob as well
+    store.put("bob", c)
+    store.put("bob", d)  # bob over his limit: his least recently used (a) goes, for him only
+    assert store.get("bob", a.id) is None and store.get("bob", c.id) == c and store.get("bob", d.id) == d
+    assert store.get("alice", b.id) == b and store.get("alice", a.id) == a  # (a is now her most recently used)
+    assert (tmp_path / a.id).exists()  # alice still holds its files
+    store.put("alice", c)  # alice's turn: her least recently used (b) goes; a is hers alone now
+    assert store.get("alice", b.id) is None and not (tmp_path / b.id).exists()
+    assert store.stored_bytes("alice") == store.stored_bytes("bob") == 2 * size
 
 
 def test_a_program_bigger_than_the_store_is_refused(tmp_path):
     store = ProgramStore(tmp_path, capacity_bytes=100)
-    with pytest.raises(ProgramError, match="more than the launcher stores"):
-        store.put(small("a"))
+    with pytest.raises(ProgramError, match="more than the launcher stores per user"):
+        store.put("alice", small("a"))
+
+
+def test_an_upload_that_only_running_programs_leave_no_room_for_is_refused(tmp_path):
+    a, b = small("a"), small("b")
+    size = sum(len(v) for v in a.files.values())
+    store = ProgramStore(tmp_path, capacity_bytes=size + size // 2)
+    store.put("alice", a)
+    store.started("alice", a.id)
+    with pytest.raises(ProgramError, match="running instances fill"):
+        store.put("alice", b)
+    assert store.get("alice", b.id) is None and not (tmp_path / b.id).exists() and store.get("alice", a.id) == a
+    store.ended("alice", a.id)
+    store.put("alice", b)  # a is idle now: it makes room
+    assert store.get("alice", a.id) is None and store.get("alice", b.id) == b
+
+
+def test_removing_everything_takes_the_directory(tmp_path):
+    root = tmp_path / "store"
+    store = ProgramStore(root, capacity_bytes=1 << 20)
+    store.put("alice", small("a"))
+    store.remove_all()
+    assert not root.exists() and len(store) == 0

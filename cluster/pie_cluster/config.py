@@ -100,7 +100,8 @@ class LauncherConfig(_Strict):
     event_buffer: int = Field(4096, ge=16)  # events kept per instance for late attach (oldest dropped)
     keep_finished: int = Field(1024, ge=0)  # finished instances still listed and attachable
     default_deadline_s: float | None = None
-    program_store_mib: int = Field(1024, ge=1)  # uploaded programs kept on disk; unused ones evicted past this
+    program_store_mib: int = Field(1024, ge=1)  # per user: uploaded programs kept on disk; unused ones evicted past it
+    program_store_dir: str | None = None  # where the launcher's private store directory is made (None: the temp dir)
     # Admission: instances running at once, and launches waiting for a slot, overall and per user; a launch past
     # the waiting limits is refused (HTTP 429 with Retry-After)
     max_running: int = Field(4096, ge=1)

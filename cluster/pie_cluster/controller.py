@@ -86,7 +86,7 @@ class Controller:
         launcher_cls = ray.remote(Launcher).options(
             name=LAUNCHER, num_cpus=0, max_concurrency=100_000, scheduling_strategy=here
         )
-        self.launcher = launcher_cls.remote(config.launcher)
+        self.launcher = launcher_cls.remote(config.launcher, sandboxed=config.sandbox.enabled)
         services = self._services(nodes)
         host_cls = ray.remote(InferletHost)
         self.hosts = {
@@ -264,6 +264,8 @@ class Controller:
     def shutdown(self) -> None:
         """Stop everything, whatever has died already (a dead part is simply skipped)."""
         self._stopping.set()
+        with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            ray.get(self.launcher.close.remote(), timeout=_PROBE_S)  # its program store leaves the disk
         for actor in [self.launcher, *self.hosts.values(), self.market, self.directory]:
             ray.kill(actor)
         with contextlib.suppress(ray.exceptions.RayError):

@@ -1,10 +1,11 @@
 """The launcher: one named actor that owns programs, instances and their event streams.
 
 Clients (the HTTP app, ``pie submit`` through Ray Jobs) call it with the authenticated user's name; every
-instance belongs to the user who launched it, and another user's instance is reported as not existing (the same
-answer as a wrong id, so ids cannot be probed). Instances run on inferlet hosts (``inferlet_host``): the pooled host
-of a node that serves the models (least busy first) or of the node asked for, or a dedicated host for programs that
-want isolation. Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended.
+program belongs to the users who uploaded it and every instance to the user who launched it, and another user's
+program or instance is reported as not existing (the same answer as a wrong id, so ids cannot be probed). Instances
+run on inferlet hosts (``inferlet_host``): the pooled host of a node that serves the models (least busy first) or of
+the node asked for, or — only when the sandbox is off — a dedicated host for programs that want isolation.
+Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pie_cluster.inferlet_host import InferletHost, InstanceLimits, NodeServices
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.market import endowment_for
 from pie_cluster.program_store import ProgramStore
-from pie_cluster.programs import Program
+from pie_cluster.programs import Program, ProgramError
 
 
 class NotFound(LookupError):
@@ -79,6 +80,14 @@ class _Instance:
         }
 
 
+def _store_directory(parent: str | None) -> Path:
+    """A new directory for the uploaded programs, readable by this OS user only, under ``parent`` (default: the
+    system's temporary directory)."""
+    if parent is not None:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="pie-program-store-", dir=parent))  # mode 0700
+
+
 @dataclass
 class HostPool:
     """What the controller hands the launcher: a pooled host per node and what inferlets on each node reach."""
@@ -89,10 +98,13 @@ class HostPool:
 
 
 class Launcher:
-    def __init__(self, config: LauncherConfig):
+    def __init__(self, config: LauncherConfig, sandboxed: bool):
+        """``sandboxed``: uploaded programs run in the nodes' sandboxed workers (``[sandbox]`` is not off), so a
+        manifest may not ask for a Ray runtime_env and an isolated program gets a worker, not a Ray actor, of its
+        own."""
         self._pool: HostPool | None = None
-        store = Path(tempfile.mkdtemp(prefix="pie-program-store-"))
-        self._programs = ProgramStore(store, config.program_store_mib << 20)
+        self._sandboxed = sandboxed
+        self._programs = ProgramStore(_store_directory(config.program_store_dir), config.program_store_mib << 20)
         self._builtins = {name: Program.from_path(path) for name, path in _BUILTINS.items()}
         self._admission = Admission(config.admission_limits())
         self._instances: dict[str, _Instance] = {}
@@ -145,9 +157,15 @@ class Launcher:
     # -- programs ------------------------------------------------------------------------------------------------
 
     async def upload(self, user: str, filename: str, data: bytes) -> dict:
-        """Store a program (a .py file or a .zip with pie.toml); returns its id and name@version."""
+        """Store a program for ``user`` (a .py file or a .zip with pie.toml); returns its id and name@version."""
         program = Program.from_upload(filename, data)
-        self._programs.put(program)
+        if self._sandboxed and program.runtime_env is not None:
+            raise ProgramError(
+                f"{program.label}: pie.toml's [inferlet.runtime_env] is refused: programs run in the cluster's "
+                "sandbox with its Python environment (an operator whose users are all trusted may allow it with "
+                '[sandbox] mode = "off")'
+            )
+        self._programs.put(user, program)
         return {"program": program.id, "name": program.label, "isolated": program.isolated}
 
     # -- instances -----------------------------------------------------------------------------------------------
@@ -162,17 +180,20 @@ class Launcher:
             request = LaunchRequest.model_validate(request)  # Ray callers may pass the fields as a dict
         except ValidationError as e:  # a ValueError with one line, which crosses Ray as itself
             raise ValueError(describe_errors(e.errors())) from None
-        program = self._builtins.get(request.program) or self._programs.get(request.program)
+        program = self._builtins.get(request.program) or self._programs.get(user, request.program)
         if program is None:
             raise NotFound(f"no program {request.program!r}; upload it first")
         node = self._choose_node(request.node_id)
         instance_id = uuid.uuid4().hex
         runs_now = self._admission.admit(user, instance_id)  # raises Overloaded: nothing is created then
-        host = None if program.isolated else self._pool.hosts[node]  # a dedicated host is made when it starts
+        # sandboxed, the pooled host gives an isolated program a worker of its own; otherwise it gets a dedicated
+        # host (a Ray actor, made when it starts)
+        dedicated = program.isolated and not self._sandboxed
+        host = None if dedicated else self._pool.hosts[node]
         log = EventLog(self._event_capacity)
-        instance = _Instance(instance_id, user, program, dict(request.input), node, host, program.isolated, log)
+        instance = _Instance(instance_id, user, program, dict(request.input), node, host, dedicated, log)
         self._instances[instance_id] = instance
-        self._programs.started(program.id)
+        self._programs.started(user, program.id)
         page_size = min(e.page_size for e in self._pool.services[node].endpoints.values())
         deadline_s = request.deadline_s if request.deadline_s is not None else self._default_deadline_s
         endowment = endowment_for(request.token_budget, page_size)
@@ -261,6 +282,10 @@ class Launcher:
     async def list(self, user: str) -> list[dict]:
         return [i.summary() for i in self._instances.values() if i.user == user]
 
+    async def close(self) -> None:
+        """The cluster stops: the stored programs leave the disk (the controller calls this before killing it)."""
+        self._programs.remove_all()
+
     async def stats(self) -> dict:
         return {
             "launched": self.launched,
@@ -294,7 +319,7 @@ class Launcher:
 
     def _ended(self, instance: _Instance) -> None:
         instance.ended = time.time()
-        self._programs.ended(instance.program.id)
+        self._programs.ended(instance.user, instance.program.id)
         if instance.queued:
             self._admission.withdraw(instance.user, instance.id)
         else:

@@ -1,9 +1,13 @@
-"""Uploaded programs, kept on the launcher's disk rather than in its memory.
+"""Uploaded programs, kept on the launcher's disk rather than in its memory, each owned by the users who uploaded it.
 
-Programs are content-addressed, so uploading one twice stores it once. The store holds at most ``capacity_bytes``
-of program files; past that, the programs unused for longest are evicted, never one with a running instance
-(a launch of an evicted id answers "upload it first", as for any unknown id). A few recently launched programs
-stay decoded in memory, so a burst of launches of one program reads the disk once.
+A program is visible only to a user who uploaded it: another user's id reads as unknown, exactly like an id never
+uploaded, so ids cannot be probed. Programs are content-addressed, so the files are stored once however many users
+upload the same program — sharing them leaks nothing, since holding an id means having uploaded the same bytes.
+
+Each user may hold at most ``capacity_bytes`` of programs (a program two users hold counts for each); past that, the
+user's programs unused for longest are evicted, never one with a running instance, and never another user's (a
+launch of an evicted id answers "upload it first", as for any unknown id). Files leave the disk when no user holds
+them. A few recently launched programs stay decoded in memory, so a burst of launches reads the disk once.
 """
 
 from __future__ import annotations
@@ -21,35 +25,90 @@ _FILES = "files"
 
 
 @dataclass
-class _Entry:
+class _Hold:
+    """One user's hold on a stored program."""
+
     size: int
-    running: int = 0  # instances of it that have not ended: it is not evicted while any run
+    running: int = 0  # the user's instances of it that have not ended: it is not evicted while any run
 
 
 class ProgramStore:
     def __init__(self, root: Path, capacity_bytes: int, decoded: int = 32):
         self._root = root
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._capacity = capacity_bytes
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._holds: dict[str, OrderedDict[str, _Hold]] = {}  # user -> program id -> hold, least recently used first
+        self._owners: dict[str, set[str]] = {}  # program id -> users holding it: on disk while there is one
         self._decoded: OrderedDict[str, Program] = OrderedDict()
         self._decoded_limit = decoded
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Programs on disk (one per content, however many users hold it)."""
+        return len(self._owners)
 
-    @property
-    def stored_bytes(self) -> int:
-        return sum(e.size for e in self._entries.values())
+    def stored_bytes(self, user: str) -> int:
+        """What the user's programs count against their limit."""
+        return sum(hold.size for hold in self._holds.get(user, {}).values())
 
-    def put(self, program: Program) -> None:
-        """Store ``program`` (a no-op for one already stored, which then counts as just used)."""
-        if program.id in self._entries:
-            self._entries.move_to_end(program.id)
+    def put(self, user: str, program: Program) -> None:
+        """Store ``program`` for ``user`` (a no-op for one the user holds already, which then counts as just used)."""
+        holds = self._holds.setdefault(user, OrderedDict())
+        if program.id in holds:
+            holds.move_to_end(program.id)
             return
         size = sum(len(data) for data in program.files.values())
         if size > self._capacity:
-            raise ProgramError(f"{program.label}: {size} bytes is more than the launcher stores ({self._capacity})")
+            raise ProgramError(
+                f"{program.label}: {size} bytes is more than the launcher stores per user ({self._capacity})"
+            )
+        if program.id not in self._owners:
+            self._write(program)
+            self._owners[program.id] = set()
+        self._owners[program.id].add(user)
+        holds[program.id] = _Hold(size)
+        self._evict(user, keep=program.id)
+        if self.stored_bytes(user) > self._capacity:  # the rest are running: the new one cannot be kept
+            self._drop(user, program.id)
+            raise ProgramError(
+                f"{program.label}: the programs of your running instances fill your {self._capacity} bytes of the "
+                "launcher's store; upload it again once some have ended"
+            )
+
+    def get(self, user: str, program_id: str) -> Program | None:
+        """The user's stored program, or None if they never uploaded it or it has been evicted."""
+        holds = self._holds.get(user, {})
+        if program_id not in holds:
+            return None
+        holds.move_to_end(program_id)
+        program = self._decoded.get(program_id)
+        if program is None:
+            program = self._load(program_id)
+            self._decoded[program_id] = program
+            if len(self._decoded) > self._decoded_limit:
+                self._decoded.popitem(last=False)
+        self._decoded.move_to_end(program_id)
+        return program
+
+    def started(self, user: str, program_id: str) -> None:
+        """An instance of it runs (it is not evicted meanwhile); built-in programs are not stored here."""
+        hold = self._holds.get(user, {}).get(program_id)
+        if hold is not None:
+            hold.running += 1
+
+    def ended(self, user: str, program_id: str) -> None:
+        hold = self._holds.get(user, {}).get(program_id)
+        if hold is not None:
+            hold.running -= 1
+            self._evict(user)
+
+    def remove_all(self) -> None:
+        """The cluster stops: every program leaves the disk, the store's directory with them."""
+        shutil.rmtree(self._root, ignore_errors=True)
+        self._holds.clear()
+        self._owners.clear()
+        self._decoded.clear()
+
+    def _write(self, program: Program) -> None:
         directory = self._root / program.id
         for rel, data in program.files.items():
             target = directory / _FILES / rel
@@ -64,34 +123,6 @@ class ProgramStore:
             "runtime_env": program.runtime_env,
         }
         (directory / _META).write_text(json.dumps(meta), encoding="utf-8")
-        self._entries[program.id] = _Entry(size)
-        self._evict()
-
-    def get(self, program_id: str) -> Program | None:
-        """The stored program, or None if it was never uploaded or has been evicted."""
-        if program_id not in self._entries:
-            return None
-        self._entries.move_to_end(program_id)
-        program = self._decoded.get(program_id)
-        if program is None:
-            program = self._load(program_id)
-            self._decoded[program_id] = program
-            if len(self._decoded) > self._decoded_limit:
-                self._decoded.popitem(last=False)
-        self._decoded.move_to_end(program_id)
-        return program
-
-    def started(self, program_id: str) -> None:
-        """An instance of it runs (it is not evicted meanwhile); built-in programs are not stored here."""
-        entry = self._entries.get(program_id)
-        if entry is not None:
-            entry.running += 1
-
-    def ended(self, program_id: str) -> None:
-        entry = self._entries.get(program_id)
-        if entry is not None:
-            entry.running -= 1
-            self._evict()
 
     def _load(self, program_id: str) -> Program:
         directory = self._root / program_id
@@ -101,15 +132,22 @@ class ProgramStore:
             program_id, meta["name"], meta["version"], meta["entry"], files, meta["isolated"], meta["runtime_env"]
         )
 
-    def _evict(self) -> None:
-        """Drop least recently used idle programs until the store fits its capacity."""
-        excess = self.stored_bytes - self._capacity
-        for program_id, entry in list(self._entries.items()):
+    def _evict(self, user: str, keep: str | None = None) -> None:
+        """Drop the user's least recently used idle programs (but ``keep``) until theirs fit the limit."""
+        excess = self.stored_bytes(user) - self._capacity
+        for program_id, hold in list(self._holds[user].items()):
             if excess <= 0:
                 return
-            if entry.running:
-                continue
-            del self._entries[program_id]
+            if not hold.running and program_id != keep:
+                self._drop(user, program_id)
+                excess -= hold.size
+
+    def _drop(self, user: str, program_id: str) -> None:
+        """The user no longer holds the program; its files go when nobody does."""
+        del self._holds[user][program_id]
+        owners = self._owners[program_id]
+        owners.discard(user)
+        if not owners:
+            del self._owners[program_id]
             self._decoded.pop(program_id, None)
             shutil.rmtree(self._root / program_id, ignore_errors=True)
-            excess -= entry.size

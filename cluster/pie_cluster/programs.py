@@ -8,8 +8,9 @@ A program is either a single ``.py`` file (named after the file, version 0.0.0) 
     version = "0.1.0"
     [inferlet]
     entry = "main.py"       # defines `async def main(input)`; siblings are reached with relative imports
-    isolated = false        # true: run each instance as its own Ray task instead of on the shared host pool
-    [inferlet.runtime_env]  # Ray runtime_env for its own dependencies (implies isolated)
+    isolated = false        # true: each instance gets a process of its own instead of sharing the user's worker
+    [inferlet.runtime_env]  # Ray runtime_env for its own dependencies (implies isolated); refused at upload
+                            # unless the cluster's [sandbox] mode is "off" (see Launcher.upload)
     pip = ["rapidfuzz"]
 
 Programs are content-addressed: the id is a hash of the files, so uploading the same program twice is a no-op.
