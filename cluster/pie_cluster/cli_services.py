@@ -114,6 +114,17 @@ def start(
     except ValueError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
+    exposed = cfg.exposed_tokens(config) if config is not None else None
+    if exposed is not None:  # a warning, not a refusal: configs written before this check keep starting
+        err.print(f"[yellow]warning:[/yellow] {escape(exposed)}", soft_wrap=True)
+    if cfg.sandbox.enabled:
+        from pie_cluster.sandbox.bwrap import SandboxUnavailable, probe
+
+        try:
+            probe(cfg.sandbox)
+        except SandboxUnavailable as e:
+            err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
+            raise typer.Exit(2) from None
     with _one_line_errors("pie start"):
         gcs, dashboard, started = _join(address, start_if_missing=True)
     with _one_line_errors("pie start"), err.status("starting Pie services (loading models)..."):
@@ -193,6 +204,7 @@ def status(
         " · ".join(
             [
                 f"nodes {sum(n['alive'] for n in report['nodes'])}/{len(report['nodes'])}",
+                _sandbox_line(report["nodes"]),
                 f"launcher {launcher['state']}"
                 if "state" in launcher
                 else f"instances running {launcher['running']} (launched {launcher['launched']})",
@@ -205,6 +217,13 @@ def status(
             ]
         )
     )
+
+
+def _sandbox_line(nodes: list[dict]) -> str:
+    """How uploaded programs run: ``off`` means trusted users only (their code can reach Ray)."""
+    modes = sorted({n["sandbox"] for n in nodes if "sandbox" in n}) or ["unknown"]
+    workers = sum(n.get("workers", 0) for n in nodes)
+    return f"sandbox {'/'.join(modes)}" + (f" ({workers} workers)" if "bubblewrap" in modes else "")
 
 
 def job_run(

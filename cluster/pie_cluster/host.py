@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
-from collections.abc import Mapping, Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint, Runtime, SessionIO, install, uninstall
 
 from pie_cluster import stdio
-from pie_cluster.programs import Main, Program
+from pie_cluster.programs import Main, Program, ProgramError
 from pie_cluster.stdio import Sink
 
 
@@ -33,7 +34,8 @@ async def run_inferlet(
     endpoints: dict[str, ModelEndpoint],
     username: str,
     *,
-    instance_id: str | None = None,
+    instance_id: str,
+    capability: str,
     bus: Sequence[str] = (),
     io: SessionIO | None = None,
     output: Sink | None = None,
@@ -42,7 +44,8 @@ async def run_inferlet(
     endowment: float | None = None,
     token_budget: int | None = None,
 ) -> Any:
-    """Await ``main(input)`` under its own runtime; whatever happens, release what it holds on every replica and
+    """Await ``main(input)`` as instance ``instance_id`` of ``username``, proven to replicas and bus shards by
+    ``capability`` (minted for them by the trusted side); whatever happens, release what it holds on every replica and
     on the message bus (``bus``: the shard addresses from ``pie_cluster.bus.Bus.addresses()``), and close its
     wallet on ``market`` (the market actor, opened with ``endowment`` credits or its default). ``token_budget``: the
     tokens it may have the model generate; past it, its next pass raises ``TokenBudgetExhausted``.
@@ -51,8 +54,9 @@ async def run_inferlet(
     process's own stdout/stderr); ``mcp_servers`` are the MCP servers ``inferlet.mcp`` may connect to."""
     runtime = Runtime(
         username=username,
-        instance_id=instance_id or uuid.uuid4().hex,
+        instance_id=instance_id,
         endpoints=endpoints,
+        capability=capability,
         bus=tuple(bus),
         io=io,
         mcp_servers=dict(mcp_servers or {}),
@@ -73,6 +77,78 @@ async def run_inferlet(
             uninstall(token)
             if market is not None:  # after its contexts are gone: a later report of them pays nothing
                 await asyncio.shield(market.leave.remote(runtime.instance_id))
+
+
+@dataclass(frozen=True)
+class InstanceSetup:
+    """Who an instance is and what it reaches: the same whether it runs in the trusted host or in a worker."""
+
+    instance_id: str
+    username: str
+    capability: str  # minted by the trusted host; the replicas and bus shards take the identity from it alone
+    endpoints: dict[str, ModelEndpoint]
+    bus: tuple[str, ...] = ()
+    mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)
+    deadline_s: float | None = None
+    token_budget: int | None = None
+
+
+Emit = Callable[[str, "str | bytes"], None]  # (event kind, value) of one instance
+
+
+async def serve_instance(
+    program: Program,
+    main: Callable[[], Main],
+    input: dict,
+    setup: InstanceSetup,
+    emit: Emit,
+    io: SessionIO | None,
+    aborted: Callable[[], str],
+    market=None,
+    endowment: float | None = None,
+) -> None:
+    """Run one instance to its end; its last event is ``return`` or an ``error`` that says why (``aborted()``: the
+    reason it was cancelled). ``main`` loads the program's entry point (errors there are the program's)."""
+    try:
+        async with asyncio.timeout(setup.deadline_s) as deadline:
+            result = await run_inferlet(
+                main(),
+                input,
+                setup.endpoints,
+                setup.username,
+                instance_id=setup.instance_id,
+                capability=setup.capability,
+                bus=setup.bus,
+                io=io,
+                output=emit,
+                mcp_servers=setup.mcp_servers,
+                market=market,
+                endowment=endowment,
+                token_budget=setup.token_budget,
+            )
+        emit("return", encode_return(result))
+    except asyncio.CancelledError:
+        emit("error", aborted())
+    except TimeoutError as e:
+        if setup.deadline_s is not None and deadline.expired():
+            emit("error", f"deadline exceeded: the instance ran for more than {setup.deadline_s:g} s")
+        else:
+            emit("error", describe_error(e, program))
+    except ProgramError as e:
+        emit("error", str(e))
+    except Exception as e:
+        emit("error", describe_error(e, program))
+
+
+def describe_error(error: BaseException, program: Program) -> str:
+    """``Type: message`` plus where in the program it was raised (the host's own frames are noise to the user)."""
+    where = [
+        f"{frame.filename.split('/', 1)[-1]} line {frame.lineno}, in {frame.name}"
+        for frame in traceback.extract_tb(error.__traceback__)
+        if frame.filename.startswith(f"<{program.label}>")
+    ]
+    text = f"{type(error).__name__}: {error}"
+    return f"{text} (at {where[-1]})" if where else text
 
 
 def endpoints_for(name: str, replica) -> dict[str, ModelEndpoint]:

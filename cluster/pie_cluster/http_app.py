@@ -177,7 +177,8 @@ class PieIngress(OpenAIRoutes):
 
     @app.get("/healthz")
     async def health(self) -> dict:
-        return {"status": "ok"}
+        """Up, and how uploaded programs are confined (``off``: they run trusted, with Ray in reach)."""
+        return {"status": "ok", "sandbox": (await self._launcher.stats.remote())["sandbox"]}
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

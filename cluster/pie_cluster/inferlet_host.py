@@ -1,25 +1,32 @@
-"""Where inferlets run: an async Ray actor that hosts many inferlet instances as asyncio tasks.
+"""Where inferlets run: one trusted async Ray actor per node, which hands each instance to where it belongs.
 
-Each node gets one pooled host (launching there costs an actor call, not a process: hundreds of inferlets share
-one interpreter, each with its own runtime, stdout and session); a program that asks for isolation or its own
-``runtime_env`` gets a dedicated host of its own, killed when it ends. Everything an instance produces goes to the
-launcher as events, batched per event-loop turn into one actor call.
+Uploaded programs run in their user's sandboxed worker processes (``pie_cluster.sandbox``): the host never runs
+user code itself while the sandbox is on. The cluster's own programs (the OpenAI serving program) run here as
+asyncio tasks, as everything does when the operator turns the sandbox off. Either way each instance gets a
+capability minted here with the cluster's secret, naming its user and itself, which the replicas and bus shards
+check; and everything it produces goes to the launcher as events, batched per event-loop turn into one actor call.
+With the sandbox off, a program that asks for isolation or its own ``runtime_env`` gets a dedicated host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import traceback
 from dataclasses import dataclass, field
 
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint
+from pie_workers.wire import capability
 
 from pie_cluster import stdio
-from pie_cluster.host import encode_return, run_inferlet
+from pie_cluster.config import SandboxConfig
+from pie_cluster.host import InstanceSetup, serve_instance
 from pie_cluster.model_files import local_endpoints
-from pie_cluster.programs import Program, ProgramError
+from pie_cluster.programs import Program
+from pie_cluster.sandbox.hosting import Sandbox
+
+CAPABILITY_TTL_S = 24 * 3600.0  # an instance without a deadline proves who it is for this long
+CAPABILITY_MARGIN_S = 60.0  # beyond its deadline: the instance's last calls (closing its contexts) still count
 
 
 class _ClientSession:
@@ -62,13 +69,18 @@ class InstanceLimits:
 
 
 class InferletHost:
-    def __init__(self, launcher, services: NodeServices):
+    """Runs instances: uploaded programs in the sandboxed workers of their user (``pie_cluster.sandbox``), trusted
+    ones (the built-in programs, or everything when the sandbox is off) as tasks in this process."""
+
+    def __init__(self, launcher, services: NodeServices, secret: bytes, sandbox: SandboxConfig | None = None):
         self.launcher = launcher
         self.services = services
+        self._secret = secret
         self._endpoints: dict[str, ModelEndpoint] | None = None  # services.endpoints as seen from this node
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
         self._outbox: list[tuple[str, str, str | bytes]] = []
+        self._sandbox = Sandbox(sandbox, self) if sandbox is not None and sandbox.enabled else None
         stdio.install_router()
         gc.freeze()  # the imports live as long as the host: full collections need not scan them (see RankWorker.start)
 
@@ -76,22 +88,43 @@ class InferletHost:
         """Answers as soon as the host is up (``pie status`` asks it)."""
         return True
 
+    async def describe(self) -> dict:
+        """How this host runs uploaded programs (``pie status``, ``/healthz``)."""
+        if self._sandbox is None:
+            return {"sandbox": "off", "in_process": len(self._tasks)}
+        return {"sandbox": "bubblewrap", "in_process": len(self._tasks), **self._sandbox.pool.stats()}
+
     async def set_services(self, services: NodeServices) -> None:
         """What new instances reach from now on (a replica was replaced: its addresses changed)."""
         self.services, self._endpoints = services, None
+        if self._sandbox is not None:
+            self._sandbox.stale = True
 
     async def lifetime(self) -> None:
         """Never answers: the launcher keeps this call open to learn at once that the host died (it fails)."""
         await asyncio.Event().wait()
 
     async def start(
-        self, instance_id: str, program: Program, input: dict, username: str, limits: InstanceLimits
+        self,
+        instance_id: str,
+        program: Program,
+        input: dict,
+        username: str,
+        limits: InstanceLimits,
+        trusted: bool = False,
     ) -> None:
-        """Begin running the instance; returns at once (its events report how it goes)."""
-        task = asyncio.get_running_loop().create_task(self._run(instance_id, program, input, username, limits))
-        self._tasks[instance_id] = task
+        """Begin running the instance; returns once it is handed over (its events report how it goes).
+        ``trusted``: one of the cluster's own programs, run in this process even when the sandbox is on."""
+        setup = await self._setup(instance_id, username, limits)
+        if self._sandbox is None or trusted:
+            task = asyncio.get_running_loop().create_task(self._run(program, input, setup, limits))
+            self._tasks[instance_id] = task
+        else:
+            await self._sandbox.start(program, input, setup, limits)
 
     async def abort(self, instance_id: str, reason: str = "aborted") -> bool:
+        if self._sandbox is not None and self._sandbox.pool.abort(instance_id, reason):
+            return True
         task = self._tasks.get(instance_id)
         if task is None or task.done():
             return False
@@ -99,45 +132,38 @@ class InferletHost:
         task.cancel()
         return True
 
-    # -- one instance ------------------------------------------------------------------------------------------
+    async def _setup(self, instance_id: str, username: str, limits: InstanceLimits) -> InstanceSetup:
+        services = self.services
+        if self._endpoints is None:
+            self._endpoints = await local_endpoints(services.endpoints, services.model_files)
+        ttl = (limits.deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
+        return InstanceSetup(
+            instance_id=instance_id,
+            username=username,
+            capability=capability.mint(self._secret, username, instance_id, ttl),
+            endpoints=self._endpoints,
+            bus=services.bus,
+            mcp_servers=services.mcp_servers,
+            deadline_s=limits.deadline_s,
+            token_budget=limits.token_budget,
+        )
 
-    async def _run(self, instance_id: str, program: Program, input: dict, username: str, limits: InstanceLimits):
-        def output(stream: str, text: str) -> None:
-            self.emit(instance_id, stream, text)
+    # -- one trusted instance, in this process ---------------------------------------------------------------------
 
+    async def _run(self, program: Program, input: dict, setup: InstanceSetup, limits: InstanceLimits) -> None:
+        instance_id = setup.instance_id
         try:
-            main = program.load_main()
-            services = self.services
-            if self._endpoints is None:
-                self._endpoints = await local_endpoints(services.endpoints, services.model_files)
-            async with asyncio.timeout(limits.deadline_s) as deadline:
-                result = await run_inferlet(
-                    main,
-                    input,
-                    self._endpoints,
-                    username,
-                    instance_id=instance_id,
-                    bus=services.bus,
-                    io=_ClientSession(self, instance_id),
-                    output=output,
-                    mcp_servers=services.mcp_servers,
-                    market=services.market,
-                    endowment=limits.endowment,
-                    token_budget=limits.token_budget,
-                )
-            self.emit(instance_id, "return", encode_return(result))
-        except asyncio.CancelledError:
-            self.emit(instance_id, "error", self._abort_reasons.pop(instance_id, "aborted"))
-        except TimeoutError as e:
-            if limits.deadline_s is not None and deadline.expired():
-                message = f"deadline exceeded: the instance ran for more than {limits.deadline_s:g} s"
-                self.emit(instance_id, "error", message)
-            else:
-                self.emit(instance_id, "error", _describe(e, program))
-        except ProgramError as e:
-            self.emit(instance_id, "error", str(e))
-        except Exception as e:
-            self.emit(instance_id, "error", _describe(e, program))
+            await serve_instance(
+                program,
+                program.load_main,
+                input,
+                setup,
+                lambda kind, value: self.emit(instance_id, kind, value),
+                _ClientSession(self, instance_id),
+                aborted=lambda: self._abort_reasons.pop(instance_id, "aborted"),
+                market=self.services.market,
+                endowment=limits.endowment,
+            )
         finally:
             self._tasks.pop(instance_id, None)
 
@@ -155,12 +181,3 @@ class InferletHost:
         self.launcher.emit.remote(batch)
 
 
-def _describe(error: BaseException, program: Program) -> str:
-    """``Type: message`` plus where in the program it was raised (the host's own frames are noise to the user)."""
-    where = [
-        f"{frame.filename.split('/', 1)[-1]} line {frame.lineno}, in {frame.name}"
-        for frame in traceback.extract_tb(error.__traceback__)
-        if frame.filename.startswith(f"<{program.label}>")
-    ]
-    text = f"{type(error).__name__}: {error}"
-    return f"{text} (at {where[-1]})" if where else text

@@ -139,9 +139,10 @@ class Program:
     def _compile(self) -> types.CodeType:
         return _compiled(self.id, self.label, self.entry, self.files[self.entry])
 
-    def load_main(self) -> Main:
-        """A fresh instance of the entry module; returns its ``async def main(input)``."""
-        package = self._package()
+    def load_main(self, root: Path | None = None) -> Main:
+        """A fresh instance of the entry module; returns its ``async def main(input)``. ``root``: where the
+        program's files already are (a sandboxed worker's read-only view), else they are written out if needed."""
+        package = self._package(root)
         module = types.ModuleType(f"{package}.{Path(self.entry).stem}" if package else f"inferlet_{self.id}")
         module.__package__ = package
         module.__file__ = f"<{self.label}>/{self.entry}"
@@ -159,23 +160,28 @@ class Program:
             raise ProgramError(f"{self.label}: {self.entry} must define `async def main(input)` at top level")
         return main
 
-    def _package(self) -> str:
+    def _package(self, root: Path | None) -> str:
         """Multi-file programs become a package in a per-program directory, so relative imports work."""
         if len(self.files) == 1:
             return ""
         name = f"pie_program_{self.id}"
         if name not in sys.modules:
-            root = (Path(tempfile.gettempdir()) / "pie-programs" / self.id).resolve()
-            for rel, data in self.files.items():
-                target = (root / rel).resolve()
-                if not target.is_relative_to(root):  # from_files refuses such names; this guards the write itself
-                    raise ProgramError(f"{self.label}: {rel!r} is outside the program directory")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
+            root = root or self.write_out()
             package = types.ModuleType(name)
             package.__path__ = [str(root)]
             sys.modules[name] = package
         return name
+
+    def write_out(self, root: Path | None = None) -> Path:
+        """The program's files written under ``root`` (default: this process's temporary directory)."""
+        root = (root or Path(tempfile.gettempdir()) / "pie-programs" / self.id).resolve()
+        for rel, data in self.files.items():
+            target = (root / rel).resolve()
+            if not target.is_relative_to(root):  # from_files refuses such names; this guards the write itself
+                raise ProgramError(f"{self.label}: {rel!r} is outside the program directory")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        return root
 
 
 def _check_member(source: str, name: str) -> None:

@@ -1,0 +1,107 @@
+"""The trusted host's sandboxed side: its worker pool, its relays, and each sandboxed instance's wallet.
+
+A worker holds no Ray handle, so what the host did for an in-process instance through ``run_inferlet`` is done
+here around the worker: the market wallet is opened before the instance starts and closed after its last event
+(its contexts are released by then: the worker closes them, or the replica does when the worker's connection
+drops), and the client's messages are fetched from the launcher on the worker's behalf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+import ray.exceptions
+from pie_workers.cache import cache_root
+
+from pie_cluster.config import SandboxConfig
+from pie_cluster.host import InstanceSetup
+from pie_cluster.programs import Program
+from pie_cluster.sandbox.bwrap import probe
+from pie_cluster.sandbox.pool import HostSide, WorkerPool
+from pie_cluster.sandbox.protocol import InstanceSpec, ProgramRef
+from pie_cluster.sandbox.view import Relays, SandboxView, build_view
+
+
+class Sandbox:
+    def __init__(self, config: SandboxConfig, host):
+        probe(config)  # a node whose kernel refuses the sandbox says so at once, naming the fix
+        self._host = host
+        self.directory = _private_directory()
+        self._relays = Relays(self.directory)
+        self.pool = WorkerPool(config, self.directory, HostSide(host.emit, self._receive, self._ended))
+        self._view: SandboxView | None = None
+        self.stale = True  # the services changed since the view was built
+        self._wallets: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, program: Program, input: dict, setup: InstanceSetup, limits) -> None:
+        if self.stale or self._view is None:
+            self.stale = False
+            self._view = await build_view(setup.endpoints, setup.bus, self._relays)
+            self.pool.set_view(self._view)
+        spec = InstanceSpec(
+            instance_id=setup.instance_id,
+            username=setup.username,
+            capability=setup.capability,
+            program=ProgramRef(program.id, program.name, program.version, program.entry),
+            input=input,
+            endpoints=list(self._view.endpoints.values()),
+            bus=list(self._view.bus),
+            mcp_servers=setup.mcp_servers,
+            deadline_s=setup.deadline_s,
+            token_budget=setup.token_budget,
+        )
+        market = self._host.services.market
+        if market is not None:
+            await market.join.remote(setup.instance_id, limits.endowment)
+            self._wallets.add(setup.instance_id)
+        try:
+            await self.pool.start(setup.username, program, spec, program.isolated)
+        except BaseException:
+            self._ended(setup.instance_id)
+            raise
+
+    async def _receive(self, instance_id: str, kind: str):
+        return await self._host.launcher.receive.remote(instance_id, kind)
+
+    def _ended(self, instance_id: str) -> None:
+        if instance_id in self._wallets:
+            self._wallets.discard(instance_id)
+            task = asyncio.get_running_loop().create_task(self._leave(instance_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _leave(self, instance_id: str) -> None:
+        with contextlib.suppress(ray.exceptions.RayError):
+            await self._host.services.market.leave.remote(instance_id)
+
+
+def _private_directory() -> Path:
+    """``<cache>/sandbox/host-<pid>``, private to the host, removed when it exits; those of hosts that died without
+    removing theirs are removed here."""
+    root = cache_root() / "sandbox"
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob("host-*"):
+        with contextlib.suppress(ValueError):
+            if not _alive(int(old.name.removeprefix("host-"))):
+                shutil.rmtree(old, ignore_errors=True)
+    directory = root / f"host-{os.getpid()}"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(mode=0o700)
+    atexit.register(shutil.rmtree, directory, True)
+    return directory
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

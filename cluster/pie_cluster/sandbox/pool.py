@@ -1,0 +1,335 @@
+"""Each user's sandboxed workers on one node: started, reused, watched and ended by the trusted host.
+
+A user's instances share that user's worker (one interpreter for hundreds of inferlets, so a launch costs a message,
+not a process); an ``isolated`` program gets a worker of its own, ended with its instance. One spare worker is kept
+started and bound to a user on first use, so even a user's first launch does not wait for a process to start. A
+worker is ended when it stalls (its event loop answers no ping for ``stall_s``: a busy loop or a blocking call),
+dies (a crash, a kernel limit, a fork bomb that ran out of processes and gave up), sends what is not the protocol,
+or sits idle for ``idle_s``; its instances end with an error event that says why, and the next launch starts a
+fresh one. Workers are retired when the services change (a replica replaced: new sockets to bind in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pie_cluster.config import SandboxConfig
+from pie_cluster.programs import Program
+from pie_cluster.sandbox import bwrap
+from pie_cluster.sandbox.protocol import FrameWriter, InstanceSpec, read_frames
+from pie_cluster.sandbox.view import SandboxView
+
+_TAIL_BYTES = 4096  # of a worker's own stdout/stderr, kept to explain its death
+
+
+@dataclass(frozen=True)
+class HostSide:
+    """What the pool calls back into the host for: events out, the client's messages in, an instance's end."""
+
+    emit: Callable[[str, str, str | bytes], None]  # (instance, kind, value)
+    receive: Callable[[str, str], Awaitable]  # (instance, "message" | "file") -> what its client sent
+    ended: Callable[[str], None]  # the instance's terminal event has been emitted
+
+
+@dataclass
+class Worker:
+    """One sandboxed process and the instances it runs."""
+
+    slot: int
+    directory: Path
+    process: asyncio.subprocess.Process
+    out: FrameWriter
+    view: SandboxView
+    user: str | None = None  # None: the spare, not yet anyone's
+    dedicated: bool = False
+    instances: set[str] = field(default_factory=set)
+    programs: set[str] = field(default_factory=set)  # written into its /pie/programs
+    idle_since: float = field(default_factory=time.monotonic)
+    retired: bool = False  # takes no new instances; ends when its last one does
+    uid: int | None = None  # its own uid, when the host could give it one
+    death: str | None = None  # why the host ended it, when it did
+    tail: bytearray = field(default_factory=bytearray)
+    pongs: int = 0
+
+
+class WorkerPool:
+    def __init__(self, config: SandboxConfig, directory: Path, host: HostSide):
+        self._config = config
+        self._directory = directory
+        self._host = host
+        self._slots = itertools.count()
+        self._workers: dict[str, list[Worker]] = {}  # user -> their shared workers (the newest takes launches)
+        self._by_instance: dict[str, Worker] = {}
+        self._spare: asyncio.Task | None = None
+        self._view: SandboxView | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._census_at, self._tasks_by_uid = 0.0, {}
+
+    def set_view(self, view: SandboxView) -> None:
+        """New services: workers started from now on bind these; running ones finish what they have."""
+        self._view = view
+        for workers in self._workers.values():
+            for worker in workers:
+                self._retire(worker)
+        if self._spare is not None:
+            self._spare.cancel()
+            self._spare = None
+
+    # -- launching -------------------------------------------------------------------------------------------
+
+    async def start(self, user: str, program: Program, spec: InstanceSpec, isolated: bool) -> None:
+        worker = await self._worker_for(user, isolated)
+        if program.id not in worker.programs:
+            await asyncio.to_thread(program.write_out, worker.directory / "programs" / program.id)
+            worker.programs.add(program.id)
+        worker.instances.add(spec.instance_id)
+        self._by_instance[spec.instance_id] = worker
+        worker.out.send("start", spec.to_wire())
+
+    def abort(self, instance_id: str, reason: str) -> bool:
+        worker = self._by_instance.get(instance_id)
+        if worker is None:
+            return False
+        worker.out.send("abort", instance_id, reason)
+        return True
+
+    def runs(self, instance_id: str) -> bool:
+        return instance_id in self._by_instance
+
+    async def _worker_for(self, user: str, isolated: bool) -> Worker:
+        if not isolated:
+            for worker in self._workers.get(user, ()):
+                if not worker.retired and not worker.dedicated:
+                    return worker
+        worker = await self._take_spare()
+        worker.user, worker.dedicated = user, isolated
+        self._workers.setdefault(user, []).append(worker)
+        return worker
+
+    async def _take_spare(self) -> Worker:
+        spare = self._spare if self._spare is not None and not self._spare.cancelled() else None
+        self._spare = None
+        worker = await spare if spare is not None else await self._spawn()
+        self._spare = asyncio.get_running_loop().create_task(self._spawn())  # the next one, while this one works
+        return worker
+
+    # -- one worker's life -----------------------------------------------------------------------------------
+
+    async def _spawn(self) -> Worker:
+        if self._view is None:
+            raise RuntimeError("the sandbox has no services to give its workers yet")
+        slot = next(self._slots)
+        directory = self._directory / f"worker-{slot}"
+        (directory / "programs").mkdir(parents=True, mode=0o755)
+        mounts = bwrap.WorkerMounts(directory / "programs", self._view.models, self._view.sockets)
+        ours, theirs = socket.socketpair()
+        limits = {
+            "RLIMIT_AS": self._config.memory_mib << 20,
+            "RLIMIT_CPU": self._config.cpu_seconds,
+            "RLIMIT_NPROC": self._config.max_processes,
+            "RLIMIT_FSIZE": self._config.max_file_mib << 20,
+            "RLIMIT_CORE": 0,
+        }
+        env = {"PIE_WORKER_FD": str(theirs.fileno()), "PIE_WORKER_LIMITS": json.dumps(limits)}
+        if (uid := bwrap.worker_uid(slot)) is not None:
+            env["PIE_WORKER_UID"] = str(uid)
+        env |= {"RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # few threads
+        argv = [sys.executable, "-m", "pie_cluster.sandbox.worker_main"]
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *bwrap.command(self._config, mounts, argv, {**env, "PYTHONDONTWRITEBYTECODE": "1"}),
+                pass_fds=(theirs.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+        finally:
+            theirs.close()
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        worker = Worker(slot, directory, process, FrameWriter(writer), self._view, uid=uid)
+        self._spawn_task(self._serve(worker, reader))
+        self._spawn_task(self._keep_tail(worker))
+        self._spawn_task(self._watch(worker))
+        return worker
+
+    async def _serve(self, worker: Worker, reader: asyncio.StreamReader) -> None:
+        """Read the worker's messages until it goes away; then end its instances, saying why."""
+        try:
+            await read_frames(reader, lambda message: self._handle(worker, message))
+        except (ValueError, TypeError) as e:
+            worker.death = worker.death or f"it broke the host protocol ({e})"
+        except OSError:
+            pass
+        await self._end(worker)
+
+    def _handle(self, worker: Worker, message: list) -> None:
+        kind, *args = message
+        if kind == "pong":
+            worker.pongs = args[0]
+            return
+        instance_id = args[0]
+        if instance_id not in worker.instances:  # not one of its own: a worker cannot speak for others
+            raise ValueError(f"it named an instance it does not run ({instance_id!r:.40})")
+        if kind == "event":
+            _, event, value = args
+            self._host.emit(instance_id, str(event), value)
+            if event in ("return", "error"):
+                self._instance_ended(worker, instance_id)
+        elif kind == "receive":
+            _, what, rid = args
+            self._spawn_task(self._answer(worker, instance_id, what, rid))
+        else:
+            raise ValueError(f"unknown message {kind!r:.40}")
+
+    async def _answer(self, worker: Worker, instance_id: str, what: str, rid: int) -> None:
+        try:
+            worker.out.send("reply", rid, None, await self._host.receive(instance_id, what))
+        except Exception as e:
+            worker.out.send("reply", rid, str(e) or type(e).__name__, None)
+
+    def _instance_ended(self, worker: Worker, instance_id: str) -> None:
+        worker.instances.discard(instance_id)
+        self._by_instance.pop(instance_id, None)
+        self._host.ended(instance_id)
+        if not worker.instances:
+            worker.idle_since = time.monotonic()
+            if worker.dedicated or worker.retired:
+                self._stop(worker, None)
+
+    async def _watch(self, worker: Worker) -> None:
+        """Pings a busy worker; ends one whose loop stays silent for ``stall_s``, or that idled ``idle_s``."""
+        period = min(1.0, self._config.stall_s / 4)
+        seq, answered_at = 0, time.monotonic()
+        while worker.process.returncode is None:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            if worker.pongs == seq:
+                answered_at = now
+            if not worker.instances:
+                answered_at = now
+                if worker.user is not None and now - worker.idle_since > self._config.idle_s:
+                    self._stop(worker, None)
+                continue
+            if worker.uid is not None and self._census(now).get(worker.uid, 0) >= self._config.max_processes:
+                self._stop(
+                    worker,
+                    f"it reached its limit of {self._config.max_processes} processes and threads (a fork bomb in "
+                    "one of this user's inferlets?)",
+                )
+                continue
+            if now - answered_at > self._config.stall_s:
+                self._stop(
+                    worker,
+                    f"its event loop answered nothing for {self._config.stall_s:g} s (a busy loop or a blocking "
+                    "call in one of this user's inferlets)",
+                )
+                continue
+            if worker.pongs == seq:
+                seq += 1
+                worker.out.send("ping", seq)
+
+    def _census(self, now: float) -> dict[int, int]:
+        """Tasks (processes and threads) per uid, read from /proc at most once a second for all workers: a worker
+        that hits its process limit is ended rather than left with a swarm that spins, failing to fork."""
+        if now - self._census_at >= 1.0:
+            self._census_at, self._tasks_by_uid = now, _tasks_by_uid()
+        return self._tasks_by_uid
+
+    async def _keep_tail(self, worker: Worker) -> None:
+        while data := await worker.process.stdout.read(1 << 16):
+            worker.tail += data
+            del worker.tail[:-_TAIL_BYTES]
+
+    def _stop(self, worker: Worker, reason: str | None) -> None:
+        if reason is not None and worker.death is None:
+            worker.death = reason
+        self._retire(worker)
+        if worker.process.returncode is None:
+            worker.process.kill()  # bwrap dies; --die-with-parent and the PID namespace take every process in it
+
+    def _retire(self, worker: Worker) -> None:
+        worker.retired = True
+        if not worker.instances and worker.process.returncode is None:
+            worker.out.close()  # the worker exits when its socket closes
+
+    async def _end(self, worker: Worker) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            worker.process.kill()
+        code = await worker.process.wait()
+        if worker.instances:
+            why = worker.death or _describe_exit(code, self._config)
+            tail = bytes(worker.tail).decode(errors="replace").strip().splitlines()[-3:]
+            message = f"this user's sandboxed worker was ended: {why}" + (f" — {' | '.join(tail)}" if tail else "")
+            for instance_id in sorted(worker.instances):
+                self._host.emit(instance_id, "error", message)
+                self._by_instance.pop(instance_id, None)
+                self._host.ended(instance_id)
+            worker.instances.clear()
+        users = self._workers.get(worker.user, [])
+        if worker in users:
+            users.remove(worker)
+            if not users:
+                del self._workers[worker.user]
+        shutil.rmtree(worker.directory, ignore_errors=True)
+
+    def _spawn_task(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- reporting and shutdown ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        workers = [w for ws in self._workers.values() for w in ws]
+        return {
+            "workers": len(workers),
+            "users": len(self._workers),
+            "instances": len(self._by_instance),
+            "spare": self._spare is not None,
+        }
+
+    async def close(self) -> None:
+        if self._spare is not None:
+            self._spare.cancel()
+            with contextlib.suppress(BaseException):
+                worker = await self._spare
+                self._stop(worker, None)
+        workers = [w for ws in self._workers.values() for w in ws]
+        for worker in workers:
+            self._stop(worker, "the host is shutting down")
+        await asyncio.gather(*(w.process.wait() for w in workers))
+
+
+def _tasks_by_uid() -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:  # it exited while being read
+            continue
+        uid = int(fields["Uid"].split()[0])
+        counts[uid] = counts.get(uid, 0) + int(fields["Threads"])
+    return counts
+
+
+def _describe_exit(code: int, config: SandboxConfig) -> str:
+    """bwrap exits with 128 + the signal that killed the worker inside it."""
+    signum = -code if code < 0 else code - 128 if code > 128 else 0
+    if signum == signal.SIGKILL:
+        return f"it was killed (out of memory; its limit is {config.memory_mib} MiB of address space)"
+    if signum == signal.SIGXCPU:
+        return f"it used up its CPU-time limit ({config.cpu_seconds} s)"
+    if signum:
+        return f"it died of signal {signal.Signals(signum).name}"
+    return f"it exited with status {code}"

@@ -1,0 +1,161 @@
+"""The sandboxed worker process: runs one user's inferlet instances as asyncio tasks, as the host tells it.
+
+Started by the host under bubblewrap (``bwrap.py``) with a scrubbed environment and one inherited socket (its fd in
+``PIE_WORKER_FD``). It first lowers its own kernel limits, for good (it cannot raise them again), and only then runs
+user code. It holds no Ray connection, no secret and no other user's data: what it knows is the instances it was
+given, each with a capability that names that instance alone.
+
+    python -m pie_cluster.sandbox.worker_main     (inside the sandbox; never by hand)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import json
+import os
+import resource
+import socket
+from pathlib import Path
+
+from pie_cluster import stdio
+from pie_cluster.host import InstanceSetup, serve_instance
+from pie_cluster.programs import Program
+from pie_cluster.sandbox.bwrap import PROGRAMS
+from pie_cluster.sandbox.protocol import FrameWriter, InstanceSpec, read_frames
+
+
+def confine(uid: int | None, limits: dict[str, int]) -> None:
+    """Take the worker's own uid (dropping the last capabilities with it) and its kernel limits, soft and hard at
+    once: without CAP_SYS_RESOURCE it can never raise them back."""
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+
+
+class _Session:
+    """``inferlet.session`` of one instance: events out, the client's messages and files in, all via the host."""
+
+    def __init__(self, worker: Worker, instance_id: str):
+        self._worker, self._id = worker, instance_id
+
+    def send(self, text: str) -> None:
+        self._worker.out.send("event", self._id, "message", text)
+
+    def send_file(self, data: bytes) -> None:
+        self._worker.out.send("event", self._id, "file", bytes(data))
+
+    async def receive(self) -> str:
+        return await self._worker.ask(self._id, "message")
+
+    async def receive_file(self) -> bytes:
+        return await self._worker.ask(self._id, "file")
+
+
+class Worker:
+    def __init__(self, out: FrameWriter, memory_mib: int):
+        self.out = out
+        self.memory_mib = memory_mib
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._abort_reasons: dict[str, str] = {}
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._rids = itertools.count()
+
+    def handle(self, message: list) -> None:
+        kind, *args = message
+        if kind == "start":
+            spec = InstanceSpec.from_wire(args[0])
+            task = asyncio.get_running_loop().create_task(self._run(spec))
+            self._tasks[spec.instance_id] = task
+        elif kind == "abort":
+            instance_id, reason = args
+            task = self._tasks.get(instance_id)
+            if task is not None and not task.done():
+                self._abort_reasons[instance_id] = reason
+                task.cancel()
+        elif kind == "reply":
+            rid, error, value = args
+            waiter = self._waiting.pop(rid, None)
+            if waiter is None or waiter.done():
+                return
+            if error:
+                waiter.set_exception(RuntimeError(error))
+            else:
+                waiter.set_result(value)
+        elif kind == "ping":
+            self.out.send("pong", args[0])
+
+    async def ask(self, instance_id: str, kind: str):
+        rid = next(self._rids)
+        waiter = self._waiting[rid] = asyncio.get_running_loop().create_future()
+        self.out.send("receive", instance_id, kind, rid)
+        try:
+            return await waiter
+        finally:
+            self._waiting.pop(rid, None)
+
+    async def _run(self, spec: InstanceSpec) -> None:
+        instance_id = spec.instance_id
+
+        def emit(kind: str, value) -> None:
+            if kind == "error" and value.startswith("MemoryError"):
+                value += f" (this user's worker may use {self.memory_mib} MiB)"
+            self.out.send("event", instance_id, kind, value)
+
+        root = Path(PROGRAMS) / spec.program.id
+        setup = InstanceSetup(
+            instance_id=instance_id,
+            username=spec.username,
+            capability=spec.capability,
+            endpoints={e.name: e for e in spec.endpoints},
+            bus=tuple(spec.bus),
+            mcp_servers=spec.mcp_servers,
+            deadline_s=spec.deadline_s,
+            token_budget=spec.token_budget,
+        )
+        try:
+            program = _load(spec, root)
+            await serve_instance(
+                program,
+                lambda: program.load_main(root),
+                spec.input,
+                setup,
+                emit,
+                _Session(self, instance_id),
+                aborted=lambda: self._abort_reasons.pop(instance_id, "aborted"),
+            )
+        except Exception as e:  # the program's files are unreadable: still the instance's own error
+            emit("error", f"{type(e).__name__}: {e}")
+        finally:
+            self._tasks.pop(instance_id, None)
+
+
+def _load(spec: InstanceSpec, root: Path) -> Program:
+    files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    ref = spec.program
+    return Program(ref.id, ref.name, ref.version, ref.entry, files)
+
+
+async def _serve(fd: int, memory_mib: int) -> None:
+    reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
+    worker = Worker(FrameWriter(writer), memory_mib)
+    await read_frames(reader, worker.handle)  # the host closed the socket: the worker's life is over
+
+
+def main() -> None:
+    uid = os.environ.pop("PIE_WORKER_UID", "")
+    limits = json.loads(os.environ.pop("PIE_WORKER_LIMITS"))
+    confine(int(uid) if uid else None, limits)
+    fd = int(os.environ.pop("PIE_WORKER_FD"))
+    stdio.install_router()
+    gc.freeze()  # the imports live as long as the worker: full collections need not scan them
+    asyncio.run(_serve(fd, limits["RLIMIT_AS"] >> 20))
+    os._exit(0)  # instances left running die with the process; their replicas see the connection close
+
+
+if __name__ == "__main__":
+    main()
