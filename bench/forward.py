@@ -17,6 +17,7 @@ interleaved. Writes ``OUT/forward.md`` and ``OUT/forward.png``.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -145,21 +146,20 @@ def main() -> None:
 
 def report(rows: list[Row], args, console: Console) -> None:
     engine = any("vllm engine" in r.speeds for r in rows)
+    vllm = not all(math.isnan(r.speeds["vllm"]) for r in rows)  # a GPU host without vLLM's CUDA build has none
     title = f"greedy decode tokens/s, {torch.get_num_threads()} threads, best of {args.repeats}"
     table = Table(title=title)
-    columns = ["model", "batch x prompt", "torch backend", "vllm backend", "vllm / torch", "transformers"]
-    columns += ["torch / HF", "vllm / HF"] + (["vLLM engine", "vllm backend / engine"] if engine else [])
+    columns = ["model", "batch x prompt", "torch backend"] + (["vllm backend", "vllm / torch"] if vllm else [])
+    columns += ["transformers", "torch / HF"] + (["vllm / HF"] if vllm else [])
+    columns += ["vLLM engine", "vllm backend / engine"] if engine else []
     for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
         s = r.speeds
-        cells = [r.model, f"{r.batch} x {r.prompt}", f"{s['torch']:,.0f}", f"{s['vllm']:,.0f}"]
-        cells += [
-            f"{s['vllm'] / s['torch']:.2f}x",
-            f"{s['transformers']:,.0f}",
-            f"{s['torch'] / s['transformers']:.2f}x",
-            f"{s['vllm'] / s['transformers']:.2f}x",
-        ]
+        cells = [r.model, f"{r.batch} x {r.prompt}", f"{s['torch']:,.0f}"]
+        cells += [f"{s['vllm']:,.0f}", f"{s['vllm'] / s['torch']:.2f}x"] if vllm else []
+        cells += [f"{s['transformers']:,.0f}", f"{s['torch'] / s['transformers']:.2f}x"]
+        cells += [f"{s['vllm'] / s['transformers']:.2f}x"] if vllm else []
         if engine:
             cells += [f"{s['vllm engine']:,.0f}", f"{s['vllm'] / s['vllm engine']:.2f}x"]
         table.add_row(*cells)
@@ -171,7 +171,11 @@ def report(rows: list[Row], args, console: Console) -> None:
 
 def plot(rows: list[Row], args) -> None:
     """Every column relative to the torch backend, so the tiny and the bigger model share one scale."""
-    columns = ["vllm", "transformers"] + (["vllm engine"] if any("vllm engine" in r.speeds for r in rows) else [])
+    columns = [
+        c
+        for c in ("vllm", "transformers", "vllm engine")
+        if any(not math.isnan(r.speeds.get(c, math.nan)) for r in rows)
+    ]
     labels = {"vllm": "vllm backend", "transformers": "transformers", "vllm engine": "vLLM engine"}
     bar_plot(
         args.out,

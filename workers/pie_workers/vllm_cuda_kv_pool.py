@@ -63,15 +63,15 @@ class VllmCudaKVPool(KVPool):
 
 
 def _check_cuda_build() -> None:
-    """vLLM's CPU build (what ``make test`` installs) has neither op: say so before the first batch fails."""
-    import vllm._custom_ops  # noqa: F401  (registers the compiled ops)
-
+    """vLLM's CPU build (what ``make test`` installs) has neither op, and a GPU host may have no vLLM at all: say
+    so before the first batch fails."""
     try:
+        import vllm._custom_ops  # noqa: F401  (registers the compiled ops)
         from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
 
         torch.ops._C_cache_ops.reshape_and_cache_flash  # noqa: B018
     except (ImportError, AttributeError, RuntimeError) as e:
         raise ValueError(
             "the vllm backend on a GPU needs vLLM's CUDA build (pip install --no-deps vllm==0.32.0, which make "
-            f"gpu-check does): {e}"
+            f"gpu-check does where pip can reach its index): {e}"
         ) from e
