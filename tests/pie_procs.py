@@ -34,7 +34,8 @@ def free_port() -> int:
 
 def started_pie(ray_cluster, home: Path, extra_config: str = "") -> Iterator[dict]:
     """Start the services with two users (tokens ``tok-alice``, ``tok-bob``) and the tiny model as "default";
-    yields the base URL, the environment and the home directory, and stops them afterwards."""
+    yields the base URL, the environment, the home directory and what `pie start` printed on stderr, and stops them
+    afterwards."""
     port = free_port()
     config = home / "config.toml"
     config.write_text(
@@ -50,6 +51,7 @@ def started_pie(ray_cluster, home: Path, extra_config: str = "") -> Iterator[dic
         """)
         + textwrap.dedent(extra_config)
     )
+    config.chmod(0o644)  # as an editor leaves it: `pie start` warns that other local users can read the tokens
     env = {**os.environ, "PIE_HOME": str(home), "RAY_ADDRESS": ray_cluster.address}
     started = subprocess.run(
         [*PIE, "start", "--config", str(config), "--address", ray_cluster.address],
@@ -67,7 +69,7 @@ def started_pie(ray_cluster, home: Path, extra_config: str = "") -> Iterator[dic
                 break
         except httpx.HTTPError:
             time.sleep(0.5)
-    yield {"url": url, "env": env, "home": home}
+    yield {"url": url, "env": env, "home": home, "start_log": started.stderr}
     stopped = subprocess.run([*PIE, "stop", "--address", ray_cluster.address], env=env, capture_output=True, text=True)
     assert stopped.returncode == 0, stopped.stderr
 

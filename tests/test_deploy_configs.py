@@ -51,6 +51,7 @@ pie:
     search: {command: [/opt/tools/bin/python, /opt/tools/search.py], env: {INDEX: /opt/index}}
 modelVolume:
   persistentVolumeClaim: {claimName: models, readOnly: true}
+rayAuth: {secretName: pie-ray-token}
 """
 
 RENDERS = {
@@ -75,6 +76,20 @@ def test_example_config_loads_as_written():
     assert set(config.auth.tokens.values()) == {"alice", "bob"}
     assert config.server.host == "0.0.0.0"
     assert set(config.mcp_specs()) == {"docs", "search"}
+
+
+def test_a_config_file_with_tokens_that_others_can_read_is_named_with_its_fix(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('[auth]\ntokens = { "s3cret" = "alice" }\n')
+    config = PieConfig.load(path)
+    path.chmod(0o644)
+    assert config.exposed_tokens(path) == (
+        f"{path} holds [auth] tokens and is open to other users on this host (mode 644): chmod 600 {path}"
+    )
+    path.chmod(0o600)
+    assert config.exposed_tokens(path) is None
+    path.chmod(0o644)
+    assert PieConfig.model_validate({"auth": {"enabled": False}}).exposed_tokens(path) is None  # no tokens to leak
 
 
 def test_a_model_entry_names_a_backend_and_a_page_size_its_kernels_take():
@@ -105,6 +120,24 @@ def test_ray_up_config_passes_rays_validation(name):
     assert config["file_mounts"]["~/pie-on-ray"] == "."
     started = re.search(r"pie start --address auto --config ~/pie-on-ray/(\S+)\"", text)
     assert started and PieConfig.load(ROOT / started.group(1))  # the documented `pie start` names a real config
+
+
+@pytest.mark.parametrize("name", ["cluster-cpu.yaml", "cluster-gpu.yaml"])
+def test_ray_up_config_turns_ray_token_auth_on_and_keeps_the_dashboard_local(name, tmp_path):
+    config = yaml.safe_load((ROOT / "configs" / name).read_text())
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"  # the token reaches every node
+    head = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
+    # Ray runs every later command as `bash --login -c -i "source ~/.bashrc; ..."`: run the setup commands that
+    # touch ~/.bashrc twice (`ray up` again), as Ray would, in a scratch home, and read what a later command sees.
+    bashrc = [c for c in config["setup_commands"] if "~/.bashrc" in c]
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    for command in bashrc * 2:
+        subprocess.run(["bash", "-c", command], env=env, check=True)
+    seen = subprocess.run(["bash", "-c", "source ~/.bashrc; echo $RAY_AUTH_MODE"], env=env, capture_output=True)
+    assert seen.stdout.decode().strip() == "token"
+    assert (tmp_path / ".bashrc").read_text().count("RAY_AUTH_MODE") == 1
+    assert "chmod 600 ~/.ray/auth_token ~/pie-on-ray/configs/config.toml" in config["setup_commands"]
 
 
 @pytest.mark.parametrize(
@@ -242,6 +275,18 @@ def test_chart_head_starts_pie_with_the_rendered_config(case):
     assert ports[service["spec"]["ports"][0]["targetPort"]] == config.server.port
 
 
+@pytest.mark.parametrize("case", RENDERS)
+def test_chart_turns_ray_token_auth_on_and_keeps_the_dashboard_local(case):
+    """KubeRay's authOptions (validated against its CRD above) give every Ray container the cluster's token; the
+    dashboard and Jobs API answer on the head pod's loopback only; the assembled config.toml is its owner's."""
+    cluster = _render(case)["RayCluster"]
+    secret = {"secretName": "pie-ray-token"} if case == "override" else {}
+    assert cluster["spec"]["authOptions"] == {"mode": "token", **secret}
+    assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    script = _head(cluster)["containers"][0]["args"][0]
+    assert re.search(r"\(umask 077; cat [^)]*> /run/pie/config.toml\)", script)
+
+
 def test_chart_values_reach_the_cluster_and_config():
     objects = _render("override")
     config = _pie_config(objects)
@@ -274,6 +319,7 @@ def test_chart_values_reach_the_cluster_and_config():
         (["--set", "auth.tokens.t=u", "--set", "gpuWorkers.replicas=-1"], "/gpuWorkers/replicas"),
         (["--set", "auth.tokens.t=u", "--set", "service.port=8080"], "/service/port"),
         (["--set", "auth.tokens.t=u", "--set", "pie.server.host=127.0.0.1"], "propertyName 'host'"),
+        (["--set", "auth.tokens.t=u", "--set", "rayAuth.mode=none"], "/rayAuth/mode"),
     ],
 )
 def test_chart_refuses_values_pie_could_not_start_with(args, error):

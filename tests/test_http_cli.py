@@ -45,6 +45,14 @@ def pie_cli(pie, *args, token="tok-alice", timeout=180) -> subprocess.CompletedP
     )
 
 
+def test_pie_start_warns_that_other_local_users_can_read_the_tokens_and_keeps_its_record_private(pie):
+    config = pie["home"] / "config.toml"
+    assert f"holds [auth] tokens and is open to other users on this host (mode 644): chmod 600 {config}" in " ".join(
+        pie["start_log"].split()  # rich wraps long lines
+    )
+    assert (pie["home"] / "cluster.json").stat().st_mode & 0o777 == 0o600  # it may hold a bearer token
+
+
 def test_auth_health_metrics_and_openapi(pie):
     assert httpx.get(f"{pie['url']}/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{pie['url']}/v1/instances").status_code == 401

@@ -115,9 +115,16 @@ def submit(
     token_budget: Annotated[
         int | None, typer.Option(min=0, help="tokens it may spend: its market endowment (default: the cluster's)")
     ] = None,
-    jobs: Annotated[bool, typer.Option("--jobs", help="run as a Ray job (Jobs API) instead of over HTTP")] = False,
+    jobs: Annotated[
+        bool,
+        typer.Option(
+            "--jobs",
+            help="operators only: run as a Ray job (Jobs API) instead of over HTTP; it needs Ray's cluster token, "
+            "and whoever holds that has the whole cluster",
+        ),
+    ] = False,
     dashboard: Annotated[str | None, typer.Option(help="Ray dashboard address for --jobs")] = None,
-    user: Annotated[str | None, typer.Option(help="--jobs only: user the instance runs as")] = None,
+    user: Annotated[str | None, typer.Option(help="--jobs only: user the instance runs as (taken on trust)")] = None,
     job_python: Annotated[str, typer.Option(help="--jobs only: the cluster's python")] = "python",
 ) -> None:
     """Launch an inferlet on a running cluster and stream its events. Arguments after `--` fold into its input."""

@@ -190,3 +190,11 @@ class PieConfig(_Strict):
     def check_auth(self) -> None:
         if self.auth.enabled and not self.auth.tokens:
             raise ValueError("auth is on but [auth.tokens] is empty: add tokens, or turn auth off explicitly")
+
+    def exposed_tokens(self, path: Path) -> str | None:
+        """Why the file this config was read from leaks its bearer tokens to other OS users (None: it does not).
+        The sandbox hides the file from inferlets; its mode is what keeps other local accounts out."""
+        mode = path.stat().st_mode & 0o777
+        if not (self.auth.enabled and self.auth.tokens and mode & 0o077):
+            return None
+        return f"{path} holds [auth] tokens and is open to other users on this host (mode {mode:o}): chmod 600 {path}"

@@ -1,9 +1,10 @@
-"""``pie submit --jobs``: run an inferlet as a Ray job through the Jobs API, for batch work.
+"""``pie submit --jobs``: run an inferlet as a Ray job through the Jobs API, for batch work — an operator's tool.
 
 The job's entrypoint is ``pie job-run``, which joins the cluster as a Ray driver, hands the program to the launcher
 directly (no HTTP, no bearer token: whoever may submit Ray jobs is trusted, and names the user), follows the
 instance's events into the job's log, and exits with the instance's outcome. The program's directory travels as
-the job's ``working_dir``.
+the job's ``working_dir``. The inferlet itself runs where any launch runs (in the sandbox); the job does not: the
+Jobs API runs any command with the cluster's full access, so only holders of Ray's cluster token may use it.
 """
 
 from __future__ import annotations

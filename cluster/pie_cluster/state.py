@@ -21,8 +21,10 @@ def load_state() -> dict:
 def save_state(state: dict) -> None:
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(state, indent=2))
-    path.chmod(0o600)  # it may hold a bearer token
+    # it may hold a bearer token: its owner's alone from the start (chmod after writing leaves a moment open)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # a file left by an older version keeps its mode through open()
+        f.write(json.dumps(state, indent=2))
 
 
 def clear_state() -> None:
