@@ -23,11 +23,13 @@ from inferlet import messaging
 from pie_cluster.bus import start_bus
 from pie_cluster.host import run_inferlet
 from pie_cluster.local_ray import init_ray
+from pie_cluster.local_trust import LocalTrust
 from ray.util.queue import Queue
 from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table
 
+TRUST = LocalTrust()  # this process is the trusted side: its replica and bus verify what it mints
 PULLS_IN_FLIGHT = 64
 SUBSCRIBERS = 8
 
@@ -103,18 +105,25 @@ async def pong(input: dict) -> None:
 class Peer:
     """An inferlet host in another process: runs one inferlet on its own event loop."""
 
-    async def run(self, main, input: dict, user: str, bus) -> object:
-        return await run_inferlet(main, input, {}, user, bus=bus.addresses())
+    async def run(self, main, input: dict, user: str, identity: dict, bus) -> object:
+        return await run_inferlet(main, input, {}, user, **identity, bus=bus.addresses())
 
 
 async def pair(bus, first, first_input, second, second_input, user: str, remote: bool, copies: int = 1):
     """Run ``first`` here and ``copies`` of ``second`` here or in Ray actors; returns ``first``'s result."""
     if remote:
         peers = [Peer.remote() for _ in range(copies)]
-        others = [asyncio.wrap_future(p.run.remote(second, second_input, user, bus).future()) for p in peers]
+        others = [
+            asyncio.wrap_future(p.run.remote(second, second_input, user, TRUST.instance(user), bus).future())
+            for p in peers
+        ]
     else:
-        others = [run_inferlet(second, second_input, {}, user, bus=bus.addresses()) for _ in range(copies)]
-    results = await asyncio.gather(run_inferlet(first, first_input, {}, user, bus=bus.addresses()), *others)
+        others = [
+            run_inferlet(second, second_input, {}, user, **TRUST.instance(user), bus=bus.addresses())
+            for _ in range(copies)
+        ]
+    first_run = run_inferlet(first, first_input, {}, user, **TRUST.instance(user), bus=bus.addresses())
+    results = await asyncio.gather(first_run, *others)
     if remote:
         for p in peers:
             ray.kill(p)
@@ -204,7 +213,7 @@ def main() -> None:
     args = ap.parse_args()
 
     init_ray(num_cpus=4)
-    bus = start_bus(args.shards, name="pie-bus-bench", detached=False)
+    bus = start_bus(args.shards, name="pie-bus-bench", detached=False, secret=TRUST.secret)
     results = {}
     for remote in (False, True):
         runs = [bus_rows(bus, args.messages, args.rounds, remote, r) for r in range(args.repeats)]

@@ -26,6 +26,7 @@ from inferlet import Context, JsonSchema, Model, Sampler
 from inferlet.constraints import ConstraintSet
 from pie_cluster.host import endpoints_for, run_inferlet
 from pie_cluster.local_ray import init_ray
+from pie_cluster.local_trust import LocalTrust
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
 from pie_workers.runner import RunnerSettings
@@ -33,6 +34,7 @@ from pie_workers.tiny_model import default_model_path
 from rich.console import Console
 from rich.table import Table
 
+TRUST = LocalTrust()  # this process is the trusted side: its replica and bus verify what it mints
 ITEM = {
     "type": "object",
     "properties": {
@@ -93,7 +95,7 @@ def constraints_section(endpoints, args, console: Console) -> None:
     schema = records_schema(args.items)
     pairs, sdk = [], []
     for _ in range(args.repeats):
-        run = asyncio.run(run_inferlet(paired_steps, {"schema": schema}, endpoints, "bench"))
+        run = asyncio.run(run_inferlet(paired_steps, {"schema": schema}, endpoints, "bench", **TRUST.instance("bench")))
         pairs += zip(run["times"]["constrained"], run["times"]["free"], strict=True)
         sdk.append(run["sdk"])
     constrained, free = (1000 * statistics.median(side) for side in zip(*pairs, strict=True))
@@ -152,7 +154,7 @@ async def speculative_run(input: dict) -> dict:
 def speculation_section(endpoints, args, console: Console) -> None:
     def run(mode: str, truth: list[int] | None = None) -> dict:
         input = {"mode": mode, "tokens": args.spec_tokens, "draft": args.draft, "truth": truth}
-        return asyncio.run(run_inferlet(speculative_run, input, endpoints, "bench"))
+        return asyncio.run(run_inferlet(speculative_run, input, endpoints, "bench", **TRUST.instance("bench")))
 
     truth = run("none")["tokens"]
     runs: dict[str, list[dict]] = {"none": [], "system": [], "oracle": []}
@@ -194,7 +196,9 @@ def main() -> None:
     args = ap.parse_args()
     init_ray(num_cpus=4)
     settings = RunnerSettings(num_pages=256)
-    replica = Replica(default_model_path("llama"), 1, settings, cpus_per_rank=2, engine=BatchLimits())
+    replica = Replica(
+        default_model_path("llama"), 1, settings, cpus_per_rank=2, engine=BatchLimits(), secret=TRUST.secret
+    )
     console = Console()
     try:
         endpoints = endpoints_for("default", replica)

@@ -173,6 +173,7 @@ async def continue_text(input):
 
 def contended_run(args, with_market: bool, host_buffer: bool) -> dict:
     from pie_cluster.host import endpoints_for, run_inferlet
+    from pie_cluster.local_trust import LocalTrust
     from pie_cluster.market import MarketActor
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
@@ -181,12 +182,21 @@ def contended_run(args, with_market: bool, host_buffer: bool) -> dict:
 
     market = MarketActor.remote() if with_market else None
     settings = RunnerSettings(num_pages=args.pages, host_pages=None if host_buffer else 0)
-    replica = Replica(default_model_path("llama"), 1, settings, cpus_per_rank=1, engine=BatchLimits(), market=market)
+    trust = LocalTrust()
+    model = default_model_path("llama")
+    replica = Replica(model, 1, settings, cpus_per_rank=1, engine=BatchLimits(), market=market, secret=trust.secret)
     endpoints = endpoints_for("default", replica)
 
     async def all_of():
         runs = [
-            run_inferlet(continue_text, {"seed": i, "tokens": args.tokens}, endpoints, "bench", market=market)
+            run_inferlet(
+                continue_text,
+                {"seed": i, "tokens": args.tokens},
+                endpoints,
+                "bench",
+                **trust.instance("bench"),
+                market=market,
+            )
             for i in range(args.inferlets)
         ]
         return await asyncio.gather(*runs)

@@ -31,6 +31,7 @@ from forward import paged_decode
 from inferlet import Context, Model, Sampler
 from pie_cluster.host import endpoints_for, run_inferlet
 from pie_cluster.local_ray import init_ray
+from pie_cluster.local_trust import LocalTrust
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
 from pie_workers.runner import ModelRunner, RunnerSettings
@@ -40,6 +41,7 @@ from report import add_out_option, bar_plot, write_markdown
 from rich.console import Console
 from rich.table import Table
 
+TRUST = LocalTrust()  # this process is the trusted side: its replica and bus verify what it mints
 PROMPT = 32
 
 
@@ -76,7 +78,10 @@ async def concurrent(endpoints, n: int, tokens: int, rng: random.Random, steppin
         }
         for _ in range(n)
     ]
-    runs = [asyncio.ensure_future(run_inferlet(timed_generation, i, endpoints, "bench")) for i in inputs]
+    runs = [
+        asyncio.ensure_future(run_inferlet(timed_generation, i, endpoints, "bench", **TRUST.instance("bench")))
+        for i in inputs
+    ]
     await asyncio.gather(*(i["ready"] for i in inputs))
     go.set_result(None)
     spans = await asyncio.gather(*runs)
@@ -99,7 +104,7 @@ def main() -> None:
 
     init_ray(num_cpus=4)
     settings = RunnerSettings(num_pages=pages, backend=args.backend)
-    replica = Replica(model_dir, 1, settings, cpus_per_rank=args.threads, engine=BatchLimits())
+    replica = Replica(model_dir, 1, settings, cpus_per_rank=args.threads, engine=BatchLimits(), secret=TRUST.secret)
     endpoints = endpoints_for("default", replica)
     local = ModelRunner(model_dir, settings)
     gc.freeze()  # as an inferlet host and the replica's ranks do after start-up (the loop runs here too)

@@ -11,17 +11,18 @@ from pie_workers.engine.service import ReplicaEngine
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import Slot, SlotKind
 from pie_workers.wire.codec import slot_to_wire
+from sdk_host import TRUST
 
 # a seeded draw: reproducible, and unlike greedy decoding the tiny random model's tokens do not settle into a loop
 SAMPLER = slot_to_wire(Slot(SlotKind.MULTINOMIAL, temperature=1.0, seed=1234))
 PAGES = 64
-SESSION = "alice/run/s"  # user/instance/session, as the channel names a request's sender
+SESSION = f"{TRUST.instance('alice', 'run')['capability']}/s"  # capability/session: how the channel names a sender
 PROMPT = [random.Random(7).randrange(3, 4000) for _ in range(29)]
 
 
 class Engine:
     def __init__(self, runner: ModelRunner):
-        self.engine = ReplicaEngine(runner, BatchLimits())
+        self.engine = ReplicaEngine(runner, BatchLimits(), secret=TRUST.secret)
         self.batches = asyncio.get_running_loop().create_task(self.engine.scheduler.run())
 
     async def call(self, op: str, *args):

@@ -6,6 +6,11 @@ import asyncio
 
 import ray
 from pie_cluster.host import run_inferlet
+from pie_cluster.local_trust import LocalTrust
+
+TRUST = LocalTrust(b"the test session's cluster secret")
+"""The test session's trusted side: its replicas and buses verify with ``TRUST.secret``, and each inferlet a test
+runs gets ``**TRUST.instance(user)`` (fixed, so Ray tasks of the session mint alike)."""
 
 
 class Served:
@@ -13,12 +18,13 @@ class Served:
         self.replica, self.endpoints = replica, endpoints
 
     def run(self, main, input: dict | None = None, user: str = "alice"):
-        return asyncio.run(run_inferlet(main, input or {}, self.endpoints, user))
+        return asyncio.run(run_inferlet(main, input or {}, self.endpoints, user, **TRUST.instance(user)))
 
     def run_many(self, mains_inputs, user: str = "alice"):
         async def all_of():
             return await asyncio.gather(
-                *(run_inferlet(m, i, self.endpoints, user) for m, i in mains_inputs), return_exceptions=True
+                *(run_inferlet(m, i, self.endpoints, user, **TRUST.instance(user)) for m, i in mains_inputs),
+                return_exceptions=True,
             )
 
         return asyncio.run(all_of())

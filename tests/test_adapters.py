@@ -26,6 +26,7 @@ from pie_workers.layers.lora import PEFT_MODULES, module_shapes
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
+from sdk_host import TRUST
 from transformers import AutoModelForCausalLM
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
@@ -428,13 +429,13 @@ def test_tensor_parallel_adapters_match_single_rank(served, tiny_llama, user, re
             adapter.destroy()
         return out
 
-    replica = Replica(tiny_llama, 2, RunnerSettings(num_pages=64), engine=BatchLimits())
+    replica = Replica(tiny_llama, 2, RunnerSettings(num_pages=64), engine=BatchLimits(), secret=TRUST.secret)
     roots = {replica_root, adapter_root(replica)}
     try:
         for root in roots:  # the same adapter on each replica's node
             peft_adapter(tiny_llama, root / user / "trained", rank=4, seed=4)
         endpoints = served.endpoints | endpoints_for("tp", replica)
-        out = asyncio.run(run_inferlet(main, {}, endpoints, user))
+        out = asyncio.run(run_inferlet(main, {}, endpoints, user, **TRUST.instance(user)))
     finally:
         replica.shutdown()
         for root in roots:

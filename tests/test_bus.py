@@ -21,6 +21,7 @@ from inferlet.messaging import SUBSCRIPTION_BUFFER, BusError
 from pie_cluster.bus import start_bus
 from pie_cluster.bus.topics import Topics
 from pie_cluster.host import run_inferlet
+from sdk_host import TRUST
 
 BUS = "pie-bus-test"
 NOTHING_HELD = {"sessions": 0, "topics": 0, "queued": 0, "waiters": 0, "subscriptions": 0}
@@ -28,7 +29,7 @@ NOTHING_HELD = {"sessions": 0, "topics": 0, "queued": 0, "waiters": 0, "subscrip
 
 @pytest.fixture(scope="module")
 def bus(ray_session):
-    bus = start_bus(2, name=BUS, detached=False)
+    bus = start_bus(2, name=BUS, detached=False, secret=TRUST.secret)
     yield bus
     bus.shutdown()
 
@@ -43,7 +44,10 @@ def run(bus, *mains_inputs, user: str) -> list:
     """Run inferlets concurrently in this process, as a host does; fail rather than hang."""
 
     async def all_of():
-        runs = (run_inferlet(main, input, {}, user, bus=bus.addresses()) for main, input in mains_inputs)
+        runs = (
+            run_inferlet(main, input, {}, user, **TRUST.instance(user), bus=bus.addresses())
+            for main, input in mains_inputs
+        )
         return await asyncio.wait_for(asyncio.gather(*runs), 60)
 
     return asyncio.run(all_of())
@@ -270,18 +274,19 @@ async def pull_inbox(input: dict) -> str:
 def test_topics_are_per_user(ray_session, user):
     """On a single shard (every topic shares one connection, so anything leaked from alice would arrive first),
     bob's pull and subscription see only his own messages, and alice's message waits for alice."""
-    single = start_bus(1, name="pie-bus-test-single", detached=False)
+    single = start_bus(1, name="pie-bus-test-single", detached=False, secret=TRUST.secret)
     alice, bob = f"alice-{user}", f"bob-{user}"
 
     async def scenario():
         alice_done = asyncio.get_running_loop().create_future()
         reader = asyncio.ensure_future(
-            run_inferlet(bob_reads, {"alice_done": alice_done}, {}, bob, bus=single.addresses())
+            run_inferlet(bob_reads, {"alice_done": alice_done}, {}, bob, **TRUST.instance(bob), bus=single.addresses())
         )
         await wait_for_stats(single, bob, subscriptions=1)
-        await run_inferlet(alice_writes, {}, {}, alice, bus=single.addresses())
+        await run_inferlet(alice_writes, {}, {}, alice, **TRUST.instance(alice), bus=single.addresses())
         alice_done.set_result(None)
-        return await reader, await run_inferlet(pull_inbox, {}, {}, alice, bus=single.addresses())
+        pulled = await run_inferlet(pull_inbox, {}, {}, alice, **TRUST.instance(alice), bus=single.addresses())
+        return await reader, pulled
 
     try:
         bobs, alices = asyncio.run(asyncio.wait_for(scenario(), 60))
@@ -306,7 +311,7 @@ def test_bad_arguments_and_no_bus_are_clear_errors(bus, user):
     (errors,) = run(bus, (misuse, {}), user=user)
     assert "a message is a string, not dict" in errors[0] and "a topic is a non-empty string" in errors[1]
     with pytest.raises(BusError, match="no message bus is configured"):
-        asyncio.run(run_inferlet(pusher, {"n": 1}, {}, user))
+        asyncio.run(run_inferlet(pusher, {"n": 1}, {}, user, **TRUST.instance(user)))
 
 
 # -- cleanup ------------------------------------------------------------------------------------------------------
@@ -326,7 +331,8 @@ async def holds_then_ends(input: dict) -> None:
 @pytest.mark.parametrize("how", ["raises", "cancelled", "deadline"])
 def test_an_inferlet_that_ends_badly_leaves_nothing_on_the_bus(bus, user, how):
     async def scenario():
-        task = asyncio.ensure_future(run_inferlet(holds_then_ends, {"how": how}, {}, user, bus=bus.addresses()))
+        inferlet = run_inferlet(holds_then_ends, {"how": how}, {}, user, **TRUST.instance(user), bus=bus.addresses())
+        task = asyncio.ensure_future(inferlet)
         if how == "raises":
             with pytest.raises(RuntimeError, match="inferlet failed"):
                 await task
@@ -352,7 +358,7 @@ def test_a_killed_host_is_dropped_at_the_next_delivery(bus, user):
 
     @ray.remote(num_cpus=0)
     class Host:
-        async def run(self, user, addresses):
+        async def run(self, user, identity, addresses):
             from inferlet import messaging
             from pie_cluster.host import run_inferlet
 
@@ -360,10 +366,10 @@ def test_a_killed_host_is_dropped_at_the_next_delivery(bus, user):
                 messaging.subscribe("feed")
                 await messaging.pull("jobs")
 
-            await run_inferlet(holder, {}, {}, user, bus=addresses)
+            await run_inferlet(holder, {}, {}, user, **identity, bus=addresses)
 
     host = Host.remote()
-    host.run.remote(user, bus.addresses())
+    host.run.remote(user, TRUST.instance(user), bus.addresses())
 
     async def prober(input: dict) -> str:
         await wait_for_stats(bus, user, subscriptions=1, waiters=1)
@@ -383,7 +389,7 @@ def test_a_killed_host_is_dropped_at_the_next_delivery(bus, user):
 
 def test_an_inferlet_in_a_ray_task_finds_the_bus_and_plays(bus, user):
     @ray.remote(num_cpus=0)
-    def remote_pong(user: str, rounds: int) -> list[str]:
+    def remote_pong(user: str, identity: dict, rounds: int) -> list[str]:
         import asyncio
 
         from inferlet import messaging
@@ -397,9 +403,9 @@ def test_an_inferlet_in_a_ray_task_finds_the_bus_and_plays(bus, user):
                 messaging.push("pong", got[-1])
             return got
 
-        return asyncio.run(run_inferlet(pong, {"rounds": rounds}, {}, user, bus=find_bus(BUS).addresses()))
+        return asyncio.run(run_inferlet(pong, {"rounds": rounds}, {}, user, **identity, bus=find_bus(BUS).addresses()))
 
-    ponged = remote_pong.remote(user, 100)
+    ponged = remote_pong.remote(user, TRUST.instance(user), 100)
     (pinged,) = run(bus, (ping, {"rounds": 100}), user=user)
     assert pinged == ray.get(ponged) == [str(i) for i in range(100)]
     assert bus.stats(user) == NOTHING_HELD
@@ -410,7 +416,7 @@ def test_an_inferlet_in_a_ray_task_finds_the_bus_and_plays(bus, user):
 
 def test_requeued_messages_go_to_waiters_first_then_ahead_of_the_queue():
     sent = []
-    topics = Topics(lambda peer, event: sent.append((peer, event)))
+    topics = Topics(lambda peer, user, event: sent.append((peer, event)))
     key = ("u", "t")
     topics.pull(b"a", "u", 1, key)
     topics.requeue(key, ["m1", "m2", "m3"])

@@ -3,7 +3,8 @@ would send it: truncated and malformed frames, frames past the size limit, well-
 unknown operations, and connections that vanish holding contexts.
 
 Each bad connection is closed or answered with errors, never the engine: a well-behaved inferlet is served after
-every example, and once the bad connections are gone they hold no context and no page."""
+every example, and once the bad connections are gone they hold no context and no page. Requests come from sessions
+with valid capabilities and from sessions without (those are refused and their connection closed)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,16 @@ from inferlet._channel import Channel
 from pie_workers.engine.channel import MAX_FRAME_BYTES
 from pie_workers.engine.service import ReplicaEngine
 from pie_workers.runner import ModelRunner, RunnerSettings
+from sdk_host import TRUST
 
 PAGES = 64
 OPS = ["create", "destroy", "close", "fork", "save", "snapshot", "open", "take", "delete", "truncate", "stats",
        "account", "suspend", "set_bid", "forward", "adapter_create", "adapter_load", "no-such-op"]  # fmt: skip
+
+
+def session(user: str, instance: str, key: str) -> str:
+    """A session string with a valid capability, as the SDK's ``Model`` names its requests."""
+    return f"{TRUST.instance(user, instance)['capability']}/{key}"
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +39,7 @@ def replica(tiny_llama):
     bound: list = []
 
     async def main():
-        engine = ReplicaEngine(ModelRunner(tiny_llama, RunnerSettings(num_pages=PAGES)))
+        engine = ReplicaEngine(ModelRunner(tiny_llama, RunnerSettings(num_pages=PAGES)), secret=TRUST.secret)
         bound.append((engine.start("127.0.0.1")["ipc_path"], engine, asyncio.get_running_loop()))
         await asyncio.Event().wait()
 
@@ -68,7 +75,7 @@ def a_good_inferlet_is_served(path: str) -> None:
     """Create a context, run a forward pass sampling a token, destroy it, close: all answered."""
 
     async def run():
-        channel = Channel(f"ipc://{path}", "good/1/s")
+        channel = Channel(f"ipc://{path}", session("good", "1", "s"))
         try:
             ctx = await asyncio.wait_for(channel.call("create"), 30)
             slots = [[2, SAMPLER]]
@@ -89,7 +96,10 @@ def a_good_inferlet_is_served(path: str) -> None:
 numbers = st.integers(-(2**63), 2**64 - 1) | st.floats()
 scalars = st.one_of(st.none(), st.booleans(), numbers, st.text(max_size=12), st.binary(max_size=12))
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=4), inner))
-sessions = st.one_of(st.sampled_from(["fuzz/1/a", "fuzz/2/b", "nobody", "a/b/c/d", ""]), values)
+sessions = st.one_of(
+    st.sampled_from([session("fuzz", "1", "a"), session("fuzz", "2", "b"), "fuzz/1/a", "nobody", "a/b/c/d", ""]),
+    values,
+)
 requests = st.tuples(st.integers(0, 2**31), sessions, st.sampled_from(OPS) | values, st.lists(values, max_size=18))
 frames = st.one_of(
     st.lists(requests.map(list), min_size=1, max_size=6).map(msgpack.packb),  # well-formed, wrong contents
@@ -120,7 +130,7 @@ def test_contexts_of_a_connection_that_vanished_are_released(replica):
     """A process that dies holding contexts (its host killed) never sends `close`: the engine closes its sessions
     when the connection drops, so the fuzzing above leaves nothing behind either."""
     path = replica[0]
-    creates = [[i, "vanished/1/s", "create", []] for i in range(5)]
+    creates = [[i, session("vanished", "1", "s"), "create", []] for i in range(5)]
     send_and_drop(path, msgpack.packb(creates))
     for _ in range(100):
         got = stats(replica)

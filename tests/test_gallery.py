@@ -18,6 +18,7 @@ import torch
 from conftest import each_backend
 from pie_cluster.bus import start_bus
 from pie_cluster.host import run_inferlet
+from sdk_host import TRUST
 from test_examples import EXAMPLES, example, hf_greedy_ids, record_forwarded_tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,7 +81,7 @@ def test_speculative_decoding_equals_greedy_in_fewer_passes(served, hf):
 
 @pytest.fixture(scope="module")
 def bus(ray_session):
-    bus = start_bus(1, name="gallery-bus", detached=False)
+    bus = start_bus(1, name="gallery-bus", detached=False, secret=TRUST.secret)
     yield bus
     bus.shutdown()
 
@@ -90,7 +91,9 @@ def test_a_swarm_moves_every_item_through_every_stage_once_in_order(served, bus)
     common = {"stages": stages, "items": items, "prefix": "swarm-test", "max_tokens": 3}
 
     def run(input: dict):
-        return run_inferlet(main, {**common, **input}, served.endpoints, "ann", bus=bus.addresses())
+        return run_inferlet(
+            main, {**common, **input}, served.endpoints, "ann", **TRUST.instance("ann"), bus=bus.addresses()
+        )
 
     async def everyone():
         runs = [run({"role": "stage", "stage": i}) for i in range(stages)] + [run({"role": "source"})]

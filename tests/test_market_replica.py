@@ -13,6 +13,7 @@ import pytest
 import ray
 from inferlet import Context, Model, Sampler, scheduling
 from pie_workers.wire.pages import pages_for
+from sdk_host import TRUST
 
 PAGES = 24
 
@@ -33,7 +34,9 @@ def replica(ray_session, tiny_llama, market):
     from pie_workers.runner import RunnerSettings
 
     settings = RunnerSettings(num_pages=PAGES, host_pages=0)  # no host buffer: every suspension is recomputed
-    replica = Replica(tiny_llama, 1, settings, cpus_per_rank=1, engine=BatchLimits(), market=market)
+    replica = Replica(
+        tiny_llama, 1, settings, cpus_per_rank=1, engine=BatchLimits(), market=market, secret=TRUST.secret
+    )
     yield replica
     replica.shutdown()
 
@@ -46,7 +49,10 @@ def run_all(replica, market, runs: list[tuple]) -> list:
 
     async def all_of():
         return await asyncio.gather(
-            *(run_inferlet(m, i, endpoints, "alice", market=market, endowment=e) for m, i, e in runs)
+            *(
+                run_inferlet(m, i, endpoints, "alice", **TRUST.instance("alice"), market=market, endowment=e)
+                for m, i, e in runs
+            )
         )
 
     return asyncio.run(all_of())
@@ -188,9 +194,11 @@ def test_without_a_market_there_are_no_credits_to_read(ray_session, tiny_llama):
         except RuntimeError as e:
             return {"bid": bid, "error": str(e)}
 
-    bare = Replica(tiny_llama, 1, RunnerSettings(num_pages=64), cpus_per_rank=1, engine=BatchLimits())
+    bare = Replica(
+        tiny_llama, 1, RunnerSettings(num_pages=64), cpus_per_rank=1, engine=BatchLimits(), secret=TRUST.secret
+    )
     try:
-        got = asyncio.run(run_inferlet(reads, {}, endpoints_for("default", bare), "alice"))
+        got = asyncio.run(run_inferlet(reads, {}, endpoints_for("default", bare), "alice", **TRUST.instance("alice")))
     finally:
         bare.shutdown()
     assert got["bid"] == 0.0 and "without the KV-page market" in got["error"]

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from inferlet.mcp import McpError, ServerSpec
 from inferlet.runtime import Runtime, install, uninstall
 from pie_cluster.host import load_program
 from pie_cluster.mcp_servers import McpServer, parse_mcp_servers
+from sdk_host import TRUST
 
 ECHO_SERVER = Path(__file__).resolve().parent / "mcp_echo_server.py"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -30,7 +30,14 @@ def run(main, input: dict | None = None, servers: dict[str, ServerSpec] = SERVER
     """Run an inferlet as ``pie_cluster.host.run_inferlet`` does, its runtime carrying the declared MCP servers."""
 
     async def inferlet():
-        runtime = Runtime(username="alice", instance_id=uuid.uuid4().hex, endpoints={}, mcp_servers=servers)
+        identity = TRUST.instance("alice")
+        runtime = Runtime(
+            username="alice",
+            instance_id=identity["instance_id"],
+            endpoints={},
+            capability=identity["capability"],
+            mcp_servers=servers,
+        )
         token = install(runtime)
         try:
             return await main(input or {})

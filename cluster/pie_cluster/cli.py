@@ -71,6 +71,7 @@ def run(
     from pie_cluster.bus import start_bus
     from pie_cluster.host import encode_return, endpoints_for, load_program, run_inferlet
     from pie_cluster.local_ray import init_ray
+    from pie_cluster.local_trust import LocalTrust
     from pie_cluster.market import endowment_for, get_or_create_market
 
     try:
@@ -82,13 +83,16 @@ def run(
     import ray
 
     market = get_or_create_market(ray.get_runtime_context().namespace)
-    bus = start_bus(shards=1, detached=False)  # messaging and broadcast work as under `pie start`
+    trust = LocalTrust()  # this run's own secret: its replica and bus verify the capability it mints for the inferlet
+    bus = start_bus(shards=1, detached=False, secret=trust.secret)  # messaging and broadcast work as under `pie start`
     try:
         settings = RunnerSettings(num_pages=pages, backend=backend)
     except ValueError as e:
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
-    replica = Replica(model or default_model_path("llama"), tp, settings, engine=BatchLimits(), market=market)
+    replica = Replica(
+        model or default_model_path("llama"), tp, settings, engine=BatchLimits(), market=market, secret=trust.secret
+    )
     try:
         result = asyncio.run(
             run_inferlet(
@@ -96,6 +100,7 @@ def run(
                 fold_arguments(ctx.args),
                 endpoints_for(model_name, replica),
                 user,
+                **trust.instance(user),
                 output=None if stdout else (lambda stream, text: None),
                 bus=bus.addresses(),
                 market=market,

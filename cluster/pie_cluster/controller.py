@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 from dataclasses import dataclass
 
@@ -73,6 +74,7 @@ class Controller:
         self.restarting: set[tuple[str, int]] = set()  # replicas being replaced (model, index)
         self.restarts = 0
         _check_placements(config)
+        self.secret = secrets.token_bytes(32)  # signs instances' capabilities; only trusted actors are given it
         namespace = ray.get_runtime_context().namespace
         # the control plane stays on the controller's node (the head's, for `pie start`): a zero-CPU actor could
         # otherwise land on any worker, and losing that worker would take the launcher or the market with it
@@ -81,7 +83,7 @@ class Controller:
         self.directory = get_or_create_directory(namespace, scheduling_strategy=here)
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
-        self.bus = start_bus(shards=config.bus.shards, detached=False)
+        self.bus = start_bus(shards=config.bus.shards, detached=False, secret=self.secret)
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         launcher_cls = ray.remote(Launcher).options(
             name=LAUNCHER, num_cpus=0, max_concurrency=100_000, scheduling_strategy=here
@@ -95,12 +97,13 @@ class Controller:
                 max_restarts=-1,  # a host that dies comes back (the launcher fails the instances it had)
                 max_concurrency=100_000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(self.launcher, services[node])
+            ).remote(self.launcher, services[node], self.secret, config.sandbox)
             for node in nodes
         }
         pool = HostPool(
             hosts=self.hosts,
             services=services,
+            secret=self.secret,
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
         )
         ray.get(self.launcher.attach_pool.remote(pool))
@@ -179,6 +182,7 @@ class Controller:
             market=self.market,
             placement=(model.group, index),
             directory=(self.directory, name),
+            secret=self.secret,
         )
 
     def ready(self) -> bool:
@@ -239,7 +243,7 @@ class Controller:
                     }
                 )
         alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
-        hosts = {node: _probe(host.ready.remote()) for node, host in self.hosts.items()}
+        hosts = {node: _probe(host.describe.remote()) for node, host in self.hosts.items()}
         launcher = _probe(self.launcher.stats.remote())
         market = _probe(self.market.summary.remote())
         try:
@@ -250,8 +254,7 @@ class Controller:
             "replicas": replicas,
             "replica_restarts": self.restarts,
             "nodes": [
-                {"node": node, "alive": alive.get(node, False), "host": "serving" if got is True else got}
-                for node, got in hosts.items()
+                {"node": node, "alive": alive.get(node, False), **_host_row(got)} for node, got in hosts.items()
             ],
             "launcher": launcher if isinstance(launcher, dict) else {"state": launcher},
             "bus": bus if isinstance(bus, dict) else {"state": bus},
@@ -316,6 +319,13 @@ def stop_controller() -> bool:
 
 
 _PROBE_S = 10.0
+
+
+def _host_row(described: object) -> dict:
+    """A node's host as ``pie status`` shows it: serving with its sandbox mode and workers, or dead / no answer."""
+    if isinstance(described, dict):
+        return {"host": "serving", **described}
+    return {"host": described}
 
 
 def _probe(ref) -> object:

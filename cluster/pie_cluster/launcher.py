@@ -94,6 +94,7 @@ class HostPool:
 
     hosts: dict[str, object]  # node id -> InferletHost actor
     services: dict[str, NodeServices]  # node id -> its models (ipc on that node, else tcp), bus, MCP, market
+    secret: bytes  # the cluster's, for the dedicated hosts to mint their instances' capabilities with
     model_nodes: tuple[str, ...] = ()  # nodes that serve at least one replica: preferred for co-location
 
 
@@ -106,6 +107,7 @@ class Launcher:
         self._sandboxed = sandboxed
         self._programs = ProgramStore(_store_directory(config.program_store_dir), config.program_store_mib << 20)
         self._builtins = {name: Program.from_path(path) for name, path in _BUILTINS.items()}
+        self._builtin_ids = {program.id for program in self._builtins.values()}
         self._admission = Admission(config.admission_limits())
         self._instances: dict[str, _Instance] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -208,7 +210,10 @@ class Launcher:
         limits, instance.start, instance.queued = instance.start, None, False
         if instance.dedicated:
             instance.host = self._dedicated_host(instance.node_id, instance.program)
-        started = instance.host.start.remote(instance.id, instance.program, instance.input, instance.user, limits)
+        trusted = instance.program.id in self._builtin_ids  # the cluster's own programs need no sandbox
+        started = instance.host.start.remote(
+            instance.id, instance.program, instance.input, instance.user, limits, trusted
+        )
         self._spawn(self._watch_start(instance, started))
 
     async def _watch_start(self, instance: _Instance, started) -> None:
@@ -245,7 +250,8 @@ class Launcher:
         if program.runtime_env:
             options["runtime_env"] = program.runtime_env
         launcher = ray.get_runtime_context().current_actor
-        return ray.remote(InferletHost).options(**options).remote(launcher, self._pool.services[node])
+        host = ray.remote(InferletHost).options(**options)
+        return host.remote(launcher, self._pool.services[node], self._pool.secret)
 
     async def events(self, user: str, instance_id: str, since: int = 0, timeout: float = 10.0) -> dict:
         """Events numbered ``since`` and later, waiting up to ``timeout`` s for one (a long poll)."""
@@ -292,6 +298,7 @@ class Launcher:
             "running": self._admission.running,
             "queued": self._admission.queued,
             "programs": len(self._programs),
+            "sandbox": "bubblewrap" if self._sandboxed else "off",
         }
 
     # -- the host side -------------------------------------------------------------------------------------------

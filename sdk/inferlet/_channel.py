@@ -3,7 +3,9 @@
 Many inferlets share one process (and one event loop), and in lock-step decoding they all send a forward at once.
 So each process holds one *link* per (event loop, replica): every request made during one loop iteration goes out
 as a single frame ``[[request id, session, op, args], ...]`` and replies come back batched the same way. A session
-string ``user/instance/session`` in each request tells the replica whose contexts it touches. Synchronous control
+string ``capability/session`` in each request tells the replica who sends it (the instance's capability, minted by
+the trusted host: the replica believes nothing else) and which inferlet run's contexts it touches; a capability the
+replica refuses fails that call with ``PermissionError`` and closes the connection. Synchronous control
 calls (``Context(model)``, ``fork``, ``open``...) use a blocking socket per (thread, replica) and cost one round
 trip (~0.1 ms). Addresses are ``ipc://<unix socket path>`` (same node) or ``tcp://<host>:<port>``.
 """
@@ -20,6 +22,7 @@ import msgpack
 
 # Error types the replica reports that are the caller's fault: re-raised as ValueError with the replica's message.
 _CALLER_ERRORS = {"ValueError", "ContextError", "BatchError", "BrleError", "KeyError", "LookupError", "OutOfPages"}
+_REFUSED = "PermissionError"  # the replica did not believe the capability: raised as itself, and it hangs up
 
 
 class ReplicaError(RuntimeError):
@@ -80,11 +83,15 @@ class _AsyncLink(asyncio.Protocol):
             for rid, error, value in frame:
                 fut = self._pending.pop(rid, None)
                 if fut is None or fut.done():
-                    continue
-                if error is None:
+                    pass
+                elif error is None:
                     fut.set_result(value)
                 else:
                     fut.set_exception(_error(error, value))
+                if error == _REFUSED:  # the replica's last word on this connection: later calls need a new one
+                    self._transport.close()
+                    self._fail(ReplicaError(f"the replica at {self.address} refused the connection: {value}"))
+                    return
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(ReplicaError(f"lost the connection to the replica at {self.address}"))
@@ -130,21 +137,28 @@ class _SyncLink:
         rid = next(self._ids)
         try:
             self._sock.sendall(msgpack.packb([[rid, session, op, args]]))
-            while True:
-                for frame in self._unpacker:
-                    for got, error, value in frame:
-                        if got == rid:
-                            if error is None:
-                                return value
-                            raise _error(error, value)
-                data = self._sock.recv(1 << 16)
-                if not data:
-                    raise OSError("closed by the replica")
-                self._unpacker.feed(data)
+            error, value = self._reply(rid)
         except OSError as e:
             self.closed = True
             self._sock.close()
             raise ReplicaError(f"lost the connection to the replica at {self._address}: {e}") from None
+        if error is None:
+            return value
+        if error == _REFUSED:  # the replica closes the connection after this
+            self.closed = True
+            self._sock.close()
+        raise _error(error, value)
+
+    def _reply(self, rid: int) -> tuple[str | None, Any]:
+        while True:
+            for frame in self._unpacker:
+                for got, error, value in frame:
+                    if got == rid:
+                        return error, value
+            data = self._sock.recv(1 << 16)
+            if not data:
+                raise OSError("closed by the replica")
+            self._unpacker.feed(data)
 
 
 def _parse(address: str) -> tuple[str, Any]:
@@ -203,4 +217,6 @@ class Channel:
 def _error(error: str, value: Any) -> Exception:
     if error in _CALLER_ERRORS:
         return ValueError(value)
+    if error == _REFUSED:
+        return PermissionError(value)
     return ReplicaError(f"{error}: {value}")

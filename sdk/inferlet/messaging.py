@@ -28,7 +28,9 @@ Delivery rules:
 
 How it travels: ``runtime.current().bus`` holds one address per bus shard (ZeroMQ ROUTER sockets owned by named Ray
 actors; see ``pie_cluster.bus``); a topic lives on shard ``crc32(user, topic) % shards``. The inferlet opens one
-DEALER socket per shard it uses, served by its event loop; frames are msgpack lists of operations and events.
+DEALER socket per shard it uses, served by its event loop; frames are msgpack lists of operations and events, each
+sent with the instance's capability, from which the shard takes the user. A shard that refuses the capability says
+why, and every call of the inferlet's on the bus then fails with a ``BusError`` saying so.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ CLOSE_TIMEOUT_S = 2.0  # how long an ending inferlet waits for each shard to con
 
 
 class BusError(RuntimeError):
-    """The message bus cannot be reached (no bus configured, or a shard does not answer)."""
+    """The message bus cannot be reached (no bus configured, or a shard does not answer or refused the inferlet)."""
 
 
 def push(topic: str, message: str) -> None:
@@ -128,9 +130,12 @@ class Subscription:
 class _Connection:
     """One DEALER socket to one shard, read by the event loop; operations are batched until the turn ends."""
 
-    def __init__(self, address: str, identity: bytes, on_events: Callable[[_Connection, list], None]):
+    def __init__(
+        self, address: str, identity: bytes, capability: bytes, on_events: Callable[[_Connection, list], None]
+    ):
         self._loop = asyncio.get_running_loop()
         self._on_events = on_events
+        self._capability = capability
         self._outbox: list[list] = []
         self._sock = _zmq_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, identity)
@@ -153,7 +158,7 @@ class _Connection:
         if self._outbox:
             frame, self._outbox = msgpack.packb(self._outbox), []
             try:
-                self._sock.send(frame)  # blocks only while the shard is SNDHWM frames behind
+                self._sock.send_multipart([self._capability, frame])  # blocks only while the shard is SNDHWM behind
             except zmq.Again:
                 raise BusError(f"message bus shard {self.address} is not accepting messages") from None
         self.drain()
@@ -164,7 +169,8 @@ class _Connection:
             self._on_events(self, msgpack.unpackb(self._sock.recv(zmq.NOBLOCK)))
 
     def wait_until(self, done: Callable[[], bool], timeout: float) -> None:
-        """Send what is queued and block the loop until ``done()`` (a synchronous call's answer has arrived)."""
+        """Send what is queued and block the loop until ``done()`` (a synchronous call's answer, or a refusal, has
+        arrived)."""
         self.flush()
         deadline = time.monotonic() + timeout
         while not done():
@@ -185,13 +191,15 @@ class _Bus:
     def __init__(self, rt: runtime.Runtime):
         self._addresses = rt.bus
         self._user = rt.username
-        self._identity = f"{rt.instance_id}/{rt.session}/{rt.username}".encode()
+        self._identity = f"{rt.instance_id}/{rt.session}".encode()  # a shard holds it to the capability's instance
+        self._capability = rt.capability.encode()
         self._connections: dict[int, _Connection] = {}
         self._ids = itertools.count()
         self._pulls: dict[int, asyncio.Future] = {}
         self._subscriptions: dict[int, Subscription] = {}
         self._answered: set[int] = set()
         self._closed = False
+        self._refused: BusError | None = None  # a shard refused the capability: every call fails with this
 
     def send(self, topic: str, op: list) -> None:
         self._connection(topic).send(op)
@@ -245,17 +253,21 @@ class _Bus:
     # -- internals --
 
     def _connection(self, topic: str) -> _Connection:
+        if self._refused is not None:
+            raise self._refused
         if self._closed:
             raise BusError("this inferlet has ended: its message bus connection is closed")
         shard = zlib.crc32(f"{self._user}\0{topic}".encode()) % len(self._addresses)
         connection = self._connections.get(shard)
         if connection is None:
-            connection = _Connection(self._addresses[shard], self._identity, self._on_events)
+            connection = _Connection(self._addresses[shard], self._identity, self._capability, self._on_events)
             self._connections[shard] = connection
         return connection
 
     def _call(self, connection: _Connection, token: int, timeout: float = CALL_TIMEOUT_S) -> None:
-        connection.wait_until(lambda: token in self._answered, timeout)
+        connection.wait_until(lambda: token in self._answered or self._refused is not None, timeout)
+        if self._refused is not None:
+            raise self._refused
         self._answered.discard(token)
 
     def _unsubscribe(self, subscription: Subscription, sid: int) -> None:
@@ -278,6 +290,16 @@ class _Bus:
                     subscription._deliver(event[2])
             elif kind == "ok":
                 self._answered.add(event[1])
+            elif kind == "refused":
+                self._refuse(BusError(f"message bus shard {connection.address} refused this inferlet: {event[1]}"))
+
+    def _refuse(self, error: BusError) -> None:
+        """The capability was refused (it will be by every shard): pending pulls fail, and so does what follows."""
+        self._refused = error
+        pulls, self._pulls = self._pulls, {}
+        for answer in pulls.values():
+            if not answer.done():
+                answer.set_exception(error)
 
 
 MAX_SOCKETS = 1 << 16

@@ -15,8 +15,7 @@ class Model:
         self.page_size = endpoint.page_size
         self._tokenizer = Tokenizer.from_dir(endpoint.model_dir)
         self.instruct = Instruct.from_dir(endpoint.model_dir)
-        identity = "/".join(part.replace("/", "_") for part in (runtime.username, runtime.instance_id, runtime.session))
-        self.channel = Channel(endpoint.address, identity)
+        self.channel = Channel(endpoint.address, f"{runtime.capability}/{runtime.session.replace('/', '_')}")
 
     @staticmethod
     def load(name: str) -> Model:

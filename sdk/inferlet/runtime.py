@@ -1,5 +1,8 @@
 """What an inferlet knows about where it runs: its identity and the models it can reach.
 
+``username`` and ``instance_id`` are for the inferlet's own information; replicas and bus shards believe only
+``capability``, a token the trusted host minted for the instance and signed with a secret the inferlet never sees.
+
 The host that launches an inferlet installs a ``Runtime`` for it in a context variable, so many inferlets can share
 one process (each asyncio task sees its own runtime).
 """
@@ -49,6 +52,7 @@ class Runtime:
     username: str
     instance_id: str
     endpoints: dict[str, ModelEndpoint]
+    capability: str  # proves (user, instance) to replicas and bus shards; see pie_workers.wire.capability
     session: str = field(default_factory=lambda: uuid.uuid4().hex)
     models_loaded: dict[str, Any] = field(default_factory=dict)
     bus: tuple[str, ...] = ()  # one address per message-bus shard (see inferlet.messaging); empty: no messaging

@@ -88,10 +88,11 @@ class RankWorker:
             node_id=ray.get_runtime_context().get_node_id(),
         )
 
-    async def start_engine(self, limits: BatchLimits, market=None, directory=None) -> dict[str, str]:
-        """Rank 0: start the engine and its channel (reporting to ``market``, the market actor, when given; with
-        ``directory``, a (user directory actor, model name) pair, its snapshots and adapters are named cluster-wide);
-        returns the addresses inferlets connect to."""
+    async def start_engine(self, limits: BatchLimits, secret: bytes, market=None, directory=None) -> dict[str, str]:
+        """Rank 0: start the engine and its channel, which takes who each inferlet is from capabilities signed with
+        ``secret`` (reporting to ``market``, the market actor, when given; with ``directory``, a (user directory
+        actor, model name) pair, its snapshots and adapters are named cluster-wide); returns the addresses inferlets
+        connect to."""
         from pie_workers.engine.directory_link import DirectoryLink
         from pie_workers.engine.service import ReplicaEngine
 
@@ -100,7 +101,7 @@ class RankWorker:
         if directory is not None:
             actor, model = directory
             link = DirectoryLink(actor, model, ray.get_runtime_context().current_actor)
-        self.engine = ReplicaEngine(self.runner, limits, market, device, link)
+        self.engine = ReplicaEngine(self.runner, limits, market, device, link, secret=secret)
         return self.engine.start(ray.util.get_node_ip_address())
 
     async def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
@@ -153,12 +154,17 @@ class Replica:
         market=None,
         placement: tuple[PlacementGroup, int] | None = None,
         directory: tuple | None = None,
+        secret: bytes | None = None,
     ):
         """``model``: a model directory (resolved on the replica's node) or the embedded model; ``engine``: also
         start the replica engine with these batch limits (what inferlets talk to); ``market``: the market actor its
         engine reports to (None: no market, bids only rank contexts locally); ``placement``: the bundle of a shared
         placement group to run in (see ``replica_placement``; None: a placement group of its own); ``directory``: the
-        cluster's user directory actor and this model's name in it (None: snapshots and adapters stay here)."""
+        cluster's user directory actor and this model's name in it (None: snapshots and adapters stay here);
+        ``secret``: the cluster's, which its engine verifies inferlets' capabilities with (required with ``engine``:
+        a replica never serves unauthenticated inferlets)."""
+        if engine is not None and not secret:
+            raise ValueError("a replica that serves inferlets needs the cluster's secret (secret=...)")
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0 and settings.device != "cpu"
         n = tensor_parallel_size
@@ -182,7 +188,7 @@ class Replica:
         infos = ray.get([r.start.remote(model, settings, addr, port) for r in self.ranks])
         self.info: ReplicaInfo = infos[0]
         self._following = [r.follow.remote() for r in self.ranks[1:]]
-        started = self.leader.start_engine.remote(engine, market, directory) if engine is not None else None
+        started = self.leader.start_engine.remote(engine, secret, market, directory) if engine is not None else None
         self.addresses = ray.get(started) if started is not None else {}
 
     @property

@@ -3,8 +3,8 @@
 The SDK side is ``inferlet.messaging`` (its docstring states the delivery rules). Here live the shards and the
 handle to start, find, inspect and stop them::
 
-    bus = start_bus()                        # get-or-create shard actors "pie-bus-0..N-1" in the caller's namespace
-    await run_inferlet(main, input, endpoints, user, bus=bus.addresses())    # ipc on the shard's node, else tcp
+    bus = start_bus(secret=secret)           # get-or-create shard actors "pie-bus-0..N-1" in the caller's namespace
+    await run_inferlet(main, input, endpoints, user, instance_id=i, capability=c, bus=bus.addresses())  # ipc/tcp
     bus.stats(user)                          # sessions / topics / queued / waiters / subscriptions held
     find_bus()                               # the same handle, from any job or task
 
@@ -30,7 +30,9 @@ Why this shape:
   everything a shard held if the shard dies (queues live in memory; shards are not restarted).
 * Overflow: subscription buffers live in the subscribing inferlet (1024 unread; the oldest is dropped and counted),
   so a slow reader never slows the shard or other subscribers. Queues are unbounded, as in Pie.
-* Namespacing: a peer's ZeroMQ routing id carries its user, and the shard keys every topic by (user, topic).
+* Namespacing: every frame carries the instance's capability (minted by the trusted host with the cluster's
+  secret, which the shards hold); the shard takes the user from it alone and keys every topic by (user, topic). A
+  peer's routing id must be one of the capability's instance, so no inferlet can act as another's connection.
 """
 
 from pie_cluster.bus.handle import Bus, find_bus, start_bus

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import ray
 
-from pie_cluster.bus.shard import BusShard, ShardInfo
+from pie_cluster.bus.shard import BusShard, ShardInfo, secret_id
 
 DEFAULT_NAME = "pie-bus"
 DEFAULT_SHARDS = 2
@@ -43,11 +43,17 @@ class Bus:
 
 
 def start_bus(
-    shards: int = DEFAULT_SHARDS, name: str = DEFAULT_NAME, namespace: str | None = None, detached: bool = True
+    shards: int = DEFAULT_SHARDS,
+    name: str = DEFAULT_NAME,
+    namespace: str | None = None,
+    detached: bool = True,
+    *,
+    secret: bytes,
 ) -> Bus:
     """Get or create the bus ``name`` (shard actors ``{name}-0`` … ``{name}-{shards-1}``) in ``namespace`` (default:
     the caller's). Detached by default so the bus outlives the job that started it; a bus that already runs with
-    another shard count is an error, since topics are placed by ``hash % shards``."""
+    another shard count is an error, since topics are placed by ``hash % shards``, and so is one that runs under
+    another cluster ``secret`` (it would refuse every capability the caller's side mints)."""
     if shards < 1:
         raise ValueError(f"a bus needs at least one shard, not {shards}")
 
@@ -61,12 +67,14 @@ def start_bus(
         }
         if detached:
             options["lifetime"] = "detached"
-        return _ShardActor.options(**options).remote(index, shards)
+        return _ShardActor.options(**options).remote(index, shards, secret)
 
     first = shard(0)
     info = ray.get(first.start.remote())
     if info.count != shards:
         raise ValueError(f"the bus {name!r} already runs with {info.count} shards, not {shards}")
+    if info.secret_id != secret_id(secret):
+        raise ValueError(f"the bus {name!r} already runs under another cluster secret")
     rest = [shard(i) for i in range(1, shards)]
     return Bus((first, *rest), (info, *ray.get([s.start.remote() for s in rest])))
 

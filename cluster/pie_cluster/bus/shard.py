@@ -1,8 +1,11 @@
 """One message-bus shard: an async Ray actor that owns a ZeroMQ ROUTER socket and the ``Topics`` behind it.
 
 Wire protocol (msgpack; the client is ``inferlet.messaging``). A peer is one inferlet's DEALER socket; its routing
-id is ``instance/session/user``, and the user part namespaces every topic it names. Each frame from a peer is a
-list of operations, applied in order::
+id is ``instance/session``. Each message from a peer has two parts: the instance's capability (minted by the trusted
+host, see ``pie_workers.wire.capability``) and a frame. The capability must verify with the cluster's secret and
+name the instance the routing id starts with; its user namespaces every topic the frame names. A frame that fails
+this is not applied: the peer is answered ``["refused", why]`` and loses what it held here. A frame is a list of
+operations, applied in order::
 
     ["push", topic, message]     ["pull", topic, rid]    ["cancel", rid]
     ["cast", topic, message]     ["sub", topic, sid]     ["unsub", sid]
@@ -23,15 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import tempfile
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import ray
 import zmq
+from pie_workers.wire.capability import Capability, CapabilityError, verify
 
 from pie_cluster.bus.topics import Topics
 
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 
 BURST = 256  # frames applied per turn of the event loop, so the actor's Ray calls (stats, stop) still get a turn
 SEND_HWM = 10_000  # frames queued towards one peer before it counts as gone
+VERIFIED_CACHE = 4096  # capabilities kept verified; past it the cache starts over (a miss costs one HMAC)
 
 
 @dataclass(frozen=True)
@@ -50,13 +57,35 @@ class ShardInfo:
     node_id: str
     tcp: str
     ipc: str
+    secret_id: str  # names the cluster secret it verifies capabilities with (a digest, never the secret)
+
+
+@dataclass(frozen=True)
+class _Verified:
+    """A capability that verified, and the routing ids it may be shown from (those of its instance)."""
+
+    capability: Capability
+    routing_prefix: bytes  # ``instance/``
+
+
+@dataclass(slots=True)
+class _Outbox:
+    """What one peer has coming from this burst, and whose topics it comes from (a routing id is one instance's,
+    so one user's)."""
+
+    user: str | None  # None until an event names it (a refusal does not)
+    events: list = field(default_factory=list)
 
 
 class BusShard:
-    def __init__(self, index: int, count: int):
+    def __init__(self, index: int, count: int, secret: bytes):
+        if not secret:
+            raise ValueError("a bus shard needs the cluster's secret to verify its clients' capabilities")
         self.index, self.count = index, count
+        self._secret = secret
+        self._verified: dict[bytes, _Verified] = {}  # token -> what it proved (a cache, emptied past VERIFIED_CACHE)
         self._topics = Topics(self._queue_event)
-        self._outgoing: dict[bytes, list] = {}
+        self._outgoing: dict[bytes, _Outbox] = {}
         self._sock: zmq.Socket | None = None
         self._ipc_path = ""
         self._info: ShardInfo | None = None
@@ -72,10 +101,12 @@ class BusShard:
             port = sock.bind_to_random_port(f"tcp://{ip}")
             self._ipc_path = os.path.join(tempfile.gettempdir(), f"pie-bus-{uuid.uuid4().hex[:12]}.sock")
             sock.bind(f"ipc://{self._ipc_path}")
+            os.chmod(self._ipc_path, 0o666)  # sandboxed workers have uids of their own; capabilities guard it
             self._sock = sock
             asyncio.get_running_loop().add_reader(sock.FD, self._serve)
             node = ray.get_runtime_context().get_node_id()
-            self._info = ShardInfo(self.index, self.count, node, f"tcp://{ip}:{port}", f"ipc://{self._ipc_path}")
+            tcp, ipc = f"tcp://{ip}:{port}", f"ipc://{self._ipc_path}"
+            self._info = ShardInfo(self.index, self.count, node, tcp, ipc, secret_id(self._secret))
         return self._info
 
     async def stats(self, user: str | None = None) -> dict[str, int]:
@@ -98,19 +129,48 @@ class BusShard:
             return
         for _ in range(BURST):
             try:
-                peer, frame = sock.recv_multipart(zmq.NOBLOCK)
+                peer, *parts = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._apply(peer, frame)
+            try:
+                token, frame = parts
+                user = self._admit(peer, token)
+            except (ValueError, CapabilityError) as e:
+                self._refuse(peer, e if isinstance(e, CapabilityError) else "no capability was presented")
+                continue
+            self._apply(peer, user, frame)
         self._send_outgoing()
         # ZeroMQ's FD is edge-triggered: what is still queued after our reads and sends won't signal again.
         if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             asyncio.get_running_loop().call_soon(self._serve)
 
-    def _apply(self, peer: bytes, frame: bytes) -> None:
+    def _admit(self, peer: bytes, token: bytes) -> str:
+        """The user ``peer`` proves to be with ``token``: a capability for the instance its routing id names
+        (verified once per token; its expiry checked on every frame). Raises ``CapabilityError``."""
+        known = self._verified.get(token)
+        if known is None:
+            try:
+                capability = verify(self._secret, token.decode("ascii"))
+            except UnicodeDecodeError:
+                raise CapabilityError("malformed capability: not ASCII") from None
+            if len(self._verified) >= VERIFIED_CACHE:
+                self._verified.clear()
+            known = self._verified[token] = _Verified(capability, f"{capability.instance}/".encode())
+        elif time.time() >= known.capability.expires:
+            raise CapabilityError(f"expired capability: instance {known.capability.instance!r} is past its lifetime")
+        if not peer.startswith(known.routing_prefix):
+            raise CapabilityError(f"the routing id {peer!r} is not one of instance {known.capability.instance!r}")
+        return known.capability.user
+
+    def _refuse(self, peer: bytes, why: object) -> None:
+        """Tell the peer why its frame was not applied; what it held here is dropped."""
+        log.warning("bus shard %d: refused a frame from %r: %s", self.index, peer, why)
+        self._topics.drop(peer)
+        self._queue_event(peer, None, ["refused", str(why)])
+
+    def _apply(self, peer: bytes, user: str, frame: bytes) -> None:
         """A malformed frame or operation is the sender's bug: it is logged and skipped, never fatal to the shard."""
         try:
-            user = peer.decode().split("/", 2)[2]
             ops = msgpack.unpackb(frame)
         except Exception:
             log.exception("bus shard %d: unreadable frame from %r", self.index, peer)
@@ -134,39 +194,44 @@ class BusShard:
                 topics.cancel(peer, rid)
             case ["sub", str(topic), int(sid)]:
                 topics.subscribe(peer, user, sid, (user, topic))
-                self._queue_event(peer, ["ok", sid])
+                self._queue_event(peer, user, ["ok", sid])
             case ["unsub", int(sid)]:
                 topics.unsubscribe(peer, sid)
             case ["requeue", str(topic), str(message)]:
                 topics.requeue((user, topic), [message])
             case ["close", int(token)]:
                 topics.drop(peer)
-                self._queue_event(peer, ["ok", token])
+                self._queue_event(peer, user, ["ok", token])
             case _:
                 raise ValueError(f"unknown bus operation {op!r}")
 
-    def _queue_event(self, peer: bytes, event: list) -> None:
-        events = self._outgoing.get(peer)
-        if events is None:
-            self._outgoing[peer] = [event]
-        else:
-            events.append(event)
+    def _queue_event(self, peer: bytes, user: str | None, event: list) -> None:
+        box = self._outgoing.get(peer)
+        if box is None:
+            box = self._outgoing[peer] = _Outbox(user)
+        elif user is not None:
+            box.user = user
+        box.events.append(event)
 
     def _send_outgoing(self) -> None:
         while self._outgoing:
-            peer, events = self._outgoing.popitem()
+            peer, box = self._outgoing.popitem()
             try:
-                self._sock.send_multipart([peer, msgpack.packb(events)], zmq.NOBLOCK)
+                self._sock.send_multipart([peer, msgpack.packb(box.events)], zmq.NOBLOCK)
             except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; EAGAIN: it stopped reading
-                self._lost(peer, events)
+                self._lost(peer, box)
 
-    def _lost(self, peer: bytes, events: list) -> None:
+    def _lost(self, peer: bytes, box: _Outbox) -> None:
         """Drop a peer that cannot be reached; the messages it was handed go back to the front of their queues."""
         self._topics.drop(peer)
-        user = peer.decode().split("/", 2)[2]
         returned: dict[str, list[str]] = {}
-        for event in events:
+        for event in box.events:
             if event[0] == "pulled":
                 returned.setdefault(event[2], []).append(event[3])
         for topic, messages in returned.items():
-            self._topics.requeue((user, topic), messages)
+            self._topics.requeue((box.user, topic), messages)
+
+
+def secret_id(secret: bytes) -> str:
+    """A name for the cluster secret that reveals nothing of it: tells whether a running bus shares ours."""
+    return hashlib.sha256(b"pie-secret-id." + secret).hexdigest()[:16]

@@ -2,8 +2,9 @@
 per peer (one inferlet's connection) the pulls and subscriptions it holds, so a peer that leaves is dropped in one
 call. Pure bookkeeping — no sockets — so every rule here is exercised directly by the shard and its tests.
 
-Outgoing messages leave through ``emit(peer, event)``; events are ``["pulled", rid, topic, message]`` (the answer to
-one pull) and ``["cast", sid, message]`` (a broadcast for one subscription).
+Outgoing messages leave through ``emit(peer, user, event)`` (``user``: whose topic it comes from, which is always
+the peer's own); events are ``["pulled", rid, topic, message]`` (the answer to one pull) and ``["cast", sid,
+message]`` (a broadcast for one subscription).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Key = tuple[str, str]  # (user, topic): users never share a key, which is all the namespacing there is
-Emit = Callable[[bytes, list], None]
+Emit = Callable[[bytes, str, list], None]
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Topics:
         if queue is not None and queue.messages:
             message = queue.messages.popleft()
             self._forget_if_idle(key)
-            self._emit(peer, ["pulled", rid, key[1], message])
+            self._emit(peer, key[0], ["pulled", rid, key[1], message])
             return
         self._queues.setdefault(key, _Queue()).waiters[(peer, rid)] = None
         self._held.setdefault(peer, _Held(user)).pulls[rid] = key
@@ -87,7 +88,7 @@ class Topics:
 
     def broadcast(self, key: Key, message: str) -> None:
         for peer, sid in self._subscribers.get(key, ()):
-            self._emit(peer, ["cast", sid, message])
+            self._emit(peer, key[0], ["cast", sid, message])
 
     # -- peers --
 
@@ -122,7 +123,7 @@ class Topics:
         (peer, rid), _ = queue.waiters.popitem(last=False)
         self._release_pull(peer, rid)
         self._forget_if_idle(key)
-        self._emit(peer, ["pulled", rid, key[1], message])
+        self._emit(peer, key[0], ["pulled", rid, key[1], message])
         return True
 
     def _release_pull(self, peer: bytes, rid: int) -> Key | None:

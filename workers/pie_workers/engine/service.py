@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pie_workers.engine.adapter_registry import AdapterRegistry
@@ -37,6 +38,7 @@ from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.engine.state import ContextState, Session
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
+from pie_workers.wire.capability import CapabilityError, verify
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +51,23 @@ class ReplicaEngine:
         market=None,
         device: str = "replica",
         directory: DirectoryLink | None = None,
+        *,
+        secret: bytes,
     ):
         """``market``: the cluster's market actor (its handle), to report this device to; None runs without one
         (bids still rank contexts locally, nobody pays rent). ``directory``: the cluster's snapshot names (None:
-        this replica's snapshots are its own)."""
+        this replica's snapshots are its own). ``secret``: the cluster's, that every request's capability must be
+        signed with (there is no unauthenticated mode)."""
+        if not secret:
+            raise ValueError("a replica engine needs the cluster's secret to verify its clients' capabilities")
+        self._secret = secret
         self.directory = directory
         self.runner = runner
         self.store = PageStore(runner.num_pages, runner.page_size)
         self.contexts = ContextTable(self.store)
         self.drafter = NgramDrafter()
         self._states: dict[int, ContextState] = {}  # the live contexts
-        self._sessions: dict[str, Session] = {}  # by the session string ``user/instance/session``
+        self._sessions: dict[str, Session] = {}  # by the session string ``capability/session``, once verified
         self.residency = Residency(
             self.contexts,
             busy=lambda ctx: ctx in self._states and self._states[ctx].gate.locked(),
@@ -129,13 +137,14 @@ class ReplicaEngine:
     # -- dispatch ------------------------------------------------------------------------------------------------
 
     def _handle(self, name: str, op: str, args: list, answer: Answer) -> Awaitable | None:
-        """``name`` is the requesting session, ``user/instance/session``; it scopes every context operation.
+        """``name`` is the requesting session, ``capability/session``; it scopes every context operation.
         Returns the operation as a coroutine for the channel to run as a task, or None for a forward: the engine
         runs those without a task and calls ``answer`` itself, once the context's turn has come."""
-        session = self._sessions.get(name)
+        session = self._sessions.get(name) if isinstance(name, str) else None
         if session is None:
-            username, instance, key = name.split("/", 2)
-            session = self._sessions[name] = Session(name, username, instance, key)
+            session = self._sessions[name] = self._admit(name)
+        elif time.time() >= session.expires:
+            raise CapabilityError(f"expired capability: instance {session.instance!r} is past its lifetime")
         if op == "forward":
             a = PassArgs.from_wire(args)
             state = self._own(session, a.ctx)
@@ -145,6 +154,15 @@ class ReplicaEngine:
         if handler is None:
             raise ValueError(f"unknown replica operation {op!r}")
         return self._operation(handler(session, *args))
+
+    def _admit(self, name: str) -> Session:
+        """A session seen for the first time: who it is comes from its capability alone (verified once; its
+        expiry is checked on every request). Raises ``CapabilityError``, which closes the connection."""
+        token, _, key = name.partition("/") if isinstance(name, str) else ("", "", "")
+        if not key:
+            raise CapabilityError("malformed session: not capability/session")
+        capability = verify(self._secret, token)
+        return Session(name, capability.user, capability.instance, key, capability.expires)
 
     def _disconnected(self, names: set[str]) -> None:
         """An inferlet process went away without closing these sessions (it died with its host, or its

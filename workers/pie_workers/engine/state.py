@@ -19,12 +19,14 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class Session:
-    """One inferlet run's connection: who it is. A context belongs to the session that made it."""
+    """One inferlet run's connection: who it is, as its verified capability says. A context belongs to the session
+    that made it."""
 
-    name: str  # ``user/instance/session``
+    name: str  # ``capability/session``, as the channel names a request's sender
     username: str
     instance: str
     key: str  # the inferlet run; scopes its contexts
+    expires: float  # when its capability does (``time.time()``): past it, its requests are refused
 
 
 @dataclass(slots=True, eq=False)
