@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 import ray
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.controller import LAUNCHER, start_controller
 from pie_cluster.http_app import serve_http, stop_http
 from pie_cluster.local_ray import NAMESPACE
@@ -26,14 +26,18 @@ class LocalPie:
 
 
 @contextlib.contextmanager
-def local_pie(pages: int = 4096, cpus_per_rank: int = 2, max_batch_tokens: int = 2048) -> Iterator[LocalPie]:
+def local_pie(
+    pages: int = 4096, cpus_per_rank: int = 2, max_batch_tokens: int = 2048, sandbox: str = "bubblewrap"
+) -> Iterator[LocalPie]:
+    """``sandbox``: how uploaded programs run (``off``: in the trusted host, the baseline the sandbox is measured
+    against)."""
     ray.init(
         num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
     )
     controller = None
     try:
         entry = ModelConfigEntry(pages=pages, cpus_per_rank=cpus_per_rank, max_batch_tokens=max_batch_tokens)
-        config = PieConfig(auth=AuthConfig(enabled=False), model=[entry])
+        config = PieConfig(auth=AuthConfig(enabled=False), model=[entry], sandbox=SandboxConfig(mode=sandbox))
         controller = start_controller(config, detached=False)
         url = serve_http(config.auth, NAMESPACE, config.server.model_copy(update={"port": free_port()}))
         wait_healthy(url)

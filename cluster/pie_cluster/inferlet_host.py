@@ -91,8 +91,8 @@ class InferletHost:
     async def describe(self) -> dict:
         """How this host runs uploaded programs (``pie status``, ``/healthz``)."""
         if self._sandbox is None:
-            return {"sandbox": "off", "in_process": len(self._tasks)}
-        return {"sandbox": "bubblewrap", "in_process": len(self._tasks), **self._sandbox.pool.stats()}
+            return {"sandbox": "off"}
+        return {"sandbox": "bubblewrap", **self._sandbox.pool.stats()}
 
     async def set_services(self, services: NodeServices) -> None:
         """What new instances reach from now on (a replica was replaced: its addresses changed)."""
@@ -113,19 +113,18 @@ class InferletHost:
         limits: InstanceLimits,
         trusted: bool = False,
     ) -> None:
-        """Begin running the instance; returns once it is handed over (its events report how it goes).
-        ``trusted``: one of the cluster's own programs, run in this process even when the sandbox is on."""
-        setup = await self._setup(instance_id, username, limits)
+        """Begin running the instance; returns at once (its events report how it goes). ``trusted``: one of the
+        cluster's own programs, run in this process even when the sandbox is on."""
         if self._sandbox is None or trusted:
-            task = asyncio.get_running_loop().create_task(self._run(program, input, setup, limits))
-            self._tasks[instance_id] = task
+            work = self._run(instance_id, program, input, username, limits)
         else:
-            await self._sandbox.start(program, input, setup, limits)
+            work = self._hand_over(instance_id, program, input, username, limits)
+        self._tasks[instance_id] = asyncio.get_running_loop().create_task(work)
 
     async def abort(self, instance_id: str, reason: str = "aborted") -> bool:
         if self._sandbox is not None and self._sandbox.pool.abort(instance_id, reason):
             return True
-        task = self._tasks.get(instance_id)
+        task = self._tasks.get(instance_id)  # running here, or still being handed to a worker
         if task is None or task.done():
             return False
         self._abort_reasons[instance_id] = reason
@@ -148,11 +147,15 @@ class InferletHost:
             token_budget=limits.token_budget,
         )
 
-    # -- one trusted instance, in this process ---------------------------------------------------------------------
+    # -- one instance, in this process or handed to a sandboxed worker ----------------------------------------------
 
-    async def _run(self, program: Program, input: dict, setup: InstanceSetup, limits: InstanceLimits) -> None:
-        instance_id = setup.instance_id
+    async def _run(self, instance_id: str, program: Program, input: dict, username: str, limits: InstanceLimits):
         try:
+            try:
+                setup = await self._setup(instance_id, username, limits)
+            except Exception as e:  # its models' files could not be fetched to this node
+                self.emit(instance_id, "error", f"the host could not prepare the instance: {e}")
+                return
             await serve_instance(
                 program,
                 program.load_main,
@@ -164,6 +167,17 @@ class InferletHost:
                 market=self.services.market,
                 endowment=limits.endowment,
             )
+        finally:
+            self._tasks.pop(instance_id, None)
+
+    async def _hand_over(self, instance_id: str, program: Program, input: dict, username: str, limits):
+        """Give the instance to its user's worker; if that fails (or it is aborted first), it ends here."""
+        try:
+            await self._sandbox.start(program, input, await self._setup(instance_id, username, limits), limits)
+        except asyncio.CancelledError:
+            self.emit(instance_id, "error", self._abort_reasons.pop(instance_id, "aborted"))
+        except Exception as e:
+            self.emit(instance_id, "error", f"no sandboxed worker could take the instance: {e}")
         finally:
             self._tasks.pop(instance_id, None)
 

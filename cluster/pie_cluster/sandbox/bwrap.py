@@ -145,7 +145,7 @@ def probe(config: SandboxConfig) -> None:
         got = subprocess.CompletedProcess(argv, 1, "", str(e))
     if got.returncode != 0:
         raise SandboxUnavailable(
-            f"this kernel refuses the namespaces the inferlet sandbox needs (bwrap: {got.stderr.strip()}). "
+            f"this kernel refuses the namespaces the inferlet sandbox needs ({got.stderr.strip()}). "
             "Allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 and "
             "user.max_user_namespaces > 0; in a container, run it with a seccomp profile that permits them), "
             'or, if every user of this cluster is trusted, set [sandbox] mode = "off" in config.toml'

@@ -82,8 +82,8 @@ class WorkerPool:
         for workers in self._workers.values():
             for worker in workers:
                 self._retire(worker)
-        if self._spare is not None:
-            self._spare.cancel()
+        if self._spare is not None:  # started with the old sockets: end it once it is up
+            self._spawn_task(self._discard(self._spare))
             self._spare = None
 
     # -- launching -------------------------------------------------------------------------------------------
@@ -118,8 +118,7 @@ class WorkerPool:
         return worker
 
     async def _take_spare(self) -> Worker:
-        spare = self._spare if self._spare is not None and not self._spare.cancelled() else None
-        self._spare = None
+        spare, self._spare = self._spare, None
         worker = await spare if spare is not None else await self._spawn()
         self._spare = asyncio.get_running_loop().create_task(self._spawn())  # the next one, while this one works
         return worker
@@ -300,15 +299,18 @@ class WorkerPool:
         }
 
     async def close(self) -> None:
-        if self._spare is not None:
-            self._spare.cancel()
-            with contextlib.suppress(BaseException):
-                worker = await self._spare
-                self._stop(worker, None)
-        workers = [w for ws in self._workers.values() for w in ws]
-        for worker in workers:
-            self._stop(worker, "the host is shutting down")
-        await asyncio.gather(*(w.process.wait() for w in workers))
+        """End every worker, the spare too, and wait until they are gone."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            await self._discard(spare)
+        for workers in list(self._workers.values()):
+            for worker in list(workers):
+                self._stop(worker, "the host is shutting down")
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _discard(self, spare: asyncio.Task) -> None:
+        with contextlib.suppress(Exception):
+            self._stop(await spare, None)
 
 
 def _tasks_by_uid() -> dict[int, int]:

