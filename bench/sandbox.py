@@ -89,28 +89,25 @@ def parked_memory(client: PieClient, tmp: Path, mode: str, k: int) -> dict:
     pid_seen = int(next(client.events(warm))[2])
     client.send(warm, "bye")
     list(client.events(warm))
-    if mode == "off":
-        shared = pid_seen  # no PID namespace: the host's own pid
-        spare = None
-    else:
-        time.sleep(1.0)  # the next spare is starting
-        workers = worker_pids()
-        shared = max(workers, key=lambda pid: psutil.Process(pid).memory_info().rss)  # the one that ran it
-        spare = min(workers - {shared}, default=None)
-    before = memory(shared)
+    time.sleep(1.0)  # the host's next spare worker is starting
+    # the process they share: the host (no PID namespace: its own pid), or whichever worker grows (the user's)
+    candidates = {pid_seen} if mode == "off" else worker_pids()
+    before = {pid: memory(pid) for pid in candidates}
     ids = [client.launch(LaunchRequest(program=program)) for _ in range(k)]
     for instance in ids:
         next(client.events(instance))
-    after = memory(shared)
+    after = {pid: memory(pid) for pid in candidates}
+    shared = max(candidates, key=lambda pid: after[pid][0] - before[pid][0])
+    spare = min(candidates - {shared}, default=None)
     for instance in ids:
         client.send(instance, "bye")
     for instance in ids:
         list(client.events(instance))
     return {
-        "before": before,
-        "after": after,
-        "per_kib": [(a - b) * 1024 / k for a, b in zip(after, before, strict=True)],
-        "spare": memory(spare) if spare is not None else None,
+        "before": before[shared],
+        "after": after[shared],
+        "per_kib": [(a - b) * 1024 / k for a, b in zip(after[shared], before[shared], strict=True)],
+        "spare": before[spare] if spare is not None else None,
     }
 
 

@@ -467,10 +467,11 @@ def test_an_isolated_directory_program_runs_on_the_pooled_host_when_sandboxed(la
     """Sandboxed, the node's pooled host gives an isolated program a worker of its own: no Ray actor is made for
     it (a dedicated Ray host is what a cluster with the sandbox off makes: test_trusted_mode.py)."""
     main = """
+    import os
     from .helpers import shout
 
     async def main(input):
-        return shout(input["text"])
+        return {"text": shout(input["text"]), "uid": os.getuid()}
     """
     manifest = """
     [package]
@@ -482,8 +483,14 @@ def test_an_isolated_directory_program_runs_on_the_pooled_host_when_sandboxed(la
     data = zip_program({"pie.toml": manifest, "main.py": main, "helpers.py": "def shout(s):\n    return s.upper()\n"})
     uploaded = ray.get(launcher.upload.remote("alice", "shouter.zip", data))
     assert uploaded["name"] == "shouter@1.2.3" and uploaded["isolated"]
+    uid = b"import os\nasync def main(input):\n    return os.getuid()\n"
+    pooled = ray.get(launcher.upload.remote("alice", "uid.py", uid))
     hosts = inferlet_host_actors(ray_cluster)
-    assert run_to_end(launcher, launch(launcher, uploaded["program"], {"text": "hey"}))[-1][1:] == ["return", "HEY"]
+    kind, value = run_to_end(launcher, launch(launcher, uploaded["program"], {"text": "hey"}))[-1][1:]
+    isolated = json.loads(value)
+    assert kind == "return" and isolated["text"] == "HEY"
+    pooled_uid = json.loads(run_to_end(launcher, launch(launcher, pooled["program"], {}))[-1][2])
+    assert isolated["uid"] != pooled_uid  # a worker of its own (each worker has its own uid on a root host)
     assert inferlet_host_actors(ray_cluster) == hosts
 
 

@@ -54,7 +54,7 @@ def test_pie_start_warns_that_other_local_users_can_read_the_tokens_and_keeps_it
 
 
 def test_auth_health_metrics_and_openapi(pie):
-    assert httpx.get(f"{pie['url']}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{pie['url']}/healthz").json() == {"status": "ok", "sandbox": "bubblewrap"}
     assert httpx.get(f"{pie['url']}/v1/instances").status_code == 401
     assert httpx.get(f"{pie['url']}/v1/instances", headers={"Authorization": "Bearer nope"}).status_code == 401
     schema = httpx.get(f"{pie['url']}/openapi.json").json()
