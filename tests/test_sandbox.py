@@ -98,9 +98,20 @@ def gcs():
     host, _, port = INPUT["gcs"].rpartition(":")
     return socket.create_connection((host, int(port)), timeout=3)
 
-def read(path):
+def secrets_in_proc():
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            found += [pid] if b"RAY_" in read(f"/proc/{pid}/environ", None) else []
+        except OSError:
+            pass
+    if not found:
+        raise LookupError("no process here shows Ray's environment")
+    return found
+
+def read(path, size=64):
     with open(path, "rb") as f:
-        return f.read(64)
+        return f.read(size)
 
 async def main(input):
     global INPUT
@@ -120,6 +131,7 @@ async def main(input):
         "passwd": attempt(lambda: read("/etc/passwd")),
         "ray_session": attempt(lambda: os.listdir("/tmp/ray")),
         "pie_cache": attempt(lambda: os.listdir(input["cache"])),
+        "proc_environ": attempt(secrets_in_proc),
         "snapshot_as_bob": attempt(lambda: Context.open(Model(model.endpoint, as_bob), "bob-notes") or _none()),
         "snapshot_forged": attempt(lambda: Context.open(Model(model.endpoint, forged), "bob-notes") or _none()),
     }
@@ -158,7 +170,7 @@ def test_every_escape_fails_while_another_users_instance_runs(pie, bob, tmp_path
     )
     kind, got = outcome(c, instance)
     assert kind == "return", got
-    for attempt in ("ray", "gcs", "http", "internet", "config", "passwd", "ray_session", "pie_cache"):
+    for attempt in ("ray", "gcs", "http", "internet", "config", "passwd", "ray_session", "pie_cache", "proc_environ"):
         assert got[attempt].startswith("refused"), (attempt, got[attempt])
     assert got["snapshot_as_bob"].startswith("refused: LookupError"), got["snapshot_as_bob"]  # alice has none
     forged = got["snapshot_forged"]  # refused, and the connection that carried it closed

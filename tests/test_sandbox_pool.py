@@ -8,6 +8,7 @@ where the kernel refuses the sandbox's namespaces, `pie start` refuses in one li
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import textwrap
@@ -82,10 +83,10 @@ async def main(input):
 """
 
 
-def run(test) -> None:
+def run(test, config: SandboxConfig | None = None) -> None:
     async def body(tmp):
         host = Host()
-        pool = WorkerPool(SandboxConfig(stall_s=5), tmp, host.side())
+        pool = WorkerPool(config or SandboxConfig(stall_s=5), tmp, host.side())
         pool.set_view(SandboxView({}, ()))
         try:
             await test(pool, host)
@@ -129,6 +130,30 @@ def test_a_user_reuses_her_worker_and_a_dead_one_is_replaced():
         assert (await host.outcome("a4"))[0] == "return"
 
     run(test)
+
+
+def test_only_the_paths_the_operator_lists_are_readable(tmp_path):
+    shared, private = tmp_path / "tools", tmp_path / "private"
+    for directory in (shared, private):
+        directory.mkdir()
+        (directory / "f").write_text(directory.name)
+    reader = f"""
+async def main(input):
+    out = []
+    for path in ({str(shared / "f")!r}, {str(private / "f")!r}):
+        try:
+            out.append(open(path).read())
+        except OSError as e:
+            out.append(type(e).__name__)
+    return out
+"""
+
+    async def test(pool, host):
+        await launch(pool, "alice", "a1", reader)
+        kind, value = await host.outcome("a1")
+        assert (kind, json.loads(value)) == ("return", ["tools", "FileNotFoundError"])
+
+    run(test, SandboxConfig(read_only=[str(shared)]))
 
 
 def test_pie_start_refuses_where_the_kernel_forbids_namespaces(tmp_path):

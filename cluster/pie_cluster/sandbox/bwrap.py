@@ -63,6 +63,7 @@ def command(config: SandboxConfig, mounts: WorkerMounts, argv: list[str], env: d
         args += ["--share-net", *_ro("/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates")]
     args += _system() + _python()
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.scratch_mib << 20), "--tmpfs", "/tmp"]
+    args += _ro(*config.read_only)
     args += ["--ro-bind", str(mounts.programs), PROGRAMS]
     for source, inside in mounts.models.items():
         args += ["--ro-bind", source, inside]

@@ -149,6 +149,7 @@ class WorkerPool:
             process = await asyncio.create_subprocess_exec(
                 *bwrap.command(self._config, mounts, argv, {**env, "PYTHONDONTWRITEBYTECODE": "1"}),
                 pass_fds=(theirs.fileno(),),
+                env={"PATH": "/usr/bin:/bin"},  # bwrap's own: its init process inside must not carry the host's
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
