@@ -20,9 +20,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from inferlet.openai_schema import ChatCompletionRequest, CompletionRequest, read_request
 from pie_cluster.client import PieClient
 from pie_cluster.launch_request import LaunchRequest
+from pie_cluster.openai_requests import OpenAIError
+from pie_cluster.openai_responses import parse_report
 from pie_procs import PIE, engine_status, started_pie
+from pydantic import ValidationError
 
 MODEL = "default"
 ROOT = Path(__file__).resolve().parent.parent
@@ -354,3 +358,20 @@ def test_a_client_that_goes_away_aborts_its_request_and_frees_its_pages(pie):
     assert instance["status"] == "failed"
     (replica,) = engine_status(pie)["replicas"]
     assert replica["contexts"] == 0 and replica["pages_used"] == 0
+
+
+def test_the_program_reads_the_record_the_route_validated_and_unknown_fields_are_errors():
+    """One record from the route to the serving program: what the route validated reads back equal, and a field
+    neither side defines is an error in the program's input and in the report the route reads, never dropped."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    body |= {"tools": [tool], "tool_choice": "required", "stop": "x", "logprobs": True, "top_logprobs": 2}
+    request = ChatCompletionRequest.model_validate(body)
+    assert read_request(request.as_input()) == request
+    assert (request.stops, request.alternatives, request.token_limit) == (["x"], 2, 1024)
+    assert read_request(CompletionRequest(model=MODEL, prompt="x").as_input()).prompts == ["x"]
+    with pytest.raises(ValidationError, match="stray"):
+        read_request({**request.as_input(), "stray": 1})
+    with pytest.raises(OpenAIError) as refused:
+        parse_report(json.dumps({"choices": [{"index": 0, "txt": "a typo"}]}))
+    assert refused.value.status == 502

@@ -1,4 +1,5 @@
-"""OpenAI's response objects, built from what a serving inferlet reports (see ``inferlet.completions``).
+"""OpenAI's response objects, built from what a serving inferlet reports (``inferlet.openai_schema``'s ``Report`` and
+``Piece``, the models the program builds them with).
 
 A non-streamed request answers one ``chat.completion`` or ``text_completion`` object. A streamed one answers Server-
 Sent Events, each ``data: <chunk>``, ending with ``data: [DONE]``; a chat choice opens with a chunk carrying the
@@ -15,59 +16,20 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from inferlet.openai_schema import Choice, Piece, Report, ReportedCall, TokenLogprob, Usage
+from pydantic import ValidationError
 
 from pie_cluster.openai_requests import OpenAIError
 
 
-class ReportedCall(BaseModel):
-    id: str
-    name: str
-    arguments: str
-
-
-class ReportedChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    index: int = Field(ge=0)
-    text: str = ""
-    finish_reason: str = "stop"
-    tool_calls: list[ReportedCall] = Field(default_factory=list)
-    logprobs: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class ReportedUsage(BaseModel):
-    prompt_tokens: int = Field(0, ge=0)
-    completion_tokens: int = Field(0, ge=0)
-
-
-class ReportedPiece(BaseModel):
-    """A streamed piece of one choice (``session.send`` of the serving inferlet)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    index: int = Field(ge=0)
-    text: str = ""
-    logprobs: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class Reported(BaseModel):
-    """An inferlet's return value as the routes need it; anything else is the inferlet's mistake (502)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    choices: list[ReportedChoice]
-    usage: ReportedUsage = Field(default_factory=ReportedUsage)
-
-    @staticmethod
-    def parse(value: str) -> Reported:
-        """The return event's value; anything else is the serving program's mistake, answered as 502."""
-        try:
-            return Reported.model_validate_json(value)
-        except ValidationError as e:
-            first = e.errors()[0]["msg"]
-            message = f"the inferlet returned no completion ({e.error_count()} problems: {first})"
-            raise OpenAIError(502, message) from None
+def parse_report(value: str) -> Report:
+    """The return event's value; anything else is the serving program's mistake, answered as 502."""
+    try:
+        return Report.model_validate_json(value)
+    except ValidationError as e:
+        first = e.errors()[0]["msg"]
+        message = f"the inferlet returned no completion ({e.error_count()} problems: {first})"
+        raise OpenAIError(502, message) from None
 
 
 @dataclass
@@ -88,7 +50,7 @@ class Reply:
 
     # -- whole responses -----------------------------------------------------------------------------------------
 
-    def complete(self, reported: Reported) -> dict:
+    def complete(self, reported: Report) -> dict:
         if self.api == "chat":
             choices = [
                 {
@@ -117,7 +79,7 @@ class Reply:
         """SSE lines for one streamed piece ``{"index", "text", "logprobs"?}``; a message that is not one (a program
         may send others) adds nothing."""
         try:
-            piece = ReportedPiece.model_validate_json(message)
+            piece = Piece.model_validate_json(message)
         except ValidationError:
             return []
         index, text, logprobs = piece.index, piece.text, piece.logprobs
@@ -127,7 +89,7 @@ class Reply:
         self.streamed_logprobs[index] = self.streamed_logprobs.get(index, 0) + len(logprobs)
         return lines + [self._chunk(index, text=text, logprobs=logprobs, offset=offset)]
 
-    def ending(self, reported: Reported) -> list[str]:
+    def ending(self, reported: Report) -> list[str]:
         """SSE lines closing every choice (the text not streamed yet, tool calls, finish reason), then the usage
         chunk if asked, then ``[DONE]``."""
         lines: list[str] = []
@@ -188,7 +150,7 @@ def _sse(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
-def _usage(usage: ReportedUsage) -> dict:
+def _usage(usage: Usage) -> dict:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -196,7 +158,7 @@ def _usage(usage: ReportedUsage) -> dict:
     }
 
 
-def _message(choice: ReportedChoice) -> dict:
+def _message(choice: Choice) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": choice.text or (None if choice.tool_calls else "")}
     if choice.tool_calls:
         message["tool_calls"] = [
@@ -215,29 +177,29 @@ def _token_bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
 
 
-def _chat_logprobs(entries: list[dict]) -> dict:
+def _chat_logprobs(entries: list[TokenLogprob]) -> dict:
     return {
         "content": [
             {
-                "token": e["token"],
-                "logprob": e["logprob"],
-                "bytes": _token_bytes(e["token"]),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": _token_bytes(t)} for t, lp in e.get("top", [])],
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": _token_bytes(e.token),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": _token_bytes(t)} for t, lp in e.top],
             }
             for e in entries
         ]
     }
 
 
-def _completion_logprobs(entries: list[dict], offset: int) -> dict:
+def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
     """The completions API's column layout; ``text_offset`` counts characters from the choice's start."""
     offsets = []
     for e in entries:
         offsets.append(offset)
-        offset += len(e["token"])
+        offset += len(e.token)
     return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [dict(e.get("top", [])) for e in entries],
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
         "text_offset": offsets,
     }

@@ -17,14 +17,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, HTTPException
 from fastapi.responses import StreamingResponse
+from inferlet.openai_schema import ChatCompletionRequest, CompletionRequest
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import OPENAI_PROGRAM
-from pie_cluster.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIError, check_grammars
-from pie_cluster.openai_responses import Reply, Reported, error_event
+from pie_cluster.openai_requests import OpenAIError, check_grammars
+from pie_cluster.openai_responses import Reply, error_event, parse_report
 
 router = APIRouter(tags=["OpenAI-compatible"])
 OPENAI_PATHS = ("/v1/models", "/v1/chat/completions", "/v1/completions")
@@ -59,26 +60,26 @@ class OpenAIRoutes:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, user: OpenAIUser):
-        return await self._complete(user, body, "chat")
+        return await self._complete(user, body)
 
     @router.post("/v1/completions")
     async def completions(self, body: CompletionRequest, user: OpenAIUser):
-        return await self._complete(user, body, "completions")
+        return await self._complete(user, body)
 
-    async def _complete(self, user: str, body: ChatCompletionRequest | CompletionRequest, api: str):
+    async def _complete(self, user: str, body: ChatCompletionRequest | CompletionRequest):
         if body.model not in self._model_names and body.model not in await self._served_models():
             message = f"the model {body.model!r} does not exist; this cluster serves: {', '.join(self._model_names)}"
             raise OpenAIError(404, message, param="model", code="model_not_found")
         check_grammars(body)
-        launch = LaunchRequest(program=body.inferlet or OPENAI_PROGRAM, input=body.inferlet_input())
+        launch = LaunchRequest(program=body.inferlet or OPENAI_PROGRAM, input=body.as_input())
         instance = await self._launch(user, launch, named=body.inferlet is not None)
-        reply = Reply(api, body.model, body.include_usage)
+        reply = Reply(body.api, body.model, body.include_usage)
         if body.stream:
             return StreamingResponse(self._streamed(user, instance, reply), media_type="text/event-stream")
         async with aclosing(self._events(user, instance)) as events:
             async for kind, value in events:
                 if kind == "return":
-                    return reply.complete(Reported.parse(value))
+                    return reply.complete(parse_report(value))
                 if kind == "error":
                     raise OpenAIError(_error_status(value), value)
         raise OpenAIError(500, "the serving inferlet ended without an answer")
@@ -91,7 +92,7 @@ class OpenAIRoutes:
                         yield line
                 elif kind == "return":
                     try:
-                        lines = reply.ending(Reported.parse(value))
+                        lines = reply.ending(parse_report(value))
                     except OpenAIError as e:
                         lines = [error_event(e.message, e.status)]
                     for line in lines:

@@ -1,16 +1,17 @@
 """Serving OpenAI-style chat and completion requests from an inferlet.
 
 The cluster's ``/v1/chat/completions`` and ``/v1/completions`` routes run each request as an inferlet whose input is
-the validated request (``Request.from_input``). ``serve`` is the built-in behaviour: render the prompt, prefill it
-once, fork a context per choice (they share the prompt's pages), generate the choices side by side with the
-request's sampler and constraints, and report them. A program named by a request's ``inferlet`` field gets the same
-input and answers in the same shape, reusing these parts for whatever it does differently.
+the validated request (``read_request`` reads it; the models are ``inferlet.openai_schema``'s). ``serve`` is the
+built-in behaviour: render the prompt, prefill it once, fork a context per choice (they share the prompt's pages),
+generate the choices side by side with the request's sampler and constraints, and report them. A program named by a
+request's ``inferlet`` field gets the same input and answers in the same shape, reusing these parts for whatever it
+does differently.
 
 What an inferlet behind the API reports (the ingress turns it into OpenAI's objects):
 
-* while streaming, ``session.send`` of ``{"index": i, "text": delta, "logprobs": [...]}`` pieces;
-* its return value, ``{"choices": [Choice.report() ...], "usage": {"prompt_tokens": p, "completion_tokens": c}}``
-  (when streaming, a choice's text was already sent and is not repeated).
+* while streaming, ``session.send`` of ``Piece`` messages (``{"index": i, "text": delta, "logprobs": [...]}``);
+* its return value, a ``Report`` as ``report.as_output()`` (when streaming, a choice's text was already sent and is
+  not repeated).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from inferlet import chat, session, tools
@@ -26,102 +26,52 @@ from inferlet.constraints import AnyJson, GrammarConstraint, JsonSchema
 from inferlet.context import Context
 from inferlet.generator import Generator
 from inferlet.model import Model
+from inferlet.openai_schema import (
+    ChatCompletionRequest,
+    Choice,
+    CompletionRequest,
+    Piece,
+    Report,
+    ReportedCall,
+    TokenLogprob,
+    Usage,
+    read_request,
+)
 from inferlet.sampler import Sampler
 from inferlet.tokenizer import TextStream
 
-
-@dataclass(frozen=True)
-class Request:
-    """One request as the ingress validated it; ``api`` is ``"chat"`` (``messages``) or ``"completions"``
-    (``prompts``: one or more prompt strings, each with its own ``n`` choices)."""
-
-    api: str
-    model: str
-    messages: list[dict] = field(default_factory=list)
-    prompts: list[str] = field(default_factory=list)
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    logprobs: int | None = None  # alternatives to report per token; None: no logprobs
-    echo: bool = False
-    ignore_eos: bool = False
-    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}
-    tools: list[dict] = field(default_factory=list)
-    tool_choice: str | dict = "auto"  # "auto", "none", "required" or {"name": ...}
-    parallel_tool_calls: bool = True  # false: a choice reports its first tool call only
-
-    @staticmethod
-    def from_input(input: dict) -> Request:
-        names = {f.name for f in dataclasses.fields(Request)}
-        return Request(**{k: v for k, v in input.items() if k in names})
-
-    @property
-    def uses_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-
-@dataclass
-class Choice:
-    """One generated choice: its text (or tool calls), why it ended, and per-token logprobs when asked."""
-
-    index: int
-    text: str = ""
-    finish_reason: str = "length"
-    completion_tokens: int = 0
-    tool_calls: list[dict] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-
-    def report(self) -> dict:
-        report = {"index": self.index, "text": self.text, "finish_reason": self.finish_reason}
-        if self.tool_calls:
-            report["tool_calls"] = self.tool_calls
-        if self.logprobs:
-            report["logprobs"] = self.logprobs
-        return report
+Request = ChatCompletionRequest | CompletionRequest
+"""Either route's request, as ``read_request`` gives it."""
 
 
 # -- prompts -----------------------------------------------------------------------------------------------------
 
 
-def chat_prompt(model: Model, request: Request) -> list[int]:
+def chat_prompt(model: Model, request: ChatCompletionRequest) -> list[int]:
     """The conversation's tokens up to the opened assistant turn: system turns, the tools (when in use), then the
     other turns in order; an assistant's ``tool_calls`` are written in the family's call syntax and a tool result
     is answered under the name of the call it answers."""
     instruct = model.instruct
     tokens: list[int] = []
     for message in request.messages:
-        if message["role"] in ("system", "developer"):
-            tokens += instruct.system(_text(message.get("content")))
+        if message.role in ("system", "developer"):
+            tokens += instruct.system(message.text)
     if request.uses_tools:
-        tokens += tools.equip_prefix(model, request.tools)
+        tokens += tools.equip_prefix(model, request.tool_specs)
     call_names: dict[str, str] = {}
     for message in request.messages:
-        role, content = message["role"], _text(message.get("content"))
+        role, content = message.role, message.text
         if role == "user":
             tokens += instruct.user(content)
         elif role == "assistant":
-            calls = message.get("tool_calls") or []
-            for call in calls:
-                call_names[call.get("id", "")] = call["function"]["name"]
-            written = [tools.call_text(model, c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            calls = [call.function for call in message.tool_calls or []]
+            call_names |= {call.id: call.function.name for call in message.tool_calls or []}
+            written = [tools.call_text(model, c.name, c.arguments) for c in calls]
             tokens += instruct.assistant("\n".join([content, *written]) if content else "\n".join(written))
         elif role == "tool":
-            name = call_names.get(message.get("tool_call_id", ""), message.get("name") or "tool")
+            name = call_names.get(message.tool_call_id or "", message.name or "tool")
             tokens += instruct.answer(name, content)
     return tokens + instruct.cue()
-
-
-def _text(content: str | list | None) -> str:
-    """A message's content: a string, or the text of its list of parts."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(part.get("text", "") for part in content)
 
 
 # -- sampling and constraints ------------------------------------------------------------------------------------
@@ -146,21 +96,18 @@ def sampler(request: Request, choice: int) -> Sampler:
     if request.seed is not None:
         seed = ((request.seed & 0xFFFF_FFFF) << 20 | choice) + 1  # 0 would mean fresh randomness
         chosen = Sampler(dataclasses.replace(chosen.slot, seed=seed))
-    return chosen if request.logprobs is None else chosen.with_logprobs(request.logprobs)
+    return chosen if request.alternatives is None else chosen.with_logprobs(request.alternatives)
 
 
 def constraint(model: Model, request: Request) -> Any:
     """What the output must match: a forced tool call in the family's syntax, or the response format's JSON."""
-    if request.tools and request.tool_choice not in ("auto", "none"):
-        wanted = request.tools
-        if isinstance(request.tool_choice, dict):
-            wanted = [t for t in request.tools if t["function"]["name"] == request.tool_choice["name"]]
-        return GrammarConstraint(tools.native_matcher(model, wanted))
-    kind = (request.response_format or {}).get("type", "text")
-    if kind == "json_object":
+    if forced := request.forced_tools:
+        return GrammarConstraint(tools.native_matcher(model, forced))
+    fmt = request.response_format if isinstance(request, ChatCompletionRequest) else None
+    if fmt is not None and fmt.type == "json_object":
         return AnyJson()
-    if kind == "json_schema":
-        return JsonSchema(request.response_format["schema"])
+    if fmt is not None and fmt.type == "json_schema":
+        return JsonSchema(fmt.json_schema.schema_)
     return None
 
 
@@ -197,10 +144,10 @@ class _ChoiceRun:
 
     def __init__(self, model: Model, request: Request, index: int, ctx: Context, echo: str) -> None:
         self.model, self.request, self.ctx = model, request, ctx
-        self.choice = Choice(index)
+        self.choice = Choice(index=index, finish_reason="length")
         self._text = TextStream(model.tokenizer())
         self._special = model.tokenizer().special_ids
-        self._stop = StopText(request.stop)
+        self._stop = StopText(request.stops)
         self._hold_all = request.uses_tools  # a tool call's text is parsed at the end, never streamed as content
         self._tokens: list[int] = []
         if echo:
@@ -210,17 +157,17 @@ class _ChoiceRun:
         request, ctx = self.request, self.ctx
         ctx.append(first_input)
         stops = [] if request.ignore_eos else chat.stop_tokens(self.model)
-        gen = Generator(ctx, sampler(request, self.choice.index), max_tokens=request.max_tokens, auto_flush=False)
+        gen = Generator(ctx, sampler(request, self.choice.index), max_tokens=request.token_limit, auto_flush=False)
         gen.stop(stops)
         if (c := constraint(self.model, request)) is not None:
             gen.constrain(c)
-        if request.logprobs is None:
+        if request.alternatives is None:
             await gen._drain(self._take)
         else:  # every step's sampler output is needed, so no chained passes
             async for step in gen:
                 if self._take(await step.execute()):
                     break
-        if self.choice.finish_reason != "stop" and gen.tokens_generated < request.max_tokens:
+        if self.choice.finish_reason != "stop" and gen.tokens_generated < request.token_limit:
             self.choice.finish_reason = "stop"  # a stop token (or a finished grammar) ended it
         self.choice.completion_tokens = gen.tokens_generated
         ctx.release()
@@ -234,7 +181,7 @@ class _ChoiceRun:
         tokens = out.tokens
         self._tokens += tokens
         logprobs = []  # a stepped generation (the only kind with logprobs) yields one token per step
-        if self.request.logprobs is not None and tokens:
+        if self.request.alternatives is not None and tokens:
             logprobs.append(self._logprob_entry(tokens[-1], out.sampled_logprobs(out.auto_sampler)))
         released, stopped = self._stop.feed(self._text.push(t for t in tokens if t not in self._special))
         self._release(released, logprobs)
@@ -242,28 +189,24 @@ class _ChoiceRun:
             self.choice.finish_reason = "stop"
         return stopped
 
-    def _logprob_entry(self, token: int, report) -> dict:
+    def _logprob_entry(self, token: int, report) -> TokenLogprob:
         decode = self.model.tokenizer().decode
-        top = [[decode([i]), lp] for i, lp in zip(report.top_ids, report.top_logprobs, strict=True)] if report else []
-        return {"token": decode([token]), "logprob": report.logprob if report else 0.0, "top": top}
+        top = [(decode([i]), lp) for i, lp in zip(report.top_ids, report.top_logprobs, strict=True)] if report else []
+        return TokenLogprob(token=decode([token]), logprob=report.logprob if report else 0.0, top=top)
 
-    def _release(self, text: str, logprobs: list[dict]) -> None:
+    def _release(self, text: str, logprobs: list[TokenLogprob]) -> None:
         self.choice.text += text
         self.choice.logprobs += logprobs
         if self.request.stream and not self._hold_all and (text or logprobs):
-            piece: dict[str, Any] = {"index": self.choice.index, "text": text}
-            if logprobs:
-                piece["logprobs"] = logprobs
-            session.send(piece)
+            session.send(Piece(index=self.choice.index, text=text, logprobs=logprobs).model_dump_json())
 
     def _parse_tool_calls(self) -> None:
         """Split the finished text into content and calls (the family's decoder finds them)."""
         decoder = tools.Decoder(self.model)
         event = decoder.feed(self._tokens)
         while isinstance(event, tools.Call):
-            self.choice.tool_calls.append(
-                {"id": f"call_{uuid.uuid4().hex[:24]}", "name": event.name, "arguments": event.args}
-            )
+            call = ReportedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=event.name, arguments=event.args)
+            self.choice.tool_calls.append(call)
             event = decoder.feed([]) if self.request.parallel_tool_calls else None
         if self.choice.tool_calls:
             self.choice.text = _without_calls(self.model, self.choice.text)
@@ -286,7 +229,7 @@ def _without_calls(model: Model, text: str) -> str:
 
 def prompts(model: Model, request: Request) -> list[tuple[list[int], str]]:
     """Each prompt's tokens and the text its choices echo: the conversation for chat, else each prompt string."""
-    if request.api == "chat":
+    if isinstance(request, ChatCompletionRequest):
         return [(chat_prompt(model, request), "")]
     encode = model.tokenizer().encode
     return [(encode(p), p if request.echo else "") for p in request.prompts]
@@ -299,20 +242,16 @@ async def run_choice(model: Model, request: Request, ctx: Context, index: int, f
 
 async def serve(input: dict) -> dict:
     """The built-in request handler: every prompt's ``n`` choices, generated concurrently."""
-    request = Request.from_input(input)
+    request = read_request(input)
     model = Model.load(request.model)
     rendered = prompts(model, request)
     runs = []
     for p, (tokens, echo) in enumerate(rendered):
         runs += await _forked(model, request, tokens, echo, first_index=p * request.n)
     choices = await asyncio.gather(*runs)
-    return {
-        "choices": [c.report() for c in choices],
-        "usage": {
-            "prompt_tokens": sum(len(tokens) for tokens, _ in rendered),
-            "completion_tokens": sum(c.completion_tokens for c in choices),
-        },
-    }
+    prompt_tokens = sum(len(tokens) for tokens, _ in rendered)
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(c.completion_tokens for c in choices))
+    return Report(choices=choices, usage=usage).as_output()
 
 
 async def _forked(model: Model, request: Request, tokens: list[int], echo: str, first_index: int) -> list:
