@@ -36,14 +36,16 @@ class Sandbox:
         self.pool = WorkerPool(config, self.directory, HostSide(host.emit, self._receive, self._ended))
         self._view: SandboxView | None = None
         self.stale = True  # the services changed since the view was built
+        self._building = asyncio.Lock()
         self._wallets: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self, program: Program, input: dict, setup: InstanceSetup, limits) -> None:
-        if self.stale or self._view is None:
-            self.stale = False
-            self._view = await build_view(setup.endpoints, setup.bus, self._relays)
-            self.pool.set_view(self._view)
+        async with self._building:  # concurrent launches after a change build the view once
+            if self.stale or self._view is None:
+                self._view = await build_view(setup.endpoints, setup.bus, self._relays)
+                self.stale = False
+                self.pool.set_view(self._view)
         spec = InstanceSpec(
             instance_id=setup.instance_id,
             username=setup.username,

@@ -50,7 +50,6 @@ class Worker:
     directory: Path
     process: asyncio.subprocess.Process
     out: FrameWriter
-    view: SandboxView
     user: str | None = None  # None: the spare, not yet anyone's
     dedicated: bool = False
     instances: set[str] = field(default_factory=set)
@@ -69,7 +68,7 @@ class WorkerPool:
         self._directory = directory
         self._host = host
         self._slots = itertools.count()
-        self._workers: dict[str, list[Worker]] = {}  # user -> their shared workers (the newest takes launches)
+        self._workers: dict[str, list[Worker]] = {}  # user -> their workers (the first one not retired takes launches)
         self._by_instance: dict[str, Worker] = {}
         self._spare: asyncio.Task | None = None
         self._view: SandboxView | None = None
@@ -103,9 +102,6 @@ class WorkerPool:
             return False
         worker.out.send("abort", instance_id, reason)
         return True
-
-    def runs(self, instance_id: str) -> bool:
-        return instance_id in self._by_instance
 
     async def _worker_for(self, user: str, isolated: bool) -> Worker:
         if not isolated:
@@ -157,7 +153,7 @@ class WorkerPool:
         finally:
             theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours)
-        worker = Worker(slot, directory, process, FrameWriter(writer), self._view, uid=uid)
+        worker = Worker(slot, directory, process, FrameWriter(writer), uid=uid)
         self._spawn_task(self._serve(worker, reader))
         self._spawn_task(self._keep_tail(worker))
         self._spawn_task(self._watch(worker))
