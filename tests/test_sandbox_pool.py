@@ -1,13 +1,15 @@
 """The worker pool and its protocol, without Ray: real bubblewrap workers, driven as the trusted host drives them.
 
 What a hostile program can do to the socket it shares with the host: write garbage, or forge messages for an
-instance it does not run. Either ends its own worker (its instances fail, saying why) and touches nobody else's. And
-where the kernel refuses the sandbox's namespaces, `pie start` refuses in one line that names the fix.
+instance it does not run. Either ends its own worker (its instances fail, saying why) and touches nobody else's. A
+worker reaches a replica on another node only through the host's relay; it reads only the host paths it is given.
+And where the kernel refuses the sandbox's namespaces, `pie start` refuses in one line that names the fix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,7 +22,8 @@ from pie_cluster.config import SandboxConfig
 from pie_cluster.programs import Program
 from pie_cluster.sandbox.pool import HostSide, WorkerPool
 from pie_cluster.sandbox.protocol import InstanceSpec, ProgramRef
-from pie_cluster.sandbox.view import SandboxView
+from pie_cluster.sandbox.view import Relays, SandboxView, build_view
+from sdk_host import TRUST
 
 
 class Host:
@@ -47,10 +50,15 @@ class Host:
         return self.events[instance][-1]
 
 
-async def launch(pool: WorkerPool, user: str, instance: str, source: str) -> None:
+async def launch(
+    pool: WorkerPool, user: str, instance: str, source: str, input: dict | None = None, view: SandboxView | None = None
+) -> None:
     program = Program.from_upload(f"{instance}.py", textwrap.dedent(source).encode())
     ref = ProgramRef(program.id, program.name, program.version, program.entry)
-    await pool.start(user, program, InstanceSpec(instance, user, "capability", ref, {}, []), isolated=False)
+    capability = TRUST.instance(user, instance)["capability"]
+    endpoints = list(view.endpoints.values()) if view else []
+    spec = InstanceSpec(instance, user, capability, ref, input or {}, endpoints)
+    await pool.start(user, program, spec, isolated=False)
 
 
 WAITS = """
@@ -83,15 +91,20 @@ async def main(input):
 """
 
 
-def run(test, config: SandboxConfig | None = None) -> None:
+def run(test, config: SandboxConfig | None = None, endpoints: dict | None = None) -> None:
+    """``test(pool, host, view)`` against a fresh pool whose workers reach ``endpoints`` (through relays)."""
+
     async def body(tmp):
         host = Host()
         pool = WorkerPool(config or SandboxConfig(stall_s=5), tmp, host.side())
-        pool.set_view(SandboxView({}, ()))
+        relays = Relays(tmp)
+        view = await build_view(endpoints or {}, (), relays)
+        pool.set_view(view)
         try:
-            await test(pool, host)
+            await test(pool, host, view)
         finally:
             await pool.close()
+            relays.close()
 
     import tempfile
 
@@ -101,7 +114,7 @@ def run(test, config: SandboxConfig | None = None) -> None:
 
 @pytest.mark.parametrize("hostile", ["garbage", "forged"])
 def test_a_worker_that_breaks_the_protocol_ends_alone(hostile):
-    async def test(pool, host):
+    async def test(pool, host, view):
         await launch(pool, "bob", "bob-1", WAITS)
         source = GARBAGE if hostile == "garbage" else FORGER.replace('input["victim"]', '"bob-1"')
         await launch(pool, "alice", "alice-1", source)
@@ -116,7 +129,7 @@ def test_a_worker_that_breaks_the_protocol_ends_alone(hostile):
 
 
 def test_a_user_reuses_her_worker_and_a_dead_one_is_replaced():
-    async def test(pool, host):
+    async def test(pool, host, view):
         pid = "import os\nasync def main(input):\n    return os.getuid()\n"
         await launch(pool, "alice", "a1", pid)
         await launch(pool, "alice", "a2", pid)
@@ -148,12 +161,38 @@ async def main(input):
     return out
 """
 
-    async def test(pool, host):
+    async def test(pool, host, view):
         await launch(pool, "alice", "a1", reader)
         kind, value = await host.outcome("a1")
         assert (kind, json.loads(value)) == ("return", ["tools", "FileNotFoundError"])
 
     run(test, SandboxConfig(read_only=[str(shared)]))
+
+
+GREEDY = """
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    with Context(Model.load("default")) as ctx:
+        ctx.user(input["prompt"])
+        return await ctx.generate(Sampler.argmax(), max_tokens=8).collect_tokens()
+"""
+
+
+def test_a_worker_reaches_a_replica_on_another_node_through_the_hosts_relay(served):
+    """The replica's TCP address (as for a replica on another node) becomes a relay socket bound into the worker,
+    which has no network: the tokens are those of the same program run outside the sandbox."""
+    endpoint = served.endpoints["default"]
+    tcp = dataclasses.replace(endpoint, address=served.replica.addresses["tcp"])
+    expected = served.run(Program.from_upload("greedy.py", GREEDY.encode()).load_main(), {"prompt": "relayed"})
+
+    async def test(pool, host, view):
+        assert view.endpoints["default"].address.startswith("ipc:///pie/sockets/")
+        await launch(pool, "alice", "a1", GREEDY, {"prompt": "relayed"}, view)
+        kind, value = await host.outcome("a1", timeout=120)
+        assert (kind, json.loads(value)) == ("return", expected)
+
+    run(test, endpoints={"default": tcp})
 
 
 def test_pie_start_refuses_where_the_kernel_forbids_namespaces(tmp_path):
