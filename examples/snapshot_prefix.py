@@ -7,8 +7,9 @@ pie submit examples/snapshot_prefix.py -- --mode use --name handbook --question 
 pie submit examples/snapshot_prefix.py -- --mode fresh --question "How big is a page?"   (no snapshot: to compare)
 pie submit examples/snapshot_prefix.py -- --mode delete --name handbook
 
-Snapshots are per user and outlive the inferlet that saved them (while the replica is up). ``Context.open`` gives
-a copy-on-write copy, so any number of runs can start from the same prefilled prefix without prefilling it again.
+Snapshots are per user and model and live until deleted or taken, beyond the inferlet and the replica that saved
+them (another replica recomputes one from its token lineage). ``Context.open`` gives a copy-on-write copy, so any
+number of runs can start from the same prefilled prefix without prefilling it again.
 """
 
 from inferlet import Context, Model, Sampler, runtime

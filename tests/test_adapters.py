@@ -1,7 +1,5 @@
 """LoRA adapters and zo seeds: the runner against PEFT on transformers, mixed batches, PEFT files both ways, the SDK
 end to end (lifecycle, errors, prefix sharing under adapters and zo seeds), and tensor parallelism.
-
-One file though it passes 400 lines: every case is checked against the same PEFT references and fixtures.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The message bus end to end: inferlets run by the real host against real shard actors on Ray.
 
-One file though it passes 400 lines: the cases share the host and shard fixtures and read as one specification
-of the bus's guarantees.
-
 push/pull must deliver every message exactly once and in FIFO order, broadcast must reach every subscription open
 when it arrives, topics are per user, and an inferlet that ends in any way leaves nothing behind on the bus.
 """

@@ -2,8 +2,7 @@
 pooled and dedicated inferlet hosts, the message bus across nodes, and cleanup after inferlets that raise, hang or
 are aborted.
 
-One file though it passes 400 lines: every case runs on the same two-node cluster (a controller with a replica
-on each node), the slowest fixture to start.
+Every case runs on the same two-node cluster (a controller with a replica on each node).
 """
 
 from __future__ import annotations

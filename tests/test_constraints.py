@@ -1,7 +1,5 @@
 """Grammar-constrained generation: Grammar/Matcher on xgrammar, constraints composed in the Generator, end to end.
 
-One file though it passes 400 lines: the cases share the grammars, the sampling fixture and the validators.
-
 Outputs are sampled from the random tiny model at temperature 1 (close to a random walk over whatever the mask
 allows), so every seed stresses the grammar; JSON is validated with the `jsonschema` package, regexes with `re`.
 """

@@ -1,8 +1,5 @@
 """SDK tokenizer, instruct templates and the chat/reasoning/tools decoders, on the tiny model and family variants.
 
-One file though it passes 400 lines: templates and decoders are checked against the same transformers references
-and family variants.
-
 The ChatML and Llama 3 templates are checked token for token against transformers' `apply_chat_template` (the
 reference for what the model was trained on); Qwen3 and Llama 3.1 turns against strings written from their
 templates. Variants are the tiny tokenizer with the family's special tokens added.

@@ -128,8 +128,9 @@ class Controller:
     # -- replicas that die are replaced ---------------------------------------------------------------------------
 
     def _supervise(self) -> None:
-        """Every few seconds, replace each replica whose leader is dead (a rank's process killed, its node lost).
-        Inferlets connected to it have already failed with a clear error; new launches reach the replacement."""
+        """Every few seconds, replace each replica whose leader (rank 0) is dead: its process killed, its node lost.
+        Only leaders are probed, so a peer rank that dies alone is not noticed here. Inferlets connected to a dead
+        leader have already failed with a clear error; new launches reach the replacement."""
         while not self._stopping.wait(_SUPERVISE_S):
             for name, group in list(self.replicas.items()):
                 for i, replica in enumerate(list(group)):

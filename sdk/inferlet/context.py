@@ -70,7 +70,9 @@ class Context:
         return child
 
     def save(self, name: str) -> None:
-        """Snapshot the KV cache under ``name`` (per user; outlives this inferlet while the replica is up)."""
+        """Snapshot the KV cache under ``name``, per user and model across the cluster. It lives until deleted or
+        taken, beyond this inferlet and the replica that saved it (any replica recomputes it from its token lineage),
+        except one written under a custom mask, an adapter or a zo seed, which opens only on the saving replica."""
         self._check_live()
         self._model.channel.call_sync("save", self._id, name)
 

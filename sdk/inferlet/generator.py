@@ -1,7 +1,7 @@
 """``Generator``: the multi-step decode loop over a context — sampling, stop conditions, manual stepping.
 
-One file though it passes 400 lines: the collectors' chained passes and the stepping loop read and write the
-same per-generation state (buffer, counters, stop set, constraints) at every step.
+The collectors' chained passes and the stepping loop share one per-generation state (buffer, counters, stop set,
+constraints), read and written at every step.
 
 Each step runs the context's buffer (the prompt on the first step, then the previous token) with the auto sampler
 on its last row, folds the sampled token into the state, and decides whether to stop: ``max_tokens`` reached, a

@@ -19,7 +19,7 @@ class Model:
 
     @staticmethod
     def load(name: str) -> Model:
-        """Bind to a served model by its name (the ``[model.<name>]`` key of the cluster config)."""
+        """Bind to a served model by its name (the ``name`` of a ``[[model]]`` entry in the cluster config)."""
         rt = current()
         if name not in rt.models_loaded:
             if name not in rt.endpoints:
