@@ -51,13 +51,19 @@ class Host:
 
 
 async def launch(
-    pool: WorkerPool, user: str, instance: str, source: str, input: dict | None = None, view: SandboxView | None = None
+    pool: WorkerPool,
+    user: str,
+    instance: str,
+    source: str,
+    input: dict | None = None,
+    view: SandboxView | None = None,
+    deadline_s: float | None = None,
 ) -> None:
     program = Program.from_upload(f"{instance}.py", textwrap.dedent(source).encode())
     ref = ProgramRef(program.id, program.name, program.version, program.entry)
     capability = TRUST.instance(user, instance)["capability"]
     endpoints = list(view.endpoints.values()) if view else []
-    spec = InstanceSpec(instance, user, capability, ref, input or {}, endpoints)
+    spec = InstanceSpec(instance, user, capability, ref, input or {}, endpoints, deadline_s=deadline_s)
     await pool.start(user, program, spec, isolated=False)
 
 
@@ -167,6 +173,26 @@ async def main(input):
         assert (kind, json.loads(value)) == ("return", ["tools", "FileNotFoundError"])
 
     run(test, SandboxConfig(read_only=[str(shared)]))
+
+
+STUBBORN = """
+import asyncio
+async def main(input):
+    while True:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            pass
+"""
+
+
+def test_a_program_that_swallows_its_deadline_is_ended_by_the_host():
+    async def test(pool, host, view):
+        await launch(pool, "alice", "a1", STUBBORN, deadline_s=0.5)
+        kind, message = await host.outcome("a1", timeout=60)
+        assert kind == "error" and "ran past its deadline and ignored being cancelled" in message, message
+
+    run(test)
 
 
 GREEDY = """

@@ -31,6 +31,7 @@ from pie_cluster.sandbox.protocol import FrameWriter, InstanceSpec, read_frames
 from pie_cluster.sandbox.view import SandboxView
 
 _TAIL_BYTES = 4096  # of a worker's own stdout/stderr, kept to explain its death
+DEADLINE_GRACE_S = 5.0  # past an instance's deadline, how long its worker has to end it before the host ends both
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ class WorkerPool:
         worker.instances.add(spec.instance_id)
         self._by_instance[spec.instance_id] = worker
         worker.out.send("start", spec.to_wire())
+        if spec.deadline_s is not None:  # the worker enforces it; this is for a program that swallows the cancel
+            loop = asyncio.get_running_loop()
+            loop.call_later(spec.deadline_s + DEADLINE_GRACE_S, self._overdue, worker, spec.instance_id)
 
     def abort(self, instance_id: str, reason: str) -> bool:
         worker = self._by_instance.get(instance_id)
@@ -193,6 +197,10 @@ class WorkerPool:
             worker.out.send("reply", rid, None, await self._host.receive(instance_id, what))
         except Exception as e:
             worker.out.send("reply", rid, str(e) or type(e).__name__, None)
+
+    def _overdue(self, worker: Worker, instance_id: str) -> None:
+        if instance_id in worker.instances:
+            self._stop(worker, f"instance {instance_id} ran past its deadline and ignored being cancelled")
 
     def _instance_ended(self, worker: Worker, instance_id: str) -> None:
         worker.instances.discard(instance_id)
