@@ -33,6 +33,7 @@ import openai
 import ray
 import vllm_peer
 from local_pie import local_pie
+from pie_cluster.events import follow
 from pie_cluster.launch_request import LaunchRequest
 from pie_workers.tiny_model import default_model_path
 from report import add_out_option, out_dir, write_markdown
@@ -130,15 +131,10 @@ async def run_inferlets(launcher, program: str, inputs: list[dict]) -> None:
     )
 
     async def ended(instance: str) -> None:
-        since = 0
-        while True:
-            batch = await launcher.events.remote("bench", instance, since, 30.0)
-            for _, kind, value in batch["events"]:
+        async for events in follow(launcher, "bench", instance):
+            for _, kind, value in events:
                 if kind == "error":
                     raise RuntimeError(f"agent inferlet failed: {value}")
-            if batch["done"]:
-                return
-            since = batch["next"]
 
     await asyncio.gather(*(ended(i) for i in ids))
 

@@ -1,7 +1,7 @@
 """The cluster: launch latency, message-bus throughput and round trip within and across nodes, memory per idle
 inferlet.
 
-One file though it passes 400 lines: one two-node cluster set-up serves all of its measurements.
+One two-node cluster set-up serves all of its measurements.
 
 Usage: python bench/cluster.py [--launches 40] [--isolated-launches 8] [--messages 50000] [--rounds 2000]
                                [--repeats 3] [--idle 200] [--out docs/bench]
@@ -31,6 +31,7 @@ The tables also go to ``OUT/cluster.md`` (bench/report.py).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import logging
@@ -50,6 +51,7 @@ from pie_cluster.bus import find_bus
 from pie_cluster.client import PieClient
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.controller import LAUNCHER, start_controller
+from pie_cluster.events import TERMINAL, follow
 from pie_cluster.http_app import serve_http, stop_http
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.local_ray import NAMESPACE
@@ -150,16 +152,18 @@ def upload(launcher, source: str, isolated: bool = False, name: str = "prog") ->
 
 def run_to_end(launcher, user: str, instance_id: str, timeout: float = DEADLINE_S) -> tuple[str, str]:
     """Follow the instance's events to its terminal one: (kind, value)."""
-    since, terminal, deadline = 0, None, time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = ray.get(launcher.events.remote(user, instance_id, since, 10.0))
-        for _, kind, value in got["events"]:
-            if kind in ("return", "error"):
-                terminal = (kind, value)
-        since = got["next"]
-        if got["done"]:
-            return terminal
-    raise TimeoutError(f"instance {instance_id} did not end within {timeout:g} s")
+
+    async def terminal() -> tuple[str, str]:
+        async for events in follow(launcher, user, instance_id, wait=10.0):
+            for _, kind, value in events:
+                if kind in TERMINAL:
+                    return kind, value
+        raise RuntimeError(f"instance {instance_id} ended without a terminal event")
+
+    try:
+        return asyncio.run(asyncio.wait_for(terminal(), timeout))
+    except TimeoutError:
+        raise TimeoutError(f"instance {instance_id} did not end within {timeout:g} s") from None
 
 
 def returned(launcher, user: str, instance_id: str):

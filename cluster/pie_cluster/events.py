@@ -4,12 +4,14 @@ Kinds follow Pie's client protocol: ``stdout``, ``stderr``, ``message``, ``file`
 ``return`` and ``error``. Events are numbered from 0; a client reads "everything from index i on" and resumes
 from the index it got back. The buffer keeps the newest ``capacity`` events (oldest dropped, like Pie's 4096-entry
 ring), but the terminal event is never dropped, so a late client always learns how the instance ended.
+``follow`` is the long-poll loop of every client that reads them through the launcher actor.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 KINDS = ("stdout", "stderr", "message", "file", "return", "error")
@@ -67,3 +69,32 @@ class EventLog:
             except TimeoutError:
                 break
         return self.since(index)  # read after the wait: events may arrive while a timed-out wait is cancelled
+
+
+async def follow(
+    launcher,
+    user: str,
+    instance: str,
+    since: int = 0,
+    *,
+    wait: float = 30.0,
+    first: dict | None = None,
+    abort_on_close: bool = False,
+) -> AsyncIterator[list[list]]:
+    """An instance's events, one long poll of the launcher's ``events`` at a time, from ``since`` to the terminal
+    event: each batch as ``[index, kind, value]`` lists, an empty one when a poll waited ``wait`` seconds in vain.
+    ``first`` is a batch already fetched. With ``abort_on_close``, closing this before the terminal event (the
+    client went away) aborts the instance, which frees everything it holds."""
+    batch, ended = first, False
+    try:
+        while True:
+            if batch is None:
+                batch = await launcher.events.remote(user, instance, since, wait)
+            ended = batch["done"]
+            yield batch["events"]
+            if ended:
+                return
+            since, batch = batch["next"], None
+    finally:
+        if abort_on_close and not ended:
+            launcher.abort.remote(user, instance)

@@ -13,6 +13,7 @@ Events stream as Server-Sent Events: ``id`` is the event's index (resume with ``
 import base64
 import json
 import logging
+from contextlib import aclosing
 from typing import Annotated, Any
 
 import ray
@@ -26,6 +27,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
 from pie_cluster.config import AuthConfig, ServerConfig
+from pie_cluster.events import follow
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.openai_requests import OpenAIError
@@ -234,16 +236,12 @@ class PieIngress(OpenAIRoutes):
         """SSE text: ``opening``, then the events from ``since`` on (``batch``: the first ones, already fetched)."""
         if opening:
             yield opening
-        while True:
-            if batch is None:
-                batch = await self._launcher.events.remote(user, instance_id, since, 10.0)
-                if not batch["events"] and not batch["done"]:
+        async with aclosing(follow(self._launcher, user, instance_id, since, wait=10.0, first=batch)) as batches:
+            async for events in batches:
+                if not events:
                     yield ": keep-alive\n\n"
-            for index, kind, value in batch["events"]:
-                yield f"id: {index}\nevent: {kind}\ndata: {json.dumps(_wire_value(kind, value))}\n\n"
-            if batch["done"]:
-                return
-            since, batch = batch["next"], None
+                for index, kind, value in events:
+                    yield f"id: {index}\nevent: {kind}\ndata: {json.dumps(_wire_value(kind, value))}\n\n"
 
     @app.post("/v1/instances/{instance_id}/messages", status_code=204)
     async def send(self, instance_id: str, body: SessionMessage, user: User) -> None:

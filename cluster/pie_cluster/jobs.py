@@ -9,15 +9,18 @@ Jobs API runs any command with the cluster's full access, so only holders of Ray
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import time
+from contextlib import aclosing
 from pathlib import Path
 
 import ray
 from rich.console import Console
 
 from pie_cluster.client import package
+from pie_cluster.events import follow
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.local_ray import NAMESPACE
 from pie_cluster.state import load_state
@@ -28,8 +31,6 @@ err = Console(stderr=True)
 def submit_job(program: Path, request: LaunchRequest, dashboard: str | None, user: str | None, python: str) -> int:
     """Submit, stream the job's log, and return 0 if the inferlet returned (1 otherwise). ``request.program`` is
     ignored: the job uploads ``program`` and launches it with the rest of ``request``."""
-    import asyncio
-
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     dashboard = dashboard or os.environ.get("RAY_DASHBOARD_ADDRESS") or load_state().get("dashboard")
@@ -75,16 +76,21 @@ def job_run(request: LaunchRequest, user: str) -> int:
         return 1
     program_id = ray.get(launcher.upload.remote(user, filename, data))["program"]
     instance = ray.get(launcher.launch.remote(user, request.model_copy(update={"program": program_id})))
-    tag, since = f"[Instance {instance[:8]}]", 0
-    while True:
-        got = ray.get(launcher.events.remote(user, instance, since, 10.0))
-        for _, kind, value in got["events"]:
-            if kind == "return":
-                print(value, flush=True)
-                return 0
-            if kind == "error":
-                print(f"{tag} Error: {value}", flush=True)
-                return 1
-            text = f"<{len(value)} bytes>" if kind == "file" else value
-            print(f"{tag} {kind}: {text}".rstrip("\n"), flush=True)
-        since = got["next"]
+    return asyncio.run(_print_events(launcher, user, instance))
+
+
+async def _print_events(launcher, user: str, instance: str) -> int:
+    """Print the instance's events into the job's log; 0 if it returned, 1 if it failed."""
+    tag = f"[Instance {instance[:8]}]"
+    async with aclosing(follow(launcher, user, instance, wait=10.0)) as batches:
+        async for events in batches:
+            for _, kind, value in events:
+                if kind == "return":
+                    print(value, flush=True)
+                    return 0
+                if kind == "error":
+                    print(f"{tag} Error: {value}", flush=True)
+                    return 1
+                text = f"<{len(value)} bytes>" if kind == "file" else value
+                print(f"{tag} {kind}: {text}".rstrip("\n"), flush=True)
+    return 1

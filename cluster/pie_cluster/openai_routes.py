@@ -21,6 +21,7 @@ from inferlet.openai_schema import ChatCompletionRequest, CompletionRequest
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
+from pie_cluster.events import follow
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import OPENAI_PROGRAM
@@ -103,19 +104,10 @@ class OpenAIRoutes:
     async def _events(self, user: str, instance: str) -> AsyncIterator[tuple[str, str]]:
         """The instance's events, until its terminal one. Closed before that (the client went away, and the
         handler or the stream was cancelled), it aborts the instance, which frees everything it holds."""
-        since, ended = 0, False
-        try:
-            while True:
-                batch = await self._launcher.events.remote(user, instance, since, 30.0)
-                ended = batch["done"]
-                for _, kind, value in batch["events"]:
+        async with aclosing(follow(self._launcher, user, instance, abort_on_close=True)) as batches:
+            async for events in batches:
+                for _, kind, value in events:
                     yield kind, value
-                if ended:
-                    return
-                since = batch["next"]
-        finally:
-            if not ended:
-                self._launcher.abort.remote(user, instance)
 
     async def _launch(self, user: str, launch: LaunchRequest, named: bool) -> str:
         try:
