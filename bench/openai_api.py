@@ -134,7 +134,6 @@ def request_per_message_ms(url: str, launcher, n: int) -> list[float]:
             lines = events.iter_lines()
             for i in range(n + 2):
                 request = {
-                    "api": "chat",
                     "model": MODEL,
                     "messages": conversation(i),
                     "max_tokens": 1,
