@@ -64,9 +64,9 @@ def chat_prompt(model: Model, request: ChatCompletionRequest) -> list[int]:
         if role == "user":
             tokens += instruct.user(content)
         elif role == "assistant":
-            calls = [call.function for call in message.tool_calls or []]
-            call_names |= {call.id: call.function.name for call in message.tool_calls or []}
-            written = [tools.call_text(model, c.name, c.arguments) for c in calls]
+            calls = message.tool_calls or []
+            call_names |= {call.id: call.function.name for call in calls}
+            written = [tools.call_text(model, c.function.name, c.function.arguments) for c in calls]
             tokens += instruct.assistant("\n".join([content, *written]) if content else "\n".join(written))
         elif role == "tool":
             name = call_names.get(message.tool_call_id or "", message.name or "tool")
