@@ -195,6 +195,28 @@ def test_a_program_that_swallows_its_deadline_is_ended_by_the_host():
     run(test)
 
 
+BURNER = """
+import asyncio, os, time
+async def main(input):
+    while time.process_time() < 1.2:  # the worker's CPU seconds, past half its limit of 2
+        sum(range(10_000))
+        await asyncio.sleep(0)
+    await asyncio.sleep(2.5)  # while the host looks
+    return os.getuid()
+"""
+
+
+def test_a_worker_past_half_its_cpu_limit_finishes_its_work_and_takes_no_more():
+    async def test(pool, host, view):
+        await launch(pool, "alice", "a1", BURNER)
+        first = await host.outcome("a1")
+        await launch(pool, "alice", "a2", "import os\nasync def main(input):\n    return os.getuid()\n")
+        second = await host.outcome("a2")
+        assert first[0] == second[0] == "return" and first[1] != second[1]
+
+    run(test, SandboxConfig(cpu_seconds=2))
+
+
 GREEDY = """
 from inferlet import Context, Model, Sampler
 

@@ -25,7 +25,7 @@ from pie_cluster.model_files import local_endpoints
 from pie_cluster.programs import Program
 from pie_cluster.sandbox.hosting import Sandbox
 
-CAPABILITY_TTL_S = 24 * 3600.0  # an instance without a deadline proves who it is for this long
+CAPABILITY_TTL_S = 7 * 24 * 3600.0  # an instance without a deadline proves who it is for this long
 CAPABILITY_MARGIN_S = 60.0  # beyond its deadline: the instance's last calls (closing its contexts) still count
 
 

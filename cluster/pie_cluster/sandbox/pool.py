@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import shutil
 import signal
 import socket
@@ -74,7 +75,7 @@ class WorkerPool:
         self._spare: asyncio.Task | None = None
         self._view: SandboxView | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._census_at, self._tasks_by_uid = 0.0, {}
+        self._census_at, self._usage = 0.0, {}
 
     def set_view(self, view: SandboxView) -> None:
         """New services: workers started from now on bind these; running ones finish what they have."""
@@ -225,7 +226,10 @@ class WorkerPool:
                 if worker.user is not None and now - worker.idle_since > self._config.idle_s:
                     self._stop(worker, None)
                 continue
-            if worker.uid is not None and self._census(now).get(worker.uid, 0) >= self._config.max_processes:
+            usage = self._census(worker, now)
+            if usage.cpu_s >= self._config.cpu_seconds / 2:
+                self._retire(worker)
+            if usage.tasks >= self._config.max_processes:
                 self._stop(
                     worker,
                     f"it reached its limit of {self._config.max_processes} processes and threads (a fork bomb in "
@@ -243,12 +247,14 @@ class WorkerPool:
                 seq += 1
                 worker.out.send("ping", seq)
 
-    def _census(self, now: float) -> dict[int, int]:
-        """Tasks (processes and threads) per uid, read from /proc at most once a second for all workers: a worker
-        that hits its process limit is ended rather than left with a swarm that spins, failing to fork."""
+    def _census(self, worker: Worker, now: float) -> Usage:
+        """``worker``'s usage, from /proc read at most once a second for all workers (none without a uid of its
+        own). A worker at its process limit is ended rather than left with a swarm that spins, failing to fork; one
+        past half its CPU-time limit takes no new instances, so that the kernel's limit only ever ends a worker that
+        its instances keep busy for the other half."""
         if now - self._census_at >= 1.0:
-            self._census_at, self._tasks_by_uid = now, _tasks_by_uid()
-        return self._tasks_by_uid
+            self._census_at, self._usage = now, _usage_by_uid()
+        return self._usage.get(worker.uid, Usage()) if worker.uid is not None else Usage()
 
     async def _keep_tail(self, worker: Worker) -> None:
         while data := await worker.process.stdout.read(1 << 16):
@@ -318,16 +324,31 @@ class WorkerPool:
             self._stop(await spare, None)
 
 
-def _tasks_by_uid() -> dict[int, int]:
-    counts: dict[int, int] = {}
+@dataclass
+class Usage:
+    """What one worker uid holds right now: tasks (processes and threads) and CPU seconds used."""
+
+    tasks: int = 0
+    cpu_s: float = 0.0
+
+
+def _usage_by_uid() -> dict[int, Usage]:
+    """Workers' usage, from /proc (only workers' own uids: a root host gives each worker one)."""
+    usage: dict[int, Usage] = {}
+    tick = os.sysconf("SC_CLK_TCK")
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+            uid = int(fields["Uid"].split()[0])
+            if uid < bwrap.WORKER_UID_BASE:
+                continue
+            stat = (status.parent / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # it exited while being read
             continue
-        uid = int(fields["Uid"].split()[0])
-        counts[uid] = counts.get(uid, 0) + int(fields["Threads"])
-    return counts
+        entry = usage.setdefault(uid, Usage())
+        entry.tasks += int(fields["Threads"])
+        entry.cpu_s += (int(stat[11]) + int(stat[12])) / tick  # utime and stime, in clock ticks
+    return usage
 
 
 def _describe_exit(code: int, config: SandboxConfig) -> str:
