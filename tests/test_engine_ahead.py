@@ -22,7 +22,7 @@ def runner(tiny_llama):
 
 async def ran_ahead(e: Engine, ctx: int) -> None:
     """Until the context's step run ahead (if any) has its output."""
-    while (state := e.engine._states.get(ctx)) is not None and state.ahead is not None and state.ahead.out is None:
+    while (state := e.engine.records.get(ctx)) is not None and state.ahead is not None and state.ahead.out is None:
         await asyncio.sleep(0)
 
 
@@ -97,13 +97,13 @@ async def _suspend(e, ctx, first, token, position):
 
 async def _suspended_by_memory_pressure(e, ctx, first, token, position):
     """The residency suspends a context between operations, without taking its turn: it waits for the step ahead."""
-    e.engine.residency.suspend_or_defer(ctx)
+    e.engine.residency.suspend_or_defer(e.engine.records.get(ctx))
     return await e.forward(ctx, [token], position)
 
 
 async def _suspended_then_snapshot(e, ctx, first, token, position):
     """A snapshot restores a suspended context (its pages, not the step ahead's KV)."""
-    e.engine.residency.suspend_or_defer(ctx)
+    e.engine.residency.suspend_or_defer(e.engine.records.get(ctx))
     await ran_ahead(e, ctx)
     await e.call("delete", await e.call("snapshot", ctx))
     return await e.forward(ctx, [token], position)

@@ -159,7 +159,9 @@ def test_the_generator_bids_by_default_unless_told_otherwise(replica, market):
             readings = gen._bid_basis  # what this step's bid was computed from
             pages = pages_for(ctx.seq_len - 1, ctx.page_size)  # the KV the bid was made for (before the step)
             out["bid"] = ctx._bid
-            bids = await input["leader"].__ray_call__.remote(lambda worker: dict(worker.engine.residency.bids))
+            bids = await input["leader"].__ray_call__.remote(
+                lambda worker: {r.id: r.bid for r in worker.engine.records}
+            )
             out["engine_bid"] = bids[ctx._id]  # it reached the replica, riding in the step's forward request
             out["expected"] = scheduling.default_bid(
                 readings["balance"], max(pages, 1), 16 - 3, 1.0, ctx.page_size, readings["dividend"]

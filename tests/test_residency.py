@@ -251,33 +251,36 @@ def test_a_context_with_a_pass_in_flight_gives_its_pages_up_when_its_next_pass_b
     """Chained steps leave a generating context no moment between passes, so a suspension asked of it (by a higher
     bidder making room, or by the market) waits for its next pass to begin instead of being dropped."""
     from pie_workers.engine import ContextTable, PageStore
+    from pie_workers.engine.record import EngineContexts, Session
     from pie_workers.engine.residency import Residency
+    from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 
-    contexts = ContextTable(PageStore(4, 16))
-    in_flight: set[int] = set()
-    residency = Residency(contexts, busy=in_flight.__contains__, clock=lambda: 0)
-    low, high = contexts.create("alice"), contexts.create("bob")
-    contexts.reserve(low, 4)
-    contexts.record(low, list(range(50)), list(range(50)))
+    records = EngineContexts(ContextTable(PageStore(4, 16)))
+    contexts = records.table
+    residency = Residency(records, BatchScheduler(None, BatchLimits()))
+    session = {name: Session(name, name, name, name, float("inf")) for name in ("alice", "bob", "carol", "dave")}
+    low, high = records.create(session["alice"]), records.create(session["bob"])
+    contexts.reserve(low.id, 4)
+    contexts.record(low.id, list(range(50)), list(range(50)))
     residency.set_bid(low, 0.0)
     residency.set_bid(high, 5.0)
 
-    in_flight.add(low)
+    low.gate.take_now()  # a pass in flight
     assert not residency.try_now(high, 2), "pages in a running batch are not free yet"
-    assert low in residency.deferred and low not in residency.suspended
-    assert not residency.try_now(high, 2) and residency.deferred == {low}, "asked once, counted once"
+    assert low.deferred and low.suspended is None
+    assert not residency.try_now(high, 2) and low.deferred, "asked once, counted once"
     residency.pass_begins(low)
-    assert low in residency.suspended and not residency.deferred
+    assert low.suspended is not None and not low.deferred
     assert residency.try_now(high, 2)
 
-    idle, busy = contexts.create("carol"), contexts.create("dave")  # as the market's decisions are applied
-    for ctx in (idle, busy):
-        contexts.reserve(ctx, 1)
-        contexts.record(ctx, [1], [0])
-    in_flight.add(busy)
+    idle, busy = records.create(session["carol"]), records.create(session["dave"])  # as market decisions apply
+    for record in (idle, busy):
+        contexts.reserve(record.id, 1)
+        contexts.record(record.id, [1], [0])
+    busy.gate.take_now()
     residency.suspend_or_defer(idle)
     residency.suspend_or_defer(busy)
-    assert idle in residency.suspended, "an idle context goes at once"
-    assert busy in residency.deferred and busy not in residency.suspended
-    residency.forget(busy)
-    assert not residency.deferred, "a released context owes nothing"
+    assert idle.suspended is not None, "an idle context goes at once"
+    assert busy.deferred and busy.suspended is None
+    records.destroy(busy)
+    assert not busy.deferred, "a released context owes nothing"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraAdapter, LoraConfig
 from pie_workers.engine.directory_link import DirectoryLink
-from pie_workers.engine.state import Session
+from pie_workers.engine.record import Session
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
 

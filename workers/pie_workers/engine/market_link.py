@@ -23,7 +23,7 @@ import logging
 from collections import Counter
 from typing import Any
 
-from pie_workers.engine.contexts import ContextTable
+from pie_workers.engine.record import EngineContexts
 from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchScheduler
 
@@ -38,26 +38,22 @@ class MarketLink:
         self,
         market: Any,
         device: str,
-        contexts: ContextTable,
+        records: EngineContexts,
         residency: Residency,
         scheduler: BatchScheduler,
     ) -> None:
+        """``residency`` counts the pages each process makes (``Residency.made``) for the reports."""
         self.market = market
         self.device = device
-        self.contexts = contexts
+        self.records = records
+        self.contexts = records.table
         self.residency = residency
         self.scheduler = scheduler
         self.price = 0.0  # the device's clearing price from the latest round: ``scheduling.rent``
         self.latency_s = 0.0
         self.rounds = 0
         self.accounts: dict[str, dict] = {}  # process -> its latest account (``scheduling.balance`` / ``dividend``)
-        self._made: Counter[str] = Counter()
         self._reported_batches = 0
-
-    def made(self, process: str, pages: int) -> None:
-        """``process`` made ``pages`` new pages on this device (charged 1 credit each at the next round)."""
-        if pages > 0:
-            self._made[process] += pages
 
     async def run(self) -> None:
         while True:
@@ -93,27 +89,25 @@ class MarketLink:
     def report(self, settle_made: bool = False) -> dict | None:
         batches = self.scheduler.batches_fired
         ticks = batches - self._reported_batches
-        if ticks <= 0 and not (settle_made and self._made):
+        if ticks <= 0 and not (settle_made and self.residency.made):
             return None
         self._reported_batches = batches
         self.latency_s += LATENCY_WEIGHT * (self.scheduler.last_latency_s - self.latency_s)
-        owners = self.residency.owners
         waiting = self.residency.waiters()
-        suspended = self.residency.suspended
-        resident = [c for c in self.contexts.ids() if c in owners and c not in suspended]
-        wanting = [c for c in waiting if c in suspended and c in owners]
-        made, self._made = self._made, Counter()
-        processes = sorted({owners[c] for c in resident + wanting} | set(made))
+        resident = [r for r in self.records if r.suspended is None]
+        wanting = [r for r in waiting if r.suspended is not None and self.records.get(r.id) is r]
+        made, self.residency.made = self.residency.made, Counter()
+        processes = sorted({r.owner for r in resident + wanting} | set(made))
         index = {p: i for i, p in enumerate(processes)}
-        ids = resident + wanting
+        records = resident + wanting
         return {
             "device": self.device,
             "capacity": float(self.contexts.store.num_pages),
             "processes": processes,
-            "owners": [index[owners[c]] for c in ids],
-            "contexts": ids,
-            "bids": [self.residency.bids.get(c, 0.0) for c in ids],
-            "pages": self.contexts.effective_pages(resident) + [float(waiting[c]) for c in wanting],
+            "owners": [index[r.owner] for r in records],
+            "contexts": [r.id for r in records],
+            "bids": [r.bid for r in records],
+            "pages": self.contexts.effective_pages([r.id for r in resident]) + [float(waiting[r]) for r in wanting],
             "resident": [True] * len(resident) + [False] * len(wanting),
             "made": [made.get(p, 0) for p in processes],
             "ticks": ticks,
@@ -125,6 +119,6 @@ class MarketLink:
         self.price = float(decision["price"])
         self.residency.set_caps(decision["caps"])
         for ctx in decision["suspend"]:
-            if ctx in self.residency.owners:
-                self.residency.suspend_or_defer(ctx)
+            if (record := self.records.get(ctx)) is not None:
+                self.residency.suspend_or_defer(record)
         self.residency.wake()

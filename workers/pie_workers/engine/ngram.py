@@ -13,18 +13,26 @@ length) drops the index, and it is rebuilt from the context's tokens on the next
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pie_workers.engine.record import EngineContext
 
 MAX_NGRAM = 3
 
 
-class _Index:
+class NgramIndex:
+    """A context's index (its ``EngineContext.drafts``): its tokens, and where each n-gram of them last ended."""
+
     __slots__ = ("text", "follows")
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: list[int]) -> None:
         self.text: list[int] = []
         self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> index just after its latest occurrence
+        self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
+        """Tokens whose KV a forward pass just wrote into the context."""
         text, follows = self.text, self.follows
         for t in tokens:
             end = len(text)  # the n-grams ending at end - 1 are followed by the token landing at `end`
@@ -32,32 +40,13 @@ class _Index:
                 follows[tuple(text[end - n : end])] = end
             text.append(int(t))
 
-
-class NgramDrafter:
-    def __init__(self) -> None:
-        self._indexes: dict[int, _Index] = {}
-
-    def observe(self, ctx: int, tokens: list[int]) -> None:
-        """Tokens whose KV a forward pass just wrote into ``ctx``."""
-        index = self._indexes.get(ctx)
-        if index is not None:
-            index.extend(tokens)
-
-    def forget(self, ctx: int) -> None:
-        self._indexes.pop(ctx, None)
-
-    def draft(self, ctx: int, text: Callable[[], list[int]], length: int, next_token: int, k: int) -> list[int]:
-        """Up to ``k`` tokens expected after ``next_token`` (sampled, not yet in the KV of ``ctx``, which holds
-        ``length`` tokens). ``text`` reads the context's tokens when the index must be rebuilt."""
-        index = self._indexes.get(ctx)
-        if index is None or len(index.text) != length:
-            index = self._indexes[ctx] = _Index()
-            index.extend(text())
-        seq = index.text
+    def draft(self, next_token: int, k: int) -> list[int]:
+        """Up to ``k`` tokens expected after ``next_token`` (sampled, not yet in the context's KV)."""
+        seq = self.text
         for n in range(min(MAX_NGRAM, len(seq) + 1), 0, -1):
             key = (*seq[len(seq) - n + 1 :], next_token)
             # the occurrence ending at the last token is followed by next_token itself, so it is not indexed yet
-            start = len(seq) if len(seq) >= n and tuple(seq[len(seq) - n :]) == key else index.follows.get(key)
+            start = len(seq) if len(seq) >= n and tuple(seq[len(seq) - n :]) == key else self.follows.get(key)
             if start is not None:
                 return _copy_forward(seq, next_token, start, k)
         return []
@@ -75,3 +64,12 @@ def _copy_forward(seq: list[int], next_token: int, start: int, k: int) -> list[i
         else:
             out.append(out[i - len(seq) - 1])
     return out
+
+
+def draft(record: EngineContext, tokens: Callable[[], list[int]], length: int, next_token: int, k: int) -> list[int]:
+    """Up to ``k`` drafts after ``next_token`` for a context holding ``length`` tokens; its index is (re)built from
+    ``tokens()`` when it has none or one that missed a change."""
+    index = record.drafts
+    if index is None or len(index.text) != length:
+        index = record.drafts = NgramIndex(tokens())
+    return index.draft(next_token, k)

@@ -3,13 +3,14 @@
 A pass waits for its context's gate, then reserves the pages it needs, runs in a batch, and settles: it records
 lineage for what it wrote (inputs plus the drafts the model accepted — rejected drafts are rolled back here, so KV,
 ``seq_len`` and lineage always agree), commits every full page to the prefix trie but those touching its last
-``hold`` tokens, and gives back pages it left empty.
+``hold`` tokens, and gives back pages it left empty (``settle.py``).
 
 The common pass (a resident context, no prefix lookup, no prefill chunking, its pages at hand) takes the fast path:
 it goes straight into the next batch and settles the moment the batch ends, with no task and no wake-ups, so the
 next step's request finds the gate free. Any other pass continues as a task (``_pass_slowly``): it restores a
 suspended context, adopts cached prefix pages on a context's first pass, splits a long prefill into chunks and waits
-in line for pages. Chained steps and steps run ahead are in ``steps.py``.
+in line for pages. Chained steps and steps run ahead are decided and settled in ``steps.py``; they are sent and
+answered here.
 
 KV written under a custom attention mask or a zo seed is salted per context, so the prefix trie never shares it;
 KV written under an adapter is salted with the adapter's current weights, so only passes with the same adapter
@@ -24,46 +25,38 @@ import logging
 import uuid
 from collections.abc import Callable
 
+from pie_workers.engine import ngram
 from pie_workers.engine.adapter_registry import AdapterRegistry
 from pie_workers.engine.channel import Answer
-from pie_workers.engine.contexts import ContextTable, ContextView
-from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.protocol import PLAIN_PASS, PassArgs, PassBinding, PassReply, forward_request
+from pie_workers.engine.record import EngineContext, EngineContexts
 from pie_workers.engine.residency import Residency, pages_to_reserve
 from pie_workers.engine.scheduler import BatchScheduler
-from pie_workers.engine.state import ContextState
-from pie_workers.engine.steps import Steps
+from pie_workers.engine.settle import settle, truncate
+from pie_workers.engine.steps import ChainedSteps, Steps
 from pie_workers.wire.batch import ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
-from pie_workers.wire.pages import pages_for
 
 log = logging.getLogger(__name__)
 
 
 class Passes:
     def __init__(
-        self,
-        contexts: ContextTable,
-        scheduler: BatchScheduler,
-        residency: Residency,
-        drafter: NgramDrafter,
-        adapters: AdapterRegistry,
-        states: dict[int, ContextState],
+        self, records: EngineContexts, scheduler: BatchScheduler, residency: Residency, adapters: AdapterRegistry
     ):
-        """``states``: the engine's live contexts (read only: a context missing from it was destroyed)."""
-        self.contexts = contexts
+        """``records``: the engine's live contexts (read only: a context missing from it was destroyed)."""
+        self.records = records
+        self.contexts = records.table
         self.scheduler = scheduler
         self.residency = residency
-        self.drafter = drafter
         self.adapters = adapters
-        self.states = states
-        self.page_size = contexts.page_size
-        self.steps = Steps(self)
+        self.page_size = records.table.page_size
+        self.steps = Steps(records.table, scheduler, residency)
         self._slow_passes: set[asyncio.Task] = set()
 
     # -- a pass's course -----------------------------------------------------------------------------------------
 
-    def start(self, state: ContextState, a: PassArgs, answer: Answer, walk: list[int] | None = None) -> None:
+    def start(self, state: EngineContext, a: PassArgs, answer: Answer, walk: list[int] | None = None) -> None:
         """The context's turn has come (this holds its gate): send the pass down the fast path, answer it from the
         step run ahead that it repeats, or continue it as a task. ``walk``: the tokens of a chained pass's steps
         before this one."""
@@ -74,16 +67,16 @@ class Passes:
                 return self.end(state, answer, None)
             bind = self._binding(state, a)
             slots = [(int(row), slot_from_wire(s)) for row, s in a.slots]
-            if (ahead := self.steps.take_ahead(state, ctx, a)) is not None:
+            if (ahead := self.steps.take_ahead(state, a)) is not None:
                 return self._settle_start(state, a, answer, walk, ahead.request, bind, ahead.out)
             new_tokens = len(tokens) + len(a.drafts)
             view = self.contexts.view(ctx)
             need = pages_to_reserve(view, new_tokens)
             if (
-                ctx in self.residency.suspended
+                state.suspended is not None
                 or view.seq_len == 0
                 or new_tokens > self.scheduler.limits.max_tokens
-                or (need > 0 and not self.residency.try_now(ctx, need))
+                or (need > 0 and not self.residency.try_now(state, need))
             ):
                 task = asyncio.get_running_loop().create_task(
                     self._pass_slowly(state, a, tokens, slots, bind, answer, walk)
@@ -92,7 +85,7 @@ class Passes:
                 task.add_done_callback(self._slow_passes.discard)
                 return None
             if need > 0:
-                self.residency.grant(ctx, need)
+                self.residency.grant(state, need)
                 view = self.contexts.view(ctx)
             request = forward_request(
                 a,
@@ -105,14 +98,14 @@ class Passes:
                 kv_len=view.seq_len,
             )
         except Exception as e:
-            return self.fail(state, ctx, answer, e, walk)
-        settle = functools.partial(self._settle_start, state, a, answer, walk, request, bind)
-        self.scheduler.submit_then(request, settle)
+            return self.fail(state, answer, e, walk)
+        settled = functools.partial(self._settle_start, state, a, answer, walk, request, bind)
+        self.scheduler.submit_then(request, settled)
         return None
 
     def _settle_start(
         self,
-        state: ContextState,
+        state: EngineContext,
         a: PassArgs,
         answer: Answer,
         walk: list[int] | None,
@@ -124,16 +117,16 @@ class Passes:
         try:
             if isinstance(out, Exception):
                 raise out
-            self.settle(a.ctx, request, out, a.held(), bind.salt)
-            reply = self._reply(state, a.ctx, out, a.draft_budget)
+            settle(self.contexts, state, request, out, a.held(), bind.salt)
+            reply = self._reply(state, out, a.draft_budget)
         except Exception as e:
-            self.fail(state, a.ctx, answer, e, walk)
+            self.fail(state, answer, e, walk)
         else:
             self._done(state, a, answer, reply, walk, request, bind)
 
     async def _pass_slowly(
         self,
-        state: ContextState,
+        state: EngineContext,
         a: PassArgs,
         tokens: list[int],
         slots: list,
@@ -145,8 +138,8 @@ class Passes:
         first pass, split a long prefill into chunks, wait in line for pages."""
         ctx, positions, attention_masks = a.ctx, a.positions, a.attention_masks
         try:
-            if ctx in self.residency.suspended:
-                await self.residency.restore(ctx, len(tokens) + len(a.drafts))
+            if state.suspended is not None:
+                await self.residency.restore(state, len(tokens) + len(a.drafts))
             if attention_masks is None and not a.drafts and self.contexts.seq_len(ctx) == 0:
                 tokens, positions, slots = self._reuse_cached_prefix(ctx, tokens, positions, slots, bind.salt)
             chunk = self.scheduler.limits.max_tokens
@@ -164,7 +157,7 @@ class Passes:
                     adapter=bind.adapter,
                     zo_seed=bind.zo_seed,
                 )
-                await self.run(ctx, leading, 0, bind.salt)
+                await self.run(state, leading, 0, bind.salt)
                 start = end
             if start:
                 tokens, positions = tokens[start:], positions[start:]
@@ -180,16 +173,16 @@ class Passes:
                 page_ids=[],  # set once reserved
                 kv_len=0,
             )
-            out = await self.run(ctx, request, a.held(), bind.salt)
-            reply = self._reply(state, ctx, out, a.draft_budget)
+            out = await self.run(state, request, a.held(), bind.salt)
+            reply = self._reply(state, out, a.draft_budget)
         except Exception as e:
-            self.fail(state, ctx, answer, e, walk)
+            self.fail(state, answer, e, walk)
         else:
             self._done(state, a, answer, reply, walk, request, bind)
 
     def _done(
         self,
-        state: ContextState,
+        state: EngineContext,
         a: PassArgs,
         answer: Answer,
         reply: PassReply,
@@ -207,19 +200,38 @@ class Passes:
         if sampled is not None:
             walk.append(sampled)
         if a.steps > 1 and sampled is not None and sampled not in a.chained:
-            return self.steps.chain(state, a, answer, request.slots, bind, walk)
+            return self._chain(self.steps.chain(state, a, answer, request.slots, bind, walk))
         self.end(state, answer, reply)
 
-    def fail(self, state: ContextState, ctx: int, answer: Answer, error: Exception, walk: list[int] | None) -> None:
+    def _chain(self, run: ChainedSteps) -> None:
+        """Send a chained pass's next step, or the rest of the pass the general way (``start``) when it needs to."""
+        step = self.steps.next_step(run)
+        if isinstance(step, PassArgs):
+            return self.start(run.record, step, run.answer, run.walk)
+        self.scheduler.submit_then(step, functools.partial(self._step_ended, run))
+        return None
+
+    def _step_ended(self, run: ChainedSteps, out: RequestOutput | Exception) -> None:
+        """Settle a chained step the moment its batch ends: send the next one, or answer the pass."""
+        try:
+            reply = self.steps.step_ended(run, out)
+            if reply is None:
+                return self._chain(run)
+        except Exception as e:
+            return self.fail(run.record, run.answer, e, run.walk)
+        self.end(run.record, run.answer, reply)
+        return None
+
+    def fail(self, state: EngineContext, answer: Answer, error: Exception, walk: list[int] | None) -> None:
         """A pass failed: a chained pass undoes the steps it ran before (``walk``: their tokens), so that nothing of
         it is in the KV, and the pass chained on it fails too."""
-        if walk and ctx in self.states:  # the context is still there
-            self.truncate(state, ctx, len(walk))
+        if walk and self.records.get(state.id) is state:  # the context is still there
+            truncate(self.contexts, self.residency, state, len(walk))
         self.end(state, answer, error=error)
 
     def end(
         self,
-        state: ContextState,
+        state: EngineContext,
         answer: Answer,
         reply: PassReply | None = None,
         error: Exception | None = None,
@@ -237,100 +249,34 @@ class Passes:
 
     # -- running and settling a request ----------------------------------------------------------------------------
 
-    async def run(self, ctx: int, request: ForwardRequest, hold: int, salt: bytes, trim: bool = True) -> RequestOutput:
+    async def run(self, state: EngineContext, request: ForwardRequest, hold: int, salt: bytes) -> RequestOutput:
         """Run one request of a pass the general way: reserve the pages it needs (waiting in line, or restoring the
         context), point it at the context's pages, and settle it."""
-        await self.residency.reserve(ctx, len(request.token_ids) + len(request.draft_tokens))
-        view = self.contexts.view(ctx)
+        await self.residency.reserve(state, len(request.token_ids) + len(request.draft_tokens))
+        view = self.contexts.view(state.id)
         request.page_ids, request.kv_len = list(view.page_ids), view.seq_len
         out = await self.scheduler.submit(request)
-        return self.settle(ctx, request, out, hold, salt, trim)
-
-    def settle(
-        self, ctx: int, request: ForwardRequest, out: RequestOutput, hold: int, salt: bytes, trim: bool = True
-    ) -> RequestOutput:
-        """Record what the request wrote (inputs and accepted drafts) under ``salt``, give back pages it left empty
-        (unless ``trim`` is False), and commit full pages except those touching the last ``hold`` tokens; a failed
-        request raises its error."""
-        if out.error is None:
-            tokens, drafts = request.token_ids, request.draft_tokens
-            accepted = len(out.tokens) - 1 if drafts else 0
-            written = tokens + drafts[:accepted] if accepted else tokens
-            positions = request.positions + request.draft_positions[:accepted] if accepted else request.positions
-            self.contexts.record(ctx, written, positions, salt)
-            self.drafter.observe(ctx, written)
-        view = self.contexts.view(ctx)
-        if trim or out.error is not None:
-            self.trim(ctx, view)  # committing full pages below leaves the count of empty ones as it is
-        if out.error is not None:
-            raise ValueError(out.error)
-        self.commit_full(ctx, hold, view)
-        return out
-
-    async def recompute(self, ctx: int, tokens: list[int], positions: list[int], hold: int) -> None:
-        """Rebuild a restored context's KV for these tokens, in chunks a batch takes, its pages already reserved;
-        pages touching the last ``hold`` tokens stay uncommitted, as they were."""
-        chunk = self.scheduler.limits.max_tokens
-        for start in range(0, len(tokens), chunk):
-            request = ForwardRequest(
-                token_ids=tokens[start : start + chunk],
-                positions=positions[start : start + chunk],
-                page_ids=[],  # set by ``run``
-                kv_len=0,
-            )
-            await self.run(ctx, request, hold, PLAIN_PASS.salt, trim=False)
-
-    def commit_full(self, ctx: int, hold: int, view: ContextView | None = None) -> None:
-        """Commit the context's full working pages but those touching its last ``hold`` tokens."""
-        view = view or self.contexts.view(ctx)
-        if full := max(0, view.working_tokens - hold) // self.page_size:
-            self.contexts.commit(ctx, full)
-
-    def trim(self, ctx: int, view: ContextView | None = None) -> None:
-        """Give back working pages that hold no tokens (after a rejected draft, a failed pass, or a truncate).
-        ``view``: the context as it is now, when the caller has it."""
-        view = view or self.contexts.view(ctx)
-        spare = view.working_pages - pages_for(view.working_tokens, self.page_size)
-        if spare > 0:
-            self.contexts.release_working(ctx, spare)
-
-    def truncate(self, state: ContextState, ctx: int, n: int) -> None:
-        """Cut the context's last ``n`` tokens (only uncommitted ones can go)."""
-        self.drafter.forget(ctx)
-        state.sampled = None
-        if ctx in self.residency.suspended:  # no need to recompute what is cut
-            self.residency.truncate(ctx, n)
-        else:
-            self.contexts.truncate(ctx, n)
-            self.trim(ctx)
+        return settle(self.contexts, state, request, out, hold, salt)
 
     # -- what a pass runs on, and its answer -----------------------------------------------------------------------
 
-    def _input(self, state: ContextState, a: PassArgs) -> list[int] | None:
+    def _input(self, state: EngineContext, a: PassArgs) -> list[int] | None:
         """The pass's input tokens, once it is the context's turn: a chained pass's is the token its predecessor
         sampled, and None when that is a stop token (nothing runs). Applies the pass's bid, and a suspension
         deferred until this pass began."""
-        ctx = a.ctx
         sampled, state.sampled = state.sampled, None
         a.check()
         tokens = a.tokens
-        if a.chained is not None:
-            if sampled is None:
-                raise ValueError(
-                    f"context {ctx}: a chained pass follows the previous one, which failed or sampled no token"
-                )
-            if sampled in a.chained:
-                return None
-            tokens = [sampled]
-            self.steps.chained_passes += 1
+        if a.chained is not None and (tokens := self.steps.chained_input(a, sampled)) is None:
+            return None
         if a.bid is not None:
-            self.residency.set_bid(ctx, a.bid)
-        self.residency.pass_begins(ctx)
+            self.residency.set_bid(state, a.bid)
+        self.residency.pass_begins(state)
         if len(tokens) != len(a.positions):
             raise ValueError(f"{len(a.positions)} positions for {len(tokens)} input tokens")
         return tokens
 
-    def _binding(self, state: ContextState, a: PassArgs) -> PassBinding:
+    def _binding(self, state: EngineContext, a: PassArgs) -> PassBinding:
         """What the pass runs under; a plain one (no adapter, zo seed or attention mask, unsalted context) shares
         ``PLAIN_PASS``."""
         adapter, zo_seed, masked = a.adapter, a.zo_seed, a.attention_masks is not None
@@ -356,8 +302,9 @@ class Passes:
         reused = self.contexts.reuse_prefix(ctx, tokens[:usable], positions[:usable], salt)
         return tokens[reused:], positions[reused:], [(row - reused, s) for row, s in slots]
 
-    def _reply(self, state: ContextState, ctx: int, out: RequestOutput, draft_budget: int) -> PassReply:
+    def _reply(self, state: EngineContext, out: RequestOutput, draft_budget: int) -> PassReply:
         """The pass's answer; remembers the token it sampled for a pass chained on it."""
+        ctx = state.id
         seq_len = self.contexts.seq_len(ctx)
         sampled = out.tokens[-1] if out.tokens else next((s.token for s in out.slots if s.token is not None), None)
         next_drafts = []
@@ -365,7 +312,7 @@ class Passes:
             state.sampled = sampled
             if draft_budget > 0:
                 text = lambda: self.contexts.tokens(ctx)  # noqa: E731 (read only when the index is rebuilt)
-                next_drafts = self.drafter.draft(ctx, text, seq_len, sampled, draft_budget)
+                next_drafts = ngram.draft(state, text, seq_len, sampled, draft_budget)
         return PassReply(
             slots=[output_to_wire(s) for s in out.slots], walk=out.tokens, seq_len=seq_len, next_drafts=next_drafts
         )

@@ -7,7 +7,7 @@ Every operation an inferlet can ask of a replica is named in ``ReplicaEngine``'s
 are the handler's parameters after the session, in order. A forward is the exception: it goes through ``Passes``
 (``passes.py``, with chained steps and steps run ahead in ``steps.py``), which answers it itself. A context belongs
 to the inferlet run (session) that made it; snapshots and LoRA adapters (``adapter_registry.py``) belong to the user.
-What the engine keeps per context is one ``ContextState`` (``state.py``).
+What the engine keeps per context is one ``EngineContext`` record (``record.py``), made and ended by its registry.
 
 When the pool runs short, ``Residency`` decides by bid who keeps pages; every operation on a suspended context first
 restores it (copying its pages back from host memory, or recomputing them), so inferlets never see a suspension
@@ -29,13 +29,13 @@ from pie_workers.engine.channel import Answer, ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
 from pie_workers.engine.directory_link import DirectoryLink
 from pie_workers.engine.market_link import MarketLink
-from pie_workers.engine.ngram import NgramDrafter
 from pie_workers.engine.page_store import OutOfPages, PageStore
 from pie_workers.engine.passes import Passes
 from pie_workers.engine.protocol import PassArgs
+from pie_workers.engine.record import EngineContext, EngineContexts, Session
 from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
-from pie_workers.engine.state import ContextState, Session
+from pie_workers.engine.settle import truncate
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 from pie_workers.wire.capability import CapabilityError, verify
@@ -65,27 +65,16 @@ class ReplicaEngine:
         self.runner = runner
         self.store = PageStore(runner.num_pages, runner.page_size)
         self.contexts = ContextTable(self.store)
-        self.drafter = NgramDrafter()
-        self._states: dict[int, ContextState] = {}  # the live contexts
+        self.records = EngineContexts(self.contexts, runner.kv.host_pages)  # the live contexts
         self._sessions: dict[str, Session] = {}  # by the session string ``capability/session``, once verified
-        self.residency = Residency(
-            self.contexts,
-            busy=lambda ctx: ctx in self._states and self._states[ctx].gate.locked(),
-            clock=lambda: self.scheduler.batches_fired,
-            host_pages=runner.kv.host_pages,
-            offload=lambda pairs: self.scheduler.submit(None, offloads=pairs),
-            copy_in=lambda pairs: self.scheduler.submit(None, restores=pairs),
-            recompute=lambda ctx, tokens, positions, hold: self.passes.recompute(ctx, tokens, positions, hold),
-            forget_drafts=self.drafter.forget,
-            made=None if market is None else lambda process, pages: self.market.made(process, pages),
-        )
-        self.scheduler = BatchScheduler(self._execute, limits, contexts=lambda: len(self._states))
+        self.scheduler = BatchScheduler(self._execute, limits, contexts=self.records.__len__)
+        self.residency = Residency(self.records, self.scheduler, count_made=market is not None)
         self.channel = ChannelServer(self._handle, self._disconnected)
         self.market = (
-            MarketLink(market, device, self.contexts, self.residency, self.scheduler) if market is not None else None
+            MarketLink(market, device, self.records, self.residency, self.scheduler) if market is not None else None
         )
         self.adapters = AdapterRegistry(runner, directory)
-        self.passes = Passes(self.contexts, self.scheduler, self.residency, self.drafter, self.adapters, self._states)
+        self.passes = Passes(self.records, self.scheduler, self.residency, self.adapters)
         # every operation but ``forward`` (see ``_handle``): name on the wire -> handler(session, *args)
         self._operations: dict[str, Callable[..., Awaitable]] = {
             "create": self.op_create,
@@ -180,29 +169,28 @@ class ReplicaEngine:
         finally:
             self.residency.wake()  # pages may have been freed
 
-    def _own(self, session: Session, ctx: int) -> ContextState:
-        state = self._states.get(ctx)
+    def _own(self, session: Session, ctx: int) -> EngineContext:
+        state = self.records.get(ctx)
         if state is None or state.session is not session:
             raise ContextError(f"context {ctx} does not exist or was released")
-        self.residency.touch(ctx)
+        self.residency.touch(state)
         return state
 
     @contextlib.asynccontextmanager
-    async def _turn(self, session: Session, ctx: int) -> AsyncIterator[ContextState]:
+    async def _turn(self, session: Session, ctx: int) -> AsyncIterator[EngineContext]:
         """Hold the context's gate for an operation other than a pass (which drops a step run ahead: it would no
         longer follow)."""
         state = self._own(session, ctx)
         async with state.gate:
-            self.passes.steps.take_ahead(state, ctx)
+            self.passes.steps.take_ahead(state)
             yield state
 
-    def _adopt(self, session: Session, ctx: int, new_pages: bool = False) -> ContextState:
+    def _adopt(self, session: Session, ctx: int, new_pages: bool = False) -> EngineContext:
         """``new_pages``: its working pages were allocated for it (a fork's or an open's copies), not handed over
         (a taken snapshot's): they count as pages its process made."""
-        state = self._states[ctx] = ContextState(session)
-        self.residency.owners[ctx] = session.instance
+        state = self.records.add(ctx, session)
         if new_pages:
-            self.residency.charge(ctx, self.contexts.view(ctx).working_pages)
+            self.residency.charge(state, self.contexts.view(ctx).working_pages)
         return state
 
     async def _run_copies(self, copies: list[tuple[int, int]]) -> None:
@@ -212,24 +200,18 @@ class ReplicaEngine:
     # -- context lifetime ----------------------------------------------------------------------------------------
 
     async def op_create(self, session: Session) -> int:
-        ctx = self.contexts.create(session.username, session.key)
-        self._adopt(session, ctx)
-        return ctx
+        return self.records.create(session).id
 
     async def op_destroy(self, session: Session, ctx: int) -> None:
         state = self._own(session, ctx)
         view = self.contexts.view(ctx)
-        self.contexts.destroy(ctx)
-        del self._states[ctx]
-        state.sampled = state.ahead = None  # a pass still waiting for the gate finds nothing to follow
-        self.drafter.forget(ctx)
-        self.residency.forget(ctx)
+        self.records.destroy(state)  # a pass still waiting for the gate finds nothing to follow
         working = view.page_ids[len(view.page_ids) - view.working_pages :]
         self.scheduler.withdraw(set(working), ContextError(f"context {ctx} was destroyed"))
 
     async def op_close(self, session: Session) -> int:
         """The inferlet ended: release every context it still holds (snapshots survive)."""
-        held = [ctx for ctx, state in self._states.items() if state.session is session]
+        held = [state.id for state in self.records if state.session is session]
         for ctx in held:
             await self.op_destroy(session, ctx)
         self._sessions.pop(session.name, None)
@@ -246,31 +228,32 @@ class ReplicaEngine:
         """A child sharing the context's pages. When memory is short the child is born suspended (it holds no
         pages and is recomputed on its first pass), so a fork never waits."""
         async with self._turn(session, ctx) as parent:
-            suspended = self.residency.suspended.get(ctx)
-            if suspended is None and self.residency.try_now(ctx, self.contexts.view(ctx).working_pages):
+            suspended, text = parent.suspended, None
+            if suspended is None and self.residency.try_now(parent, self.contexts.view(ctx).working_pages):
                 child, copies = self.contexts.fork(ctx)
             else:
                 if suspended is None and not self.contexts.recomputable(ctx):
                     raise OutOfPages(self.contexts.view(ctx).working_pages, self.store.available, self.store.num_pages)
                 text = (suspended.text, suspended.committed) if suspended else self.contexts.text(ctx)
                 child, copies = self.contexts.create(session.username, session.key), []
-                self.residency.add_suspended(child, *text)
-        child_state = self._adopt(session, child, new_pages=True)
+            child_state = self._adopt(session, child, new_pages=True)
+            if text is not None:
+                self.residency.add_suspended(child_state, *text)
         child_state.salt = parent.salt  # what it shares was written under the parent's salt
-        self.residency.inherit(child, ctx)
+        child_state.bid = parent.bid
         await self._run_copies(copies)
-        return [child, self.residency.seq_len(child)]
+        return [child, self.residency.seq_len(child_state)]
 
     async def op_save(self, session: Session, ctx: int, name: str) -> None:
-        async with self._turn(session, ctx):
-            await self.residency.restore_for_snapshot(ctx)
+        async with self._turn(session, ctx) as state:
+            await self.residency.restore_for_snapshot(state)
             copies = self.contexts.save(ctx, name)
         await self._run_copies(copies)
         await self._register(session, name)
 
     async def op_snapshot(self, session: Session, ctx: int) -> str:
-        async with self._turn(session, ctx):
-            await self.residency.restore_for_snapshot(ctx)
+        async with self._turn(session, ctx) as state:
+            await self.residency.restore_for_snapshot(state)
             name, copies = self.contexts.snapshot(ctx)
         await self._run_copies(copies)
         await self._register(session, name)
@@ -293,6 +276,7 @@ class ReplicaEngine:
             pages = self.contexts.view_snapshot(session.username, name).working_pages
         except ContextError:
             return await self._from_elsewhere(session, name, self.directory and self.directory.lookup)
+        text = None
         if self.residency.try_now(None, pages):
             ctx, copies = self.contexts.open(session.username, name, session.key)
         else:
@@ -300,10 +284,11 @@ class ReplicaEngine:
             if text is None:
                 raise OutOfPages(pages, self.store.available, self.store.num_pages)
             ctx, copies = self.contexts.create(session.username, session.key), []
-            self.residency.add_suspended(ctx, *text)
-        self._adopt(session, ctx, new_pages=True)
+        state = self._adopt(session, ctx, new_pages=True)
+        if text is not None:
+            self.residency.add_suspended(state, *text)
         await self._run_copies(copies)
-        return [ctx, self.residency.seq_len(ctx)]
+        return [ctx, self.residency.seq_len(state)]
 
     async def op_take(self, session: Session, name: str) -> list[int] | None:
         ctx = self.contexts.take(session.username, name, session.key)
@@ -326,10 +311,9 @@ class ReplicaEngine:
                 f"snapshot {name!r} is held by another replica and was written under a custom attention mask, an "
                 "adapter or a zo seed, so it cannot be recomputed here"
             )
-        ctx = self.contexts.create(session.username, session.key)
-        self.residency.add_suspended(ctx, [tuple(t) for t in text], committed)
-        self._adopt(session, ctx)
-        return [ctx, self.residency.seq_len(ctx)]
+        state = self.records.create(session)
+        self.residency.add_suspended(state, [tuple(t) for t in text], committed)
+        return [state.id, self.residency.seq_len(state)]
 
     async def op_delete(self, session: Session, name: str) -> None:
         try:
@@ -343,28 +327,27 @@ class ReplicaEngine:
 
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
         async with self._turn(session, ctx) as state:
-            self.passes.truncate(state, ctx, n)
-            return self.residency.seq_len(ctx)
+            truncate(self.contexts, self.residency, state, n)
+            return self.residency.seq_len(state)
 
     # -- residency and the market --------------------------------------------------------------------------------
 
     async def op_suspend(self, session: Session, ctx: int) -> None:
         """Give the context's pages up now (kept in host memory when there is room); its next operation restores
         it. A no-op for a context that is already suspended."""
-        async with self._turn(session, ctx):
-            if ctx in self.residency.suspended:
+        async with self._turn(session, ctx) as state:
+            if state.suspended is not None:
                 return
             if not self.contexts.recomputable(ctx):
                 raise ContextError(
                     f"context {ctx} holds KV written under a custom attention mask, an adapter or a zo seed, which "
                     "could not be restored: it cannot be suspended"
                 )
-            self.residency.suspend(ctx)
+            self.residency.suspend(state)
 
     async def op_set_bid(self, session: Session, ctx: int, bid: float) -> None:
         """Credits per page per tick this context offers to keep its pages when memory is short."""
-        self._own(session, ctx)
-        self.residency.set_bid(ctx, bid)
+        self.residency.set_bid(self._own(session, ctx), bid)
 
     async def op_account(self, session: Session) -> dict | None:
         """What ``inferlet.scheduling`` reads for the inferlet's process on this replica: its balance, endowment,
@@ -398,7 +381,7 @@ class ReplicaEngine:
             "total": s.total,
             "contexts": self.contexts.stats().contexts,
             "queued": self.scheduler.queued,
-            "suspended": len(self.residency.suspended),
+            "suspended": sum(state.suspended is not None for state in self.records),
             "suspensions": self.residency.suspensions,
             "offloaded": self.residency.offloaded,
             "waiting": self.residency.waiting,

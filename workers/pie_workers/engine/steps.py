@@ -6,6 +6,9 @@ that settles the step before, holding the context's gate all along. A chained pa
 they go but commit pages only when the pass ends, so that a failed step can undo the steps before it. A step run
 ahead writes KV past the context's end, where nothing reads it, until a request that repeats it adopts it; anything
 else on the context drops it.
+
+``Steps`` decides and settles each step; ``Passes`` sends them and answers the pass, so neither calls the other
+back.
 """
 
 from __future__ import annotations
@@ -13,20 +16,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pie_workers.engine.channel import Answer
+from pie_workers.engine.contexts import ContextTable
 from pie_workers.engine.gate import Gate
-from pie_workers.engine.protocol import PassArgs, PassReply
-from pie_workers.engine.residency import pages_to_reserve
-from pie_workers.engine.state import ContextState
+from pie_workers.engine.protocol import PassArgs, PassBinding, PassReply
+from pie_workers.engine.record import EngineContext
+from pie_workers.engine.residency import Residency, pages_to_reserve
+from pie_workers.engine.scheduler import BatchScheduler
+from pie_workers.engine.settle import commit_full, trim
 from pie_workers.wire.batch import ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire
 from pie_workers.wire.pages import pages_for
-
-if TYPE_CHECKING:
-    from pie_workers.engine.passes import Passes
-    from pie_workers.engine.protocol import PassBinding
 
 
 @dataclass(slots=True, eq=False)
@@ -50,11 +51,11 @@ class StepAhead:
 
 
 @dataclass(slots=True, eq=False)
-class _Steps:
+class ChainedSteps:
     """A chained pass past its first step: what each further step reuses, and the context as the last step left it
     (only this pass changes the context while it holds the context's gate)."""
 
-    state: ContextState
+    record: EngineContext
     a: PassArgs
     answer: Answer
     slots: list
@@ -68,26 +69,35 @@ class _Steps:
 
 
 class Steps:
-    def __init__(self, passes: Passes):
-        self.passes = passes
-        self.contexts = passes.contexts
-        self.scheduler = passes.scheduler
-        self.residency = passes.residency
-        self.drafter = passes.drafter
-        self.page_size = passes.page_size
+    def __init__(self, table: ContextTable, scheduler: BatchScheduler, residency: Residency):
+        self.table = table
+        self.scheduler = scheduler
+        self.residency = residency
+        self.page_size = self.table.page_size
         self.chained_passes = 0  # passes that ran on the token their predecessor sampled
         self.steps_ahead = 0  # steps run before they were asked for
         self.steps_ahead_taken = 0  # ... that a request then adopted
 
     # -- chained steps -----------------------------------------------------------------------------------------------
 
+    def chained_input(self, a: PassArgs, sampled: int | None) -> list[int] | None:
+        """A chained pass's input: the token its predecessor sampled; None when that is a stop id (nothing runs)."""
+        if sampled is None:
+            raise ValueError(
+                f"context {a.ctx}: a chained pass follows the previous one, which failed or sampled no token"
+            )
+        if sampled in a.chained:
+            return None
+        self.chained_passes += 1
+        return [sampled]
+
     def chain(
-        self, state: ContextState, a: PassArgs, answer: Answer, slots: list, bind: PassBinding, walk: list[int]
-    ) -> None:
-        """Run the further steps of chained pass ``a``, whose first step sampled ``walk[-1]``."""
-        view = self.contexts.view(a.ctx)
-        run = _Steps(
-            state=state,
+        self, record: EngineContext, a: PassArgs, answer: Answer, slots: list, bind: PassBinding, walk: list[int]
+    ) -> ChainedSteps:
+        """The further steps of chained pass ``a``, whose first step sampled ``walk[-1]``."""
+        view = self.table.view(record.id)
+        return ChainedSteps(
+            record=record,
             a=a,
             answer=answer,
             slots=slots,
@@ -99,25 +109,24 @@ class Steps:
             page_ids=list(view.page_ids),
             seq_len=view.seq_len,
         )
-        self._next_step(run)
 
-    def _next_step(self, run: _Steps) -> None:
+    def next_step(self, run: ChainedSteps) -> ForwardRequest | PassArgs:
         """A chained pass's next step, on the token the step before sampled. The plain case (the context resident,
-        no suspension due, its pages at hand) goes straight into the next batch with what the pass already knows;
-        anything else goes the general way, ``Passes.start``, holding back the pages of the steps so far."""
-        ctx = run.a.ctx
+        no suspension due, its pages at hand) is a request made of what the pass already knows; anything else is
+        the rest of the pass as a pass of its own, to go the general way, holding back the pages of the steps so
+        far."""
+        record = run.record
         need = pages_for(run.seq_len + 1, self.page_size) - len(run.page_ids)
         residency = self.residency
-        if ctx in residency.deferred or ctx in residency.suspended or (need > 0 and not residency.try_now(ctx, need)):
-            a = dataclasses.replace(run.a, positions=[run.position], steps=run.left, hold=run.a.hold + len(run.walk))
-            return self.passes.start(run.state, a, run.answer, run.walk)
+        if record.deferred or record.suspended is not None or (need > 0 and not residency.try_now(record, need)):
+            return dataclasses.replace(run.a, positions=[run.position], steps=run.left, hold=run.a.hold + len(run.walk))
         if need > 0:
-            run.page_ids = run.page_ids + residency.grant(ctx, need)
-        run.state.sampled = None  # this step consumes it
-        residency.touch(ctx)
+            run.page_ids = run.page_ids + residency.grant(record, need)
+        record.sampled = None  # this step consumes it
+        residency.touch(record)
         self.chained_passes += 1
         # (tokens, positions, pages, KV length, slots) by position: keywords cost a tenth of a microsecond a step
-        request = ForwardRequest(
+        return ForwardRequest(
             [run.token],
             [run.position],
             run.page_ids,
@@ -127,60 +136,54 @@ class Steps:
             adapter=run.bind.adapter,
             zo_seed=run.bind.zo_seed,
         )
-        self.scheduler.submit_then(request, functools.partial(self._step_ended, run))
 
-    def _step_ended(self, run: _Steps, out: RequestOutput | Exception) -> None:
-        """Settle a step ``_next_step`` sent: record its token, and run the next step or end the pass (committing
-        its full pages, as ``Passes.settle`` would, only then: a failed step undoes the steps before it)."""
-        ctx = run.a.ctx
-        try:
-            if isinstance(out, Exception):
-                raise out
-            if out.error is not None:
-                raise ValueError(out.error)
-            self.contexts.record(ctx, [run.token], [run.position], run.bind.salt)
-            self.drafter.observe(ctx, [run.token])
-            run.seq_len += 1
-            sampled = next((s.token for s in out.slots if s.token is not None), None)
-            run.left -= 1
-            run.position += 1
-            if sampled is not None:
-                run.state.sampled = run.token = sampled
-                run.walk.append(sampled)
-                if run.left and sampled not in run.a.chained:
-                    self.residency.wake()  # a waiter may find room now (as between single passes)
-                    return self._next_step(run)
-            self.passes.commit_full(ctx, run.a.hold)
-        except Exception as e:
-            return self.passes.fail(run.state, ctx, run.answer, e, run.walk)
+    def step_ended(self, run: ChainedSteps, out: RequestOutput | Exception) -> PassReply | None:
+        """Settle a step ``next_step`` made: record its token; None if a next step is due, else the pass's answer
+        (its full pages committed, as ``settle`` would, only now: a failed step undoes the steps before it)."""
+        record = run.record
+        if isinstance(out, Exception):
+            raise out
+        if out.error is not None:
+            raise ValueError(out.error)
+        self.table.record(record.id, [run.token], [run.position], run.bind.salt)
+        if record.drafts is not None:
+            record.drafts.extend([run.token])
+        run.seq_len += 1
+        sampled = next((s.token for s in out.slots if s.token is not None), None)
+        run.left -= 1
+        run.position += 1
+        if sampled is not None:
+            record.sampled = run.token = sampled
+            run.walk.append(sampled)
+            if run.left and sampled not in run.a.chained:
+                self.residency.wake()  # a waiter may find room now (as between single passes)
+                return None
+        commit_full(self.table, record.id, run.a.hold)
         slots = [output_to_wire(s) for s in out.slots]
-        self.passes.end(
-            run.state, run.answer, PassReply(slots=slots, walk=run.walk, seq_len=run.seq_len, next_drafts=[])
-        )
+        return PassReply(slots=slots, walk=run.walk, seq_len=run.seq_len, next_drafts=[])
 
     # -- the step run ahead ------------------------------------------------------------------------------------------
 
-    def run_ahead(self, state: ContextState, a: PassArgs, slots: list) -> bool:
+    def run_ahead(self, record: EngineContext, a: PassArgs, slots: list) -> bool:
         """Run the next step of a plain pass that asked for it, holding the context's gate until its batch ends;
         False (nothing runs) when the pass is not plain, sampled a stop id, or the step would wait for a page."""
-        ctx = a.ctx
-        sampled = state.sampled
+        sampled = record.sampled
         last = len(a.tokens) - 1
         if (
             not a.plain()
             or sampled is None
             or sampled in a.ahead
             or any(row != last for row, _ in a.slots)
-            or ctx in self.residency.deferred
-            or ctx in self.residency.suspended
+            or record.deferred
+            or record.suspended is not None
         ):
             return False
-        view = self.contexts.view(ctx)
+        view = self.table.view(record.id)
         if need := pages_to_reserve(view, 1):
-            if not self.residency.try_now(ctx, need):
+            if not self.residency.try_now(record, need):
                 return False
-            self.residency.grant(ctx, need)
-            view = self.contexts.view(ctx)
+            self.residency.grant(record, need)
+            view = self.table.view(record.id)
         request = ForwardRequest(
             token_ids=[sampled],
             positions=[a.positions[-1] + 1],
@@ -188,9 +191,9 @@ class Steps:
             kv_len=view.seq_len,
             slots=[(0, s) for _, s in slots],
         )
-        ahead = state.ahead = StepAhead(request, [[0, s] for _, s in a.slots])
+        ahead = record.ahead = StepAhead(request, [[0, s] for _, s in a.slots])
         self.steps_ahead += 1
-        self.scheduler.submit_then(request, functools.partial(self._ahead_ended, ahead, state.gate))
+        self.scheduler.submit_then(request, functools.partial(self._ahead_ended, ahead, record.gate))
         return True
 
     def _ahead_ended(self, ahead: StepAhead, gate: Gate, out: RequestOutput | Exception) -> None:
@@ -198,14 +201,14 @@ class Steps:
         gate.give()  # to the request for this step, when it came meanwhile
         self.residency.wake()
 
-    def take_ahead(self, state: ContextState, ctx: int, a: PassArgs | None = None) -> StepAhead | None:
+    def take_ahead(self, record: EngineContext, a: PassArgs | None = None) -> StepAhead | None:
         """Take the context's step run ahead off it: the step, with its output, if pass ``a`` repeats it and it
         still fits the context (a suspension since changes that), else None, giving back a page only it used."""
-        ahead, state.ahead = state.ahead, None
-        if ahead is None or ctx in self.residency.suspended:
+        ahead, record.ahead = record.ahead, None
+        if ahead is None or record.suspended is not None:
             return None
-        if a is not None and ahead.repeats(a) and self.contexts.seq_len(ctx) == ahead.request.kv_len:
+        if a is not None and ahead.repeats(a) and self.table.seq_len(record.id) == ahead.request.kv_len:
             self.steps_ahead_taken += 1
             return ahead
-        self.passes.trim(ctx)
+        trim(self.table, record.id)
         return None

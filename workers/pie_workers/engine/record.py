@@ -1,0 +1,93 @@
+"""One ``EngineContext`` record per live context, in one registry (``EngineContexts``), as nano-vllm keeps one
+``Sequence`` per request: what the engine knows of a context is one record's fields, and passes, chained steps,
+steps run ahead and residency are code over it.
+
+The record's pages and lineage are its entry in the ``ContextTable`` (``id``), which also holds snapshots, pages
+that no record owns. ``EngineContexts.add`` makes a record for an entry; ``destroy`` ends both, giving back the
+host memory its suspension held. A pass or operation that waited for the context's gate may still hold the record
+after that; the table entry is gone by then, so whatever it tries on the context fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pie_workers.engine.contexts import ContextTable
+from pie_workers.engine.gate import Gate
+
+if TYPE_CHECKING:
+    from pie_workers.engine.ngram import NgramIndex
+    from pie_workers.engine.residency import Suspended
+    from pie_workers.engine.steps import StepAhead
+
+
+@dataclass(eq=False)
+class Session:
+    """One inferlet run's connection: who it is, as its verified capability says. A context belongs to the session
+    that made it."""
+
+    name: str  # ``capability/session``, as the channel names a request's sender
+    username: str
+    instance: str  # the inferlet's process, whose wallet pays the rent of its contexts
+    key: str  # the inferlet run; scopes its contexts
+    expires: float  # when its capability does (``time.time()``): past it, its requests are refused
+
+
+@dataclass(slots=True, eq=False)
+class EngineContext:
+    id: int  # its entry in the ``ContextTable``: committed chain, working pages, lineage
+    session: Session  # the inferlet run that holds it
+    gate: Gate = field(default_factory=Gate)  # turn-taking: one pass or operation at a time
+    # KV written under a custom attention mask or a zo seed is hashed with this, so the prefix trie never shares it:
+    # set by the context's first such pass, inherited by its forks; empty until then
+    salt: bytes = b""
+    sampled: int | None = None  # the token its latest pass sampled, for a pass chained on it
+    ahead: StepAhead | None = None  # the step run ahead on it, if any
+    bid: float = 0.0  # credits per page per tick it offers to keep its pages (``Residency``)
+    suspended: Suspended | None = None  # its text while it holds no pages
+    deferred: bool = False  # busy when asked to suspend: it suspends when its next pass begins
+    last_use: int = -1  # the scheduler's batch count at its latest operation
+    drafts: NgramIndex | None = None  # its n-gram index, once it asked for drafts (``ngram.py``)
+
+    @property
+    def owner(self) -> str:
+        """Its process (inferlet instance)."""
+        return self.session.instance
+
+
+class EngineContexts:
+    """The live contexts of a replica, by id, and the host memory slots none of them holds."""
+
+    def __init__(self, table: ContextTable, host_pages: int = 0) -> None:
+        self.table = table
+        self._live: dict[int, EngineContext] = {}
+        self.free_host = list(range(host_pages - 1, -1, -1))
+
+    def get(self, ctx: int) -> EngineContext | None:
+        return self._live.get(ctx)
+
+    def __iter__(self) -> Iterator[EngineContext]:
+        return iter(self._live.values())
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def create(self, session: Session) -> EngineContext:
+        """A new empty context."""
+        return self.add(self.table.create(session.username, session.key), session)
+
+    def add(self, ctx: int, session: Session) -> EngineContext:
+        """The record of table entry ``ctx`` (just created, forked, opened or taken)."""
+        record = self._live[ctx] = EngineContext(ctx, session)
+        return record
+
+    def destroy(self, record: EngineContext) -> None:
+        """End the context: its pages, its host memory, and what a pass still waiting for its gate could follow."""
+        self.table.destroy(record.id)
+        del self._live[record.id]
+        if record.suspended is not None and record.suspended.host:
+            self.free_host.extend(record.suspended.host)
+        record.suspended = record.sampled = record.ahead = record.drafts = None
+        record.deferred = False
