@@ -31,8 +31,13 @@ def local_pie(
 ) -> Iterator[LocalPie]:
     """``sandbox``: how uploaded programs run (``off``: in the trusted host, the baseline the sandbox is measured
     against)."""
-    ray.init(
-        num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
+    ray.init(  # address="local": a Ray of its own, even where another one runs on this machine
+        address="local",
+        num_cpus=4,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
     )
     controller = None
     try:

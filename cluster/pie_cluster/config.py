@@ -134,7 +134,7 @@ class SandboxConfig(_Strict):
     scratch_mib: int = Field(256, ge=1)  # the worker's private /tmp (a tmpfs)
     egress: bool = False  # True: workers share the node's network (MCP servers by URL, web tools); never Ray's ports
     read_only: list[str] = Field(default_factory=list)  # more host paths workers may read (a stdio MCP server's files)
-    stall_s: float = Field(10.0, gt=0)  # a worker whose event loop answers no ping for this long is ended
+    stall_s: float = Field(10.0, gt=0)  # a worker one task step of which holds its event loop this long is ended
     idle_s: float = Field(60.0, ge=0)  # an idle worker is kept this long for the user's next launch
 
     @property

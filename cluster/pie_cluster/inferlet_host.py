@@ -193,5 +193,3 @@ class InferletHost:
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
         self.launcher.emit.remote(batch)
-
-

@@ -30,8 +30,11 @@ from pie_cluster.programs import Program
 from pie_cluster.sandbox import bwrap
 from pie_cluster.sandbox.protocol import FrameWriter, InstanceSpec, read_frames
 from pie_cluster.sandbox.view import SandboxView
+from pie_cluster.sandbox.watchdog import STALLED
 
 _TAIL_BYTES = 4096  # of a worker's own stdout/stderr, kept to explain its death
+UNANSWERED_STALLS = 6  # the host's backstop: a worker silent this many times ``stall_s`` is ended (see watchdog.py)
+EXIT_GRACE_S = 2.0  # how long a worker whose socket closed has to exit before it is killed
 DEADLINE_GRACE_S = 5.0  # past an instance's deadline, how long its worker has to end it before the host ends both
 
 
@@ -141,7 +144,11 @@ class WorkerPool:
             "RLIMIT_FSIZE": self._config.max_file_mib << 20,
             "RLIMIT_CORE": 0,
         }
-        env = {"PIE_WORKER_FD": str(theirs.fileno()), "PIE_WORKER_LIMITS": json.dumps(limits)}
+        env = {
+            "PIE_WORKER_FD": str(theirs.fileno()),
+            "PIE_WORKER_LIMITS": json.dumps(limits),
+            "PIE_WORKER_STALL_S": str(self._config.stall_s),
+        }
         if (uid := bwrap.worker_uid(slot)) is not None:
             env["PIE_WORKER_UID"] = str(uid)
         env |= {"RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # few threads
@@ -213,7 +220,8 @@ class WorkerPool:
                 self._stop(worker, None)
 
     async def _watch(self, worker: Worker) -> None:
-        """Pings a busy worker; ends one whose loop stays silent for ``stall_s``, or that idled ``idle_s``."""
+        """Pings a busy worker and ends one that stays silent (the worker's own watchdog ends it sooner when one
+        task step holds its loop); counts its processes and CPU time; ends it once it has idled ``idle_s``."""
         period = min(1.0, self._config.stall_s / 4)
         seq, answered_at = 0, time.monotonic()
         while worker.process.returncode is None:
@@ -236,12 +244,8 @@ class WorkerPool:
                     "one of this user's inferlets?)",
                 )
                 continue
-            if now - answered_at > self._config.stall_s:
-                self._stop(
-                    worker,
-                    f"its event loop answered nothing for {self._config.stall_s:g} s (a busy loop or a blocking "
-                    "call in one of this user's inferlets)",
-                )
+            if now - answered_at > self._config.stall_s * UNANSWERED_STALLS:
+                self._stop(worker, f"it answered nothing for {self._config.stall_s * UNANSWERED_STALLS:g} s")
                 continue
             if worker.pongs == seq:
                 seq += 1
@@ -274,9 +278,12 @@ class WorkerPool:
             worker.out.close()  # the worker exits when its socket closes
 
     async def _end(self, worker: Worker) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            worker.process.kill()
-        code = await worker.process.wait()
+        try:  # its socket closed: it is exiting (its status says why), or it closed the socket and lingers
+            code = await asyncio.wait_for(worker.process.wait(), EXIT_GRACE_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.kill()
+            code = await worker.process.wait()
         if worker.instances:
             why = worker.death or _describe_exit(code, self._config)
             tail = bytes(worker.tail).decode(errors="replace").strip().splitlines()[-3:]
@@ -352,7 +359,12 @@ def _usage_by_uid() -> dict[int, Usage]:
 
 
 def _describe_exit(code: int, config: SandboxConfig) -> str:
-    """bwrap exits with 128 + the signal that killed the worker inside it."""
+    """bwrap exits with the worker's status, or 128 + the signal that killed it."""
+    if code == STALLED:
+        return (
+            f"one of this user's inferlets held its event loop for more than {config.stall_s:g} s (a busy loop or "
+            "a blocking call; await, or use asyncio.to_thread)"
+        )
     signum = -code if code < 0 else code - 128 if code > 128 else 0
     if signum == signal.SIGKILL:
         return f"it was killed (out of memory; its limit is {config.memory_mib} MiB of address space)"

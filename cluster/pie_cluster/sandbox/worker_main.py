@@ -22,6 +22,7 @@ from pathlib import Path
 from pie_cluster import stdio
 from pie_cluster.host import InstanceSetup, serve_instance
 from pie_cluster.programs import Program
+from pie_cluster.sandbox import watchdog
 from pie_cluster.sandbox.bwrap import PROGRAMS
 from pie_cluster.sandbox.protocol import FrameWriter, InstanceSpec, read_frames
 
@@ -140,7 +141,8 @@ def _load(spec: InstanceSpec, root: Path) -> Program:
     return Program(ref.id, ref.name, ref.version, ref.entry, files)
 
 
-async def _serve(fd: int, memory_mib: int) -> None:
+async def _serve(fd: int, memory_mib: int, stall_s: float) -> None:
+    watchdog.install(asyncio.get_running_loop(), stall_s)
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
     worker = Worker(FrameWriter(writer), memory_mib)
     await read_frames(reader, worker.handle)  # the host closed the socket: the worker's life is over
@@ -153,7 +155,8 @@ def main() -> None:
     fd = int(os.environ.pop("PIE_WORKER_FD"))
     stdio.install_router()
     gc.freeze()  # the imports live as long as the worker: full collections need not scan them
-    asyncio.run(_serve(fd, limits["RLIMIT_AS"] >> 20))
+    stall_s = float(os.environ.pop("PIE_WORKER_STALL_S"))
+    asyncio.run(_serve(fd, limits["RLIMIT_AS"] >> 20, stall_s))
     os._exit(0)  # instances left running die with the process; their replicas see the connection close
 
 

@@ -1,0 +1,67 @@
+"""Inside a worker: end the process when one task step holds the event loop too long (a busy loop, a blocking call).
+
+What stalls a worker is one step of one task that does not yield, not a loop with much to do: a thousand inferlets
+starting at once make long loop turns out of short steps, and must not be mistaken for a stall. So every task the
+worker's loop makes runs its coroutine through ``_Timed``, which notes when the current step began, and a thread
+checks that note: a step older than ``stall_s`` ends the process with ``STALLED``, which the host reports to the
+user's instances. (User code could defeat this thread, but only within its own worker; the host's ping, with a
+longer deadline, stays the backstop.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import os
+import threading
+import time
+
+STALLED = 86  # the worker's exit status when a step held its loop past ``stall_s``
+
+_step_began = 0.0  # when the running task step began (time.monotonic()); 0.0 between steps
+
+
+class _Timed(collections.abc.Coroutine):
+    """A coroutine that notes when each of its steps begins and ends."""
+
+    __slots__ = ("_coro",)
+
+    def __init__(self, coro):
+        self._coro = coro
+
+    def send(self, value):
+        global _step_began
+        _step_began = time.monotonic()
+        try:
+            return self._coro.send(value)
+        finally:
+            _step_began = 0.0
+
+    def throw(self, *exc):
+        global _step_began
+        _step_began = time.monotonic()
+        try:
+            return self._coro.throw(*exc)
+        finally:
+            _step_began = 0.0
+
+    def close(self):
+        return self._coro.close()
+
+    def __await__(self):
+        return self._coro.__await__()
+
+
+def install(loop: asyncio.AbstractEventLoop, stall_s: float) -> None:
+    """Time every task ``loop`` makes from now on, and watch the steps from a daemon thread."""
+    loop.set_task_factory(lambda loop, coro, **kw: asyncio.Task(_Timed(coro), loop=loop, **kw))
+    threading.Thread(target=_watch, args=(stall_s,), name="stall-watchdog", daemon=True).start()
+
+
+def _watch(stall_s: float) -> None:
+    while True:
+        time.sleep(min(1.0, stall_s / 4))
+        began = _step_began
+        if began and time.monotonic() - began > stall_s:
+            os.write(2, f"one task step held the worker's event loop for more than {stall_s:g} s\n".encode())
+            os._exit(STALLED)
