@@ -73,6 +73,16 @@ def ray_session(ray_cluster):
     return ray
 
 
+@pytest.fixture(scope="module")
+def market(ray_session):
+    """A KV-page market of the module's own, for replicas that report to one."""
+    from pie_cluster.market import MarketActor
+
+    actor = MarketActor.remote()
+    yield actor
+    ray_session.kill(actor)
+
+
 def _served(tiny_llama, backend: str):
     """One replica of the tiny Llama with its engine running, served under the model name "default"."""
     from pie_cluster.host import endpoints_for

@@ -151,15 +151,6 @@ def test_no_replica_or_bus_shard_runs_without_a_secret(ray_session, tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def market(ray_session):
-    from pie_cluster.market import MarketActor
-
-    actor = MarketActor.remote()
-    yield actor
-    ray.kill(actor)
-
-
-@pytest.fixture(scope="module")
 def replica(ray_session, tiny_llama, market):
     """The tiny model's replica, reporting to a market, verifying capabilities with the test session's secret."""
     from pie_workers.engine.scheduler import BatchLimits

@@ -7,11 +7,9 @@ Every case runs on the same two-node cluster (a controller with a replica on eac
 
 from __future__ import annotations
 
-import io
 import json
 import textwrap
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from pie_cluster.config import AuthConfig, LauncherConfig, ModelConfigEntry, Pie
 from pie_cluster.controller import Controller, start_controller
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import NotFound
+from program_zips import isolated_shouter, zip_program
 
 
 @pytest.fixture(scope="module")
@@ -446,14 +445,6 @@ def test_bad_programs_and_launches_get_clear_errors(launcher):
     assert events[-1][1] == "error" and "async def main(input)" in events[-1][2]
 
 
-def zip_program(files: dict[str, str]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for name, text in files.items():
-            z.writestr(name, textwrap.dedent(text))
-    return buf.getvalue()
-
-
 def inferlet_host_actors(ray_cluster) -> int:
     """Inferlet host actors this test session's clusters ever made, alive or not."""
     from ray.util.state import list_actors
@@ -465,21 +456,7 @@ def inferlet_host_actors(ray_cluster) -> int:
 def test_an_isolated_directory_program_runs_on_the_pooled_host_when_sandboxed(launcher, ray_cluster):
     """Sandboxed, the node's pooled host gives an isolated program a worker of its own: no Ray actor is made for
     it (a dedicated Ray host is what a cluster with the sandbox off makes: test_trusted_mode.py)."""
-    main = """
-    import os
-    from .helpers import shout
-
-    async def main(input):
-        return {"text": shout(input["text"]), "uid": os.getuid()}
-    """
-    manifest = """
-    [package]
-    name = "shouter"
-    version = "1.2.3"
-    [inferlet]
-    isolated = true
-    """
-    data = zip_program({"pie.toml": manifest, "main.py": main, "helpers.py": "def shout(s):\n    return s.upper()\n"})
+    data = isolated_shouter("getuid")
     uploaded = ray.get(launcher.upload.remote("alice", "shouter.zip", data))
     assert uploaded["name"] == "shouter@1.2.3" and uploaded["isolated"]
     uid = b"import os\nasync def main(input):\n    return os.getuid()\n"
@@ -489,7 +466,7 @@ def test_an_isolated_directory_program_runs_on_the_pooled_host_when_sandboxed(la
     isolated = json.loads(value)
     assert kind == "return" and isolated["text"] == "HEY"
     pooled_uid = json.loads(run_to_end(launcher, launch(launcher, pooled["program"], {}))[-1][2])
-    assert isolated["uid"] != pooled_uid  # a worker of its own (each worker has its own uid on a root host)
+    assert isolated["process"] != pooled_uid  # a worker of its own (each worker has its own uid on a root host)
     assert inferlet_host_actors(ray_cluster) == hosts
 
 

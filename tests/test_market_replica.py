@@ -19,15 +19,6 @@ PAGES = 24
 
 
 @pytest.fixture(scope="module")
-def market(ray_session):
-    from pie_cluster.market import MarketActor
-
-    actor = MarketActor.remote()
-    yield actor
-    ray.kill(actor)
-
-
-@pytest.fixture(scope="module")
 def replica(ray_session, tiny_llama, market):
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica

@@ -4,17 +4,15 @@ tests/test_cluster.py) a runtime_env is refused at upload and an isolated progra
 
 from __future__ import annotations
 
-import io
 import json
-import textwrap
 import time
-import zipfile
 
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.controller import start_controller
 from pie_cluster.launch_request import LaunchRequest
+from program_zips import isolated_shouter, zip_program
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +23,6 @@ def launcher(ray_session):
     yield ray.get_actor("pie-launcher")
     ray.get(controller.shutdown.remote())
     ray.kill(controller)
-
-
-def zip_program(files: dict[str, str]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for name, text in files.items():
-            z.writestr(name, textwrap.dedent(text))
-    return buf.getvalue()
 
 
 def launch(launcher, program: str, input: dict | None = None) -> str:
@@ -52,27 +42,13 @@ def run_to_end(launcher, instance: str, timeout: float = 120) -> list[list]:
 
 
 def test_an_isolated_directory_program_runs_in_its_own_process(launcher):
-    main = """
-    import os
-    from .helpers import shout
-
-    async def main(input):
-        return {"pid": os.getpid(), "text": shout(input["text"])}
-    """
-    manifest = """
-    [package]
-    name = "shouter"
-    version = "1.2.3"
-    [inferlet]
-    isolated = true
-    """
-    data = zip_program({"pie.toml": manifest, "main.py": main, "helpers.py": "def shout(s):\n    return s.upper()\n"})
+    data = isolated_shouter("getpid")
     isolated = ray.get(launcher.upload.remote("alice", "shouter.zip", data))["program"]
     pid = b"import os\nasync def main(input):\n    return os.getpid()\n"
     pooled = ray.get(launcher.upload.remote("alice", "pid.py", pid))
     got = json.loads(run_to_end(launcher, launch(launcher, isolated, {"text": "hey"}))[-1][2])
     assert got["text"] == "HEY"
-    assert got["pid"] != json.loads(run_to_end(launcher, launch(launcher, pooled["program"]))[-1][2])
+    assert got["process"] != json.loads(run_to_end(launcher, launch(launcher, pooled["program"]))[-1][2])
 
 
 def test_a_runtime_env_goes_to_ray_and_a_host_that_cannot_start_ends_the_instance(launcher):
