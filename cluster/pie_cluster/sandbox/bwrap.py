@@ -59,10 +59,11 @@ def bwrap() -> str:
 def command(config: SandboxConfig, mounts: WorkerMounts, argv: list[str], env: dict[str, str]) -> list[str]:
     """The ``bwrap`` invocation that runs ``argv`` confined; ``env`` is its whole environment."""
     args = [bwrap(), *_namespaces(), "--die-with-parent", "--new-session"]
+    # the scratch tmpfs first: a virtualenv or checkout under /tmp is bound over it, not hidden beneath it
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.scratch_mib << 20), "--tmpfs", "/tmp"]
     if config.egress:
         args += ["--share-net", *_ro("/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates")]
     args += _system() + _python()
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.scratch_mib << 20), "--tmpfs", "/tmp"]
     args += _ro(*config.read_only)
     args += ["--ro-bind", str(mounts.programs), PROGRAMS]
     for source, inside in mounts.models.items():
