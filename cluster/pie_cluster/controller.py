@@ -254,9 +254,7 @@ class Controller:
         return {
             "replicas": replicas,
             "replica_restarts": self.restarts,
-            "nodes": [
-                {"node": node, "alive": alive.get(node, False), **_host_row(got)} for node, got in hosts.items()
-            ],
+            "nodes": [{"node": node, "alive": alive.get(node, False), **_host_row(got)} for node, got in hosts.items()],
             "launcher": launcher if isinstance(launcher, dict) else {"state": launcher},
             "bus": bus if isinstance(bus, dict) else {"state": bus},
             "market": market if isinstance(market, dict) else {"state": market},
