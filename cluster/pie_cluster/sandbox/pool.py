@@ -3,10 +3,12 @@
 A user's instances share that user's worker (one interpreter for hundreds of inferlets, so a launch costs a message,
 not a process); an ``isolated`` program gets a worker of its own, ended with its instance. One spare worker is kept
 started and bound to a user on first use, so even a user's first launch does not wait for a process to start. A
-worker is ended when it stalls (its event loop answers no ping for ``stall_s``: a busy loop or a blocking call),
-dies (a crash, a kernel limit, a fork bomb that ran out of processes and gave up), sends what is not the protocol,
-or sits idle for ``idle_s``; its instances end with an error event that says why, and the next launch starts a
-fresh one. Workers are retired when the services change (a replica replaced: new sockets to bind in).
+worker is ended when it stalls (one task step holds its event loop for ``stall_s``: its own watchdog exits; or it
+answers no ping for six times that), dies (a crash, a kernel limit), reaches its process limit (a fork bomb), sends
+what is not the protocol, keeps an instance past its deadline, or sits idle for ``idle_s``; its instances end with
+an error event that says why, and the next launch starts a fresh one. Workers are retired (they take no new
+instances and end with their last) when the services change (a replica replaced: new sockets to bind in) and past
+half their CPU-time limit.
 """
 
 from __future__ import annotations
