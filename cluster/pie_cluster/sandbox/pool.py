@@ -99,12 +99,13 @@ class WorkerPool:
         if program.id not in worker.programs:
             await asyncio.to_thread(program.write_out, worker.directory / "programs" / program.id)
             worker.programs.add(program.id)
-        worker.instances.add(spec.instance_id)
-        self._by_instance[spec.instance_id] = worker
+        instance_id, deadline_s = spec.setup.instance_id, spec.setup.deadline_s
+        worker.instances.add(instance_id)
+        self._by_instance[instance_id] = worker
         worker.out.send("start", spec.to_wire())
-        if spec.deadline_s is not None:  # the worker enforces it; this is for a program that swallows the cancel
+        if deadline_s is not None:  # the worker enforces it; this is for a program that swallows the cancel
             loop = asyncio.get_running_loop()
-            loop.call_later(spec.deadline_s + DEADLINE_GRACE_S, self._overdue, worker, spec.instance_id)
+            loop.call_later(deadline_s + DEADLINE_GRACE_S, self._overdue, worker, instance_id)
 
     def abort(self, instance_id: str, reason: str) -> bool:
         worker = self._by_instance.get(instance_id)

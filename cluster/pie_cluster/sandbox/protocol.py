@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import msgpack
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint
+
+from pie_cluster.host import InstanceSetup
 
 MAX_FRAME_BYTES = 256 << 20  # a worker that sends more in one frame is broken or hostile: it is ended
 
@@ -41,36 +43,26 @@ class ProgramRef:
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """Everything a worker needs to run one instance; identity comes as a capability it cannot forge."""
+    """Everything a worker needs to run one instance: who it is (a capability it cannot forge) and what it reaches
+    (as the sandbox sees it), its program and its input."""
 
-    instance_id: str
-    username: str
-    capability: str
+    setup: InstanceSetup
     program: ProgramRef
     input: dict
-    endpoints: list[ModelEndpoint]
-    bus: list[str] = field(default_factory=list)
-    mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)
-    deadline_s: float | None = None
-    token_budget: int | None = None
 
     def to_wire(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_wire(cls, data: dict) -> InstanceSpec:
+        setup = data["setup"]
         mcp = {
             name: ServerSpec(command=tuple(s["command"]) if s["command"] else None, url=s["url"], env=s["env"])
-            for name, s in data["mcp_servers"].items()
+            for name, s in setup["mcp_servers"].items()
         }
-        return cls(
-            **{
-                **data,
-                "program": ProgramRef(**data["program"]),
-                "endpoints": [ModelEndpoint(**e) for e in data["endpoints"]],
-                "mcp_servers": mcp,
-            }
-        )
+        endpoints = {name: ModelEndpoint(**e) for name, e in setup["endpoints"].items()}
+        setup = InstanceSetup(**{**setup, "endpoints": endpoints, "bus": tuple(setup["bus"]), "mcp_servers": mcp})
+        return cls(setup, ProgramRef(**data["program"]), data["input"])
 
 
 class FrameWriter:

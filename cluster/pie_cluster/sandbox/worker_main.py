@@ -20,11 +20,11 @@ import socket
 from pathlib import Path
 
 from pie_cluster import stdio
-from pie_cluster.host import InstanceSetup, serve_instance
+from pie_cluster.host import serve_instance
 from pie_cluster.programs import Program
 from pie_cluster.sandbox import watchdog
 from pie_cluster.sandbox.bwrap import PROGRAMS
-from pie_cluster.sandbox.protocol import FrameWriter, InstanceSpec, read_frames
+from pie_cluster.sandbox.protocol import FrameWriter, InstanceSpec, ProgramRef, read_frames
 
 
 def confine(uid: int | None, limits: dict[str, int]) -> None:
@@ -65,13 +65,14 @@ class Worker:
         self._abort_reasons: dict[str, str] = {}
         self._waiting: dict[int, asyncio.Future] = {}
         self._rids = itertools.count()
+        self._programs: dict[str, Program] = {}
 
     def handle(self, message: list) -> None:
         kind, *args = message
         if kind == "start":
             spec = InstanceSpec.from_wire(args[0])
             task = asyncio.get_running_loop().create_task(self._run(spec))
-            self._tasks[spec.instance_id] = task
+            self._tasks[spec.setup.instance_id] = task
         elif kind == "abort":
             instance_id, reason = args
             task = self._tasks.get(instance_id)
@@ -99,8 +100,15 @@ class Worker:
         finally:
             self._waiting.pop(rid, None)
 
+    def _program(self, ref: ProgramRef, root: Path) -> Program:
+        """The program under ``root``, read once per worker (the host writes each program's files once, too)."""
+        if ref.id not in self._programs:
+            files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+            self._programs[ref.id] = Program(ref.id, ref.name, ref.version, ref.entry, files)
+        return self._programs[ref.id]
+
     async def _run(self, spec: InstanceSpec) -> None:
-        instance_id = spec.instance_id
+        instance_id = spec.setup.instance_id
 
         def emit(kind: str, value) -> None:
             if kind == "error" and value.startswith("MemoryError"):
@@ -108,23 +116,13 @@ class Worker:
             self.out.send("event", instance_id, kind, value)
 
         root = Path(PROGRAMS) / spec.program.id
-        setup = InstanceSetup(
-            instance_id=instance_id,
-            username=spec.username,
-            capability=spec.capability,
-            endpoints={e.name: e for e in spec.endpoints},
-            bus=tuple(spec.bus),
-            mcp_servers=spec.mcp_servers,
-            deadline_s=spec.deadline_s,
-            token_budget=spec.token_budget,
-        )
         try:
-            program = _load(spec, root)
+            program = self._program(spec.program, root)
             await serve_instance(
                 program,
                 lambda: program.load_main(root),
                 spec.input,
-                setup,
+                spec.setup,
                 emit,
                 _Session(self, instance_id),
                 aborted=lambda: self._abort_reasons.pop(instance_id, "aborted"),
@@ -133,12 +131,6 @@ class Worker:
             emit("error", f"{type(e).__name__}: {e}")
         finally:
             self._tasks.pop(instance_id, None)
-
-
-def _load(spec: InstanceSpec, root: Path) -> Program:
-    files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-    ref = spec.program
-    return Program(ref.id, ref.name, ref.version, ref.entry, files)
 
 
 async def _serve(fd: int, memory_mib: int, stall_s: float) -> None:
