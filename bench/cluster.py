@@ -1,7 +1,7 @@
 """The cluster: launch latency, message-bus throughput and round trip within and across nodes, memory per idle
 inferlet.
 
-One two-node cluster set-up serves all of its measurements.
+One two-node cluster set-up serves all of its measurements, which is why they stay in one file past 400 lines.
 
 Usage: python bench/cluster.py [--launches 40] [--isolated-launches 8] [--messages 50000] [--rounds 2000]
                                [--repeats 3] [--idle 200] [--out docs/bench]

@@ -1,7 +1,7 @@
 """``Generator``: the multi-step decode loop over a context — sampling, stop conditions, manual stepping.
 
 The collectors' chained passes and the stepping loop share one per-generation state (buffer, counters, stop set,
-constraints), read and written at every step.
+constraints), read and written at every step; that is why they stay one class in one file past 400 lines.
 
 Each step runs the context's buffer (the prompt on the first step, then the previous token) with the auto sampler
 on its last row, folds the sampled token into the state, and decides whether to stop: ``max_tokens`` reached, a
