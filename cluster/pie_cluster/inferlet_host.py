@@ -98,7 +98,7 @@ class InferletHost:
         """What new instances reach from now on (a replica was replaced: its addresses changed)."""
         self.services, self._endpoints = services, None
         if self._sandbox is not None:
-            self._sandbox.stale = True
+            self._sandbox.services_changed()
 
     async def lifetime(self) -> None:
         """Never answers: the launcher keeps this call open to learn at once that the host died (it fails)."""

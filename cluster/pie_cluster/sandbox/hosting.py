@@ -35,17 +35,15 @@ class Sandbox:
         self.directory = _private_directory()
         self._relays = Relays(self.directory)
         self.pool = WorkerPool(config, self.directory, HostSide(host.emit, self._receive, self._ended))
-        self._view: SandboxView | None = None
-        self.stale = True  # the services changed since the view was built
+        self._view: SandboxView | None = None  # None: to be built (again) from the services at the next launch
         self._building = asyncio.Lock()
         self._wallets: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self, program: Program, input: dict, setup: InstanceSetup, limits) -> None:
         async with self._building:  # concurrent launches after a change build the view once
-            if self.stale or self._view is None:
+            if self._view is None:
                 self._view = await build_view(setup.endpoints, setup.bus, self._relays)
-                self.stale = False
                 self.pool.set_view(self._view)
         seen = dataclasses.replace(setup, endpoints=self._view.endpoints, bus=self._view.bus)
         spec = InstanceSpec(seen, ProgramRef(program.id, program.name, program.version, program.entry), input)
@@ -58,6 +56,10 @@ class Sandbox:
         except BaseException:
             self._ended(setup.instance_id)
             raise
+
+    def services_changed(self) -> None:
+        """A replica was replaced: the next launch builds the view anew (and the pool retires the workers)."""
+        self._view = None
 
     async def _receive(self, instance_id: str, kind: str):
         return await self._host.launcher.receive.remote(instance_id, kind)
