@@ -33,6 +33,14 @@ def tiny_qwen3() -> Path:
     return default_model_path("qwen3")
 
 
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    """The tiny Llama in transformers, (tokenizer, model): the reference the SDK and example tests check against."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama), AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+
+
 @pytest.fixture(scope="session")
 def second_node_cache(tmp_path_factory) -> Path:
     """The second node's ``PIE_CACHE_DIR``: what Pie builds or fetches there lands here, not in the head's cache."""
@@ -113,13 +121,3 @@ def served(served_torch):
 def served_vllm(ray_session, tiny_llama):
     """The same on the vllm backend, for one module at a time (see ``each_backend``)."""
     yield from _served(tiny_llama, "vllm")
-
-
-def each_backend():
-    """A ``served`` fixture for a test module that runs every test on both backends: ``served = each_backend()``."""
-
-    @pytest.fixture(scope="module", params=["torch", "vllm"])
-    def served(request):
-        return request.getfixturevalue(f"served_{request.param}")
-
-    return served

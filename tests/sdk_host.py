@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import ray
 from pie_cluster.host import run_inferlet
 from pie_cluster.local_trust import LocalTrust
@@ -31,3 +32,13 @@ class Served:
 
     def stats(self) -> dict:
         return ray.get(self.replica.leader.engine_stats.remote())
+
+
+def each_backend():
+    """A ``served`` fixture for a test module that runs every test on both backends: ``served = each_backend()``."""
+
+    @pytest.fixture(scope="module", params=["torch", "vllm"])
+    def served(request):
+        return request.getfixturevalue(f"served_{request.param}")
+
+    return served

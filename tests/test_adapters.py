@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import each_backend
 from inferlet import Adapter, Context, Logits, Model, Sampler
 from paged import LOGITS, PageAllocator, Seq, request_for
 from peft import LoraConfig as PeftLoraConfig
@@ -24,7 +23,7 @@ from pie_workers.layers.lora import PEFT_MODULES, module_shapes
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
-from sdk_host import TRUST
+from sdk_host import TRUST, each_backend
 from transformers import AutoModelForCausalLM
 
 served = each_backend()  # every test here runs on the torch and the vllm backend

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from conftest import each_backend
 from inferlet import Context, Model, Sampler
+from sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 

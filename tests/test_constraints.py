@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import jsonschema
 import numpy as np
 import pytest
-from conftest import each_backend
 from hypothesis import given
 from hypothesis import strategies as st
 from inferlet import (
@@ -38,6 +37,7 @@ from inferlet.instruct import LLAMA3_TOOL_CALLS
 from inferlet.tokenizer import Tokenizer
 from pie_cluster.host import load_program
 from pie_workers.wire import brle
+from sdk_host import each_backend
 from test_sdk_chat import StubModel
 
 served = each_backend()  # every test here runs on the torch and the vllm backend

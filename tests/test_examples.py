@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from conftest import each_backend
 from inferlet import Context
 from pie_cluster.host import load_program
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 
@@ -21,11 +20,6 @@ STOPS = [2, 0]  # <|im_end|>, <|endoftext|>
 
 def example(name: str):
     return load_program(EXAMPLES / f"{name}.py")
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama):
-    return AutoTokenizer.from_pretrained(tiny_llama), AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
 
 
 def hf_greedy_ids(model, ids: list[int], n: int, stops=STOPS, window: int | None = None) -> list[int]:

@@ -15,19 +15,12 @@ import re
 import jsonschema
 import pytest
 import torch
-from conftest import each_backend
 from pie_cluster.bus import start_bus
 from pie_cluster.host import run_inferlet
-from sdk_host import TRUST
+from sdk_host import TRUST, each_backend
 from test_examples import EXAMPLES, example, hf_greedy_ids, record_forwarded_tokens
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama):
-    return AutoTokenizer.from_pretrained(tiny_llama), AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
 
 
 def module_of(name: str):

@@ -6,19 +6,13 @@ import random
 
 import pytest
 import torch
-from conftest import each_backend
 from inferlet import Context, Logits, Model, Sampler
 from pie_workers.wire.pages import pages_for
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|>: the ChatML template's end-of-turn set
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama):
-    return AutoTokenizer.from_pretrained(tiny_llama), AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
 
 
 def hf_greedy(hf, messages: list[dict], n: int) -> list[int]:

@@ -12,9 +12,9 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from conftest import each_backend
 from inferlet import Context, Model, Regex, Sampler
 from pie_workers.engine.ngram import draft
+from sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 

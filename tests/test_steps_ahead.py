@@ -4,8 +4,8 @@ asks for a step ahead), whether the loop runs to its end, breaks early, or appen
 
 from __future__ import annotations
 
-from conftest import each_backend
 from inferlet import Context, Model, Sampler
+from sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 
