@@ -19,7 +19,7 @@ from pie_workers import cache, tiny_model
 from pie_workers.tiny_model import VOCAB_SIZE, build_tiny_model, default_model_path
 
 ARCHS = ("llama", "qwen3")
-WORKERS_DIR = Path(__file__).resolve().parents[1] / "workers"
+WORKERS_DIR = Path(__file__).resolve().parents[2] / "workers"
 EXPECTED_FILES = {
     "config.json",
     "generation_config.json",
