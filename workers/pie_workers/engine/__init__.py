@@ -1,6 +1,7 @@
 """The replica engine: page and context bookkeeping, and the batch scheduler that feeds the model runner."""
 
-from pie_workers.engine.contexts import ContextError, ContextTable, ContextView, PageCopies, TableStats
+from pie_workers.engine.contexts import ContextError, ContextTable, TableStats
+from pie_workers.engine.holding import ContextView, PageCopies
 from pie_workers.engine.page_store import Node, OutOfPages, PageStats, PageStore, page_key
 
 __all__ = [

@@ -1,12 +1,9 @@
-"""Engine-side contexts of one replica: committed chains, working pages, token lineage, and per-user snapshots.
+"""The contexts and snapshots of one replica, by id and by (owner, name): the engine's handle on its KV pages.
 
-Kept in one file though it passes 400 lines: commit, fork, snapshot, truncate and lineage all maintain one
-page-table invariant, which is easiest to check when every edit of it is in view.
-
-A context is a committed chain in the page store's trie (shared, content-addressed, immutable) followed by working
-pages it owns exclusively, whose tokens are recorded as lineage once a forward pass has written their KV. Commit
-moves full working pages into the trie; fork and snapshots share the committed chain by reference and copy only the
-working pages that hold tokens (the returned ``(src, dst)`` copies must run before the next forward).
+A context is a :class:`~pie_workers.engine.holding.Holding` with an id, its owner (the user) and the inferlet run
+that made it; a snapshot is a holding kept under a name in its owner's namespace, outliving the run. The table
+creates, forks, saves, opens and destroys them, records the tokens a forward pass wrote, and answers what a forward
+pass, the residency manager and the market read from them.
 
 Every operation validates before it mutates: an error leaves pages, references and lineage exactly as they were.
 """
@@ -15,31 +12,16 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from itertools import groupby, repeat
-from typing import NamedTuple
+from dataclasses import dataclass
+from itertools import repeat
 
-from pie_workers.engine.page_store import Node, PageStore
+from pie_workers.engine.holding import ContextView, Holding, PageCopies, as_bytes
+from pie_workers.engine.page_store import PageStore
 from pie_workers.wire.pages import pages_for
-
-PageCopies = list[tuple[int, int]]
 
 
 class ContextError(ValueError):
     """A context operation the context's state does not allow; the message names the context and the problem."""
-
-
-class ContextView(NamedTuple):
-    """What a forward pass needs: every page of the context (committed chain, then working) and its KV length.
-    A named tuple: the engine builds several per forward, and a frozen dataclass costs four times as much."""
-
-    page_ids: tuple[int, ...]
-    kv_len: int
-    seq_len: int
-    committed_pages: int
-    working_pages: int
-    working_tokens: int
-    page_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,34 +34,9 @@ class TableStats:
 
 
 @dataclass(slots=True, eq=False)
-class _Holding:
-    """A committed chain tail plus exclusively owned working pages: the state of a context or of a snapshot.
-
-    Lineage entries are (token, position, salt); the salt is kept per token so a page mixing adapters or masks
-    still hashes by what produced each of its tokens.
-    """
-
-    owner: str
-    tail: Node | None = None
-    working: list[int] = field(default_factory=list)
-    lineage: list[tuple[int, int, bytes]] = field(default_factory=list)
-
-
-@dataclass(slots=True, eq=False)
-class _Context(_Holding):
+class _Context(Holding):
     id: int = 0
     instance: str | None = None
-
-
-def _page_salt(salts: list[bytes]) -> bytes:
-    """A page whose tokens share one salt hashes with that salt (so ``match_prefix`` with it finds the page)."""
-    if len(groups := [(s, len(list(g))) for s, g in groupby(salts)]) == 1:
-        return groups[0][0]
-    return b"\x00mixed" + b"".join(len(s).to_bytes(4, "little") + s + n.to_bytes(4, "little") for s, n in groups)
-
-
-def _as_bytes(salt: bytes | str) -> bytes:
-    return salt.encode() if isinstance(salt, str) else bytes(salt)
 
 
 class ContextTable:
@@ -87,17 +44,17 @@ class ContextTable:
         self.store = store
         self.page_size = store.page_size
         self._contexts: dict[int, _Context] = {}
-        self._snapshots: dict[tuple[str, str], _Holding] = {}
+        self._snapshots: dict[tuple[str, str], Holding] = {}
         self._next_id = 1
 
     # -- lifetime -----------------------------------------------------------------------------------------------
 
     def create(self, owner: str, instance: str | None = None) -> int:
         """A new empty context. ``instance`` (the inferlet run) scopes ``destroy_all``; snapshots are per owner."""
-        return self._add(_Holding(owner), owner, instance)
+        return self._add(Holding(owner), owner, instance)
 
     def destroy(self, ctx: int) -> None:
-        self._drop(self._contexts.pop(self._get(ctx).id))
+        self._contexts.pop(self._get(ctx).id).drop(self.store)
 
     def contexts_of(self, owner: str, instance: str | None = None) -> list[int]:
         """Live contexts of ``owner`` (only those of ``instance`` when given)."""
@@ -152,9 +109,9 @@ class ContextTable:
                 f"have room for {room} more tokens"
             )
         if len(tokens) == 1:  # a decode step
-            c.lineage.append((int(tokens[0]), int(positions[0]), _as_bytes(salt)))
+            c.lineage.append((int(tokens[0]), int(positions[0]), as_bytes(salt)))
         else:
-            c.lineage.extend(zip(map(int, tokens), map(int, positions), repeat(_as_bytes(salt)), strict=False))
+            c.lineage.extend(zip(map(int, tokens), map(int, positions), repeat(as_bytes(salt)), strict=False))
 
     def truncate(self, ctx: int, n: int) -> None:
         """Drop the last n lineage tokens (speculative rollback); their pages stay reserved."""
@@ -187,26 +144,7 @@ class ContextTable:
                     f"highest committed position {top}"
                 )
             top = max(positions)
-        old = tail = c.tail
-        for i in range(n_pages):
-            entries = c.lineage[i * size : (i + 1) * size]
-            node, _ = self.store.commit(
-                tail,
-                c.working[i],
-                [t for t, _, _ in entries],
-                [p for _, p, _ in entries],
-                _page_salt([s for _, _, s in entries]),
-            )
-            if tail is not old:
-                self.store.release(tail)
-            tail = node
-        if n_pages:
-            self.store.chain(tail)  # extend the old tail's cached page list before letting it go
-            if old is not None:
-                self.store.release(old)
-        c.tail = tail
-        del c.working[:n_pages]
-        del c.lineage[: n_pages * size]
+        c.commit(self.store, n_pages)
 
     def reuse_prefix(self, ctx: int, tokens: Sequence[int], positions: Sequence[int], salt: bytes | str = b"") -> int:
         """Extend the committed chain with cached pages matching the start of ``tokens``; returns tokens covered.
@@ -222,13 +160,9 @@ class ContextTable:
             )
         if len(tokens) != len(positions):
             raise ContextError(f"cannot match context {c.id}: {len(tokens)} tokens but {len(positions)} positions")
-        node, matched = self.store.match_prefix(tokens, positions, _as_bytes(salt), parent=c.tail)
+        node, matched = self.store.match_prefix(tokens, positions, as_bytes(salt), parent=c.tail)
         if matched:
-            self.store.retain(node)
-            self.store.chain(node)
-            if c.tail is not None:
-                self.store.release(c.tail)
-            c.tail = node
+            c.extend_chain(self.store, node)
         return matched * self.page_size
 
     # -- fork and snapshots -------------------------------------------------------------------------------------
@@ -236,7 +170,7 @@ class ContextTable:
     def fork(self, ctx: int) -> tuple[int, PageCopies]:
         """A child sharing the committed chain, with as many fresh working pages and copies of those holding tokens."""
         c = self._get(ctx)
-        child, copies = self._clone(c, len(c.working))
+        child, copies = c.clone(self.store, len(c.working))
         return self._add(child, c.owner, c.instance), copies
 
     def save(self, ctx: int, name: str) -> PageCopies:
@@ -246,7 +180,7 @@ class ContextTable:
             raise ContextError("a snapshot name cannot be empty")
         if (c.owner, name) in self._snapshots:
             raise ContextError(f"snapshot {name!r} already exists for user {c.owner!r}")
-        snap, copies = self._clone(c, pages_for(len(c.lineage), self.page_size))
+        snap, copies = c.clone(self.store, pages_for(len(c.lineage), self.page_size))
         self._snapshots[c.owner, name] = snap
         return copies
 
@@ -263,7 +197,7 @@ class ContextTable:
         snap = self._snapshots.get((owner, name))
         if snap is None:
             return None
-        child, copies = self._clone(snap, len(snap.working))
+        child, copies = snap.clone(self.store, len(snap.working))
         return self._add(child, owner, instance), copies
 
     def take(self, owner: str, name: str, instance: str | None = None) -> int | None:
@@ -275,7 +209,7 @@ class ContextTable:
         snap = self._snapshots.pop((owner, name), None)
         if snap is None:
             raise ContextError(f"no snapshot named {name!r} for user {owner!r}")
-        self._drop(snap)
+        snap.drop(self.store)
 
     def snapshots_of(self, owner: str) -> list[str]:
         return sorted(name for o, name in self._snapshots if o == owner)
@@ -283,7 +217,7 @@ class ContextTable:
     # -- reading ------------------------------------------------------------------------------------------------
 
     def view(self, ctx: int) -> ContextView:
-        return self._view(self._get(ctx))
+        return self._get(ctx).view(self.store)
 
     def seq_len(self, ctx: int) -> int:
         """Tokens whose KV the context holds (``view(ctx).seq_len`` without building the view)."""
@@ -294,26 +228,26 @@ class ContextTable:
         snap = self._snapshots.get((owner, name))
         if snap is None:
             raise ContextError(f"no snapshot named {name!r} for user {owner!r}")
-        return self._view(snap)
+        return snap.view(self.store)
 
     def tokens(self, ctx: int) -> list[int]:
         """Every token whose KV the context holds, in order: the committed chain's, then the working ones."""
         c = self._get(ctx)
-        return [t for node in self._chain_nodes(c) for t in node.tokens] + [t for t, _, _ in c.lineage]
+        return [t for node in c.chain_nodes() for t in node.tokens] + [t for t, _, _ in c.lineage]
 
     def recomputable(self, ctx: int) -> bool:
         """Whether plain causal forward passes over the context's tokens rebuild its KV exactly: nothing in it was
         written under a salt (custom attention mask, adapter, zo seed)."""
-        return self._recomputable(self._get(ctx))
+        return self._get(ctx).recomputable()
 
     def text(self, ctx: int) -> tuple[list[tuple[int, int]], int]:
         """(token, position) of every token of the context, and how many of them are committed."""
-        return self._text(self._get(ctx))
+        return self._get(ctx).text()
 
     def snapshot_text(self, owner: str, name: str) -> tuple[list[tuple[int, int]], int] | None:
         """Like ``text`` for a snapshot; None if it is absent or its KV could not be recomputed."""
         snap = self._snapshots.get((owner, name))
-        return None if snap is None or not self._recomputable(snap) else self._text(snap)
+        return None if snap is None or not snap.recomputable() else snap.text()
 
     def holds_pages(self, ctx: int) -> bool:
         c = self._get(ctx)
@@ -323,8 +257,8 @@ class ContextTable:
         """Give up every page of the context, keeping what recomputes it: (token, position) of each of its tokens,
         and how many of them were committed. The context stays, empty, until refilled (``reuse_prefix``, forward)."""
         c = self._get(ctx)
-        text, committed = self._text(c)
-        self._drop(c)
+        text, committed = c.text()
+        c.drop(self.store)
         c.tail, c.working, c.lineage = None, [], []
         return text, committed
 
@@ -362,49 +296,11 @@ class ContextTable:
             raise ContextError(f"context {ctx} was destroyed")
         raise ContextError(f"unknown context id {ctx!r}")
 
-    def _add(self, holding: _Holding, owner: str, instance: str | None) -> int:
+    def _add(self, holding: Holding, owner: str, instance: str | None) -> int:
         ctx = _Context(owner, holding.tail, holding.working, holding.lineage, self._next_id, instance)
         self._contexts[ctx.id] = ctx
         self._next_id += 1
         return ctx.id
-
-    def _drop(self, holding: _Holding) -> None:
-        if holding.tail is not None:
-            self.store.release(holding.tail)
-        self.store.free(holding.working)
-
-    def _clone(self, src: _Holding, n_pages: int) -> tuple[_Holding, PageCopies]:
-        """Share src's committed chain and copy its token-holding working pages into n_pages fresh ones."""
-        pages = self.store.allocate(n_pages)
-        if src.tail is not None:
-            self.store.retain(src.tail)
-        used = pages_for(len(src.lineage), self.page_size)
-        return _Holding(src.owner, src.tail, pages, list(src.lineage)), list(
-            zip(src.working[:used], pages[:used], strict=True)
-        )
-
-    def _view(self, h: _Holding) -> ContextView:
-        chain = self.store.chain(h.tail)
-        seq_len = len(chain) * self.page_size + len(h.lineage)
-        return ContextView(
-            chain + tuple(h.working), seq_len, seq_len, len(chain), len(h.working), len(h.lineage), self.page_size
-        )
-
-    def _text(self, h: _Holding) -> tuple[list[tuple[int, int]], int]:
-        text = [(t, p) for n in self._chain_nodes(h) for t, p in zip(n.tokens, n.positions, strict=True)]
-        committed = len(text)
-        return text + [(t, p) for t, p, _ in h.lineage], committed
-
-    def _recomputable(self, h: _Holding) -> bool:
-        return not any(s for _, _, s in h.lineage) and not any(n.salt for n in self._chain_nodes(h))
-
-    @staticmethod
-    def _chain_nodes(h: _Holding) -> list[Node]:
-        nodes, node = [], h.tail
-        while node is not None:
-            nodes.append(node)
-            node = node.parent
-        return nodes[::-1]
 
     @staticmethod
     def _check_count(n: int, verb: str, what: str, c: _Context) -> None:

@@ -39,7 +39,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pie_workers.engine.contexts import ContextError, ContextTable, ContextView
+from pie_workers.engine.contexts import ContextError, ContextTable
+from pie_workers.engine.holding import ContextView
 from pie_workers.engine.page_store import OutOfPages
 from pie_workers.engine.protocol import PLAIN_PASS
 from pie_workers.engine.record import EngineContext, EngineContexts

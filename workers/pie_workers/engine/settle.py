@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pie_workers.engine.contexts import ContextTable, ContextView
+from pie_workers.engine.contexts import ContextTable
+from pie_workers.engine.holding import ContextView
 from pie_workers.engine.record import EngineContext
 from pie_workers.wire.batch import ForwardRequest, RequestOutput
 from pie_workers.wire.pages import pages_for
