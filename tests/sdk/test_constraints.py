@@ -257,7 +257,7 @@ def test_native_tool_calls_parse_and_match_their_schema(served):
 
 
 def test_json_extraction_example_validates(served):
-    example = load_program(Path(__file__).resolve().parent.parent / "examples" / "json_extraction.py")
+    example = load_program(Path(__file__).resolve().parents[2] / "examples" / "json_extraction.py")
     person = example.__globals__["PERSON"]
     custom = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
     inputs = [{"temperature": 1.0, "seed": s} for s in range(1, 5)] + [{}, {"schema": json.dumps(custom)}]

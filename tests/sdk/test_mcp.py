@@ -20,8 +20,8 @@ from pie_cluster.host import load_program
 from pie_cluster.mcp_servers import McpServer, parse_mcp_servers
 from sdk_host import TRUST
 
-ECHO_SERVER = Path(__file__).resolve().parent / "mcp_echo_server.py"
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ECHO_SERVER = Path(__file__).resolve().parents[1] / "mcp_echo_server.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ECHO = ServerSpec(command=(sys.executable, str(ECHO_SERVER)), env={"ECHO_MARK": "declared"})
 SERVERS = {"echo": ECHO, "docs": ServerSpec(url="http://127.0.0.1:9/mcp")}
 
