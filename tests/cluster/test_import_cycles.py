@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
     "inferlet": ROOT / "sdk" / "inferlet",
     "pie_workers": ROOT / "workers" / "pie_workers",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pie_cluster.arguments import fold_arguments
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FOLDING = [
     ([], {}),

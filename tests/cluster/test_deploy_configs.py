@@ -26,7 +26,7 @@ import yaml
 from pie_cluster.config import PieConfig
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pie"
 CRDS = ROOT.parent / "shared" / "kuberay-crds"
 KUBERNETES = "1.35"  # the Kubernetes version whose schemas (bundled by kubernetes-validate) the chart must meet
