@@ -19,7 +19,7 @@ from pie_cluster.client import PieClient, PieClientError
 from pie_cluster.launch_request import LaunchRequest
 from pie_procs import PIE, engine_status, started_pie
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from pie_procs import PIE, engine_status, started_pie
 from pydantic import ValidationError
 
 MODEL = "default"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
