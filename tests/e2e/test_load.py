@@ -1,7 +1,7 @@
 """1,000 concurrent inferlets of one user on one node (so in one sandboxed worker): each generates a few tokens,
 does a bus round trip, parks until released, and returns. All complete; the test prints memory per parked instance and
 launch latency percentiles (the numbers in the README's failure-model section come from
-`pytest -s tests/test_load.py`)."""
+`pytest -s tests/e2e/test_load.py`)."""
 
 from __future__ import annotations
 

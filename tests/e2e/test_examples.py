@@ -14,7 +14,7 @@ from sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|>
 
 
