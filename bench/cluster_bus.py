@@ -95,8 +95,10 @@ def pair_request(program: str, input: dict, node: str) -> LaunchRequest:
     return LaunchRequest(program=program, input=input, deadline_s=DEADLINE_S, node_id=node)
 
 
-def bus_pair(launcher, program: str, user: str, topics: dict, nodes: tuple[str, str], first: dict, second: dict):
-    """Launch ``first`` on nodes[0] and ``second`` on nodes[1]; both results ({"pid", "value"})."""
+def bus_pair(launcher, isolated: bool, user: str, topics: dict, nodes: tuple[str, str], first: dict, second: dict):
+    """Launch ``first`` on nodes[0] and ``second`` on nodes[1] as ``user``; both results ({"pid", "value"}).
+    Each pair has a user of its own, which owns the topics and so must upload the program too."""
+    program = upload(launcher, BUS, isolated=isolated, name="bus-isolated" if isolated else "bus", user=user)
     ids = ray.get(
         [
             launcher.launch.remote(user, pair_request(program, {**first, "topics": topics}, nodes[0])),
@@ -106,7 +108,7 @@ def bus_pair(launcher, program: str, user: str, topics: dict, nodes: tuple[str, 
     return [returned(launcher, user, i) for i in ids]
 
 
-def bus_run(launcher, program: str, nodes, shard: int, shards: int, messages: int, rounds: int, label: str, run: int):
+def bus_run(launcher, isolated: bool, nodes, shard: int, shards: int, messages: int, rounds: int, label: str, run: int):
     """One run of each test for the pair on ``nodes``: the two rates, the round trip median and p99, and whether
     both ran in the same process."""
     n = max(messages // PULLS_IN_FLIGHT, 1) * PULLS_IN_FLIGHT
@@ -123,7 +125,7 @@ def bus_run(launcher, program: str, nodes, shard: int, shards: int, messages: in
     out, pids = {}, set()
     for key, first, second in tests:
         user = f"bus-{label}-{key}-{run}"
-        measured, other = bus_pair(launcher, program, user, topics_on_shard(user, shard, shards), nodes, first, second)
+        measured, other = bus_pair(launcher, isolated, user, topics_on_shard(user, shard, shards), nodes, first, second)
         out[key] = measured["value"]
         pids.add((measured["pid"], other["pid"]))
     out["rtt"], out["p99"] = out["rtt"]["median"], out["rtt"]["p99"]
@@ -140,18 +142,17 @@ def bus_bench(
     shard = 0
     home = bus.infos[shard].node_id
     other = next((n for n in nodes if n != home), None)
-    pooled, isolated = upload(launcher, BUS, name="bus"), upload(launcher, BUS, isolated=True, name="bus-isolated")
     configs = [
-        ("same node, 1 pooled host", pooled, (home, home), True),
-        ("same node, 2 isolated hosts", isolated, (home, home), False),
+        ("same node, 1 pooled host", False, (home, home), True),
+        ("same node, 2 isolated hosts", True, (home, home), False),
     ]
     if other is not None:
-        configs.append(("cross-node, 2 pooled hosts", pooled, (home, other), False))
+        configs.append(("cross-node, 2 pooled hosts", False, (home, other), False))
     results = {}
-    for index, (label, program, where, same_process) in enumerate(configs):
+    for index, (label, isolated, where, same_process) in enumerate(configs):
         console.log(f"(c) bus: {label}")
         runs = [
-            bus_run(launcher, program, where, shard, shards, messages, rounds, f"c{index}", r) for r in range(repeats)
+            bus_run(launcher, isolated, where, shard, shards, messages, rounds, f"c{index}", r) for r in range(repeats)
         ]
         if any(r["same_process"] != same_process for r in runs):
             raise RuntimeError(f"{label}: the pair did not run in the expected processes")

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import ray
-from cluster_inferlets import DEADLINE_S, USER, isolated_manifest, run_to_end
+from cluster_inferlets import DEADLINE_S, isolated_manifest, run_to_end
 from pie_cluster.client import PieClient
+from pie_cluster.http_app import LOCAL_USER
 from pie_cluster.launch_request import LaunchRequest
 
 TRIVIAL = 'async def main(input):\n    return "ok"\n'
@@ -48,13 +49,14 @@ def streamed_launch_ms(client: PieClient, program: str) -> float:
 
 
 def direct_launch_ms(launcher, program: str) -> float:
-    """launcher.launch (a Ray call) -> first event from launcher.events (a long poll), in ms."""
+    """launcher.launch (a Ray call) -> first event from launcher.events (a long poll), in ms. As the user the HTTP
+    endpoint acts for without auth, who owns the program uploaded over HTTP."""
     start = time.perf_counter()
-    instance_id = ray.get(launcher.launch.remote(USER, LaunchRequest(program=program, deadline_s=DEADLINE_S)))
-    while not (got := ray.get(launcher.events.remote(USER, instance_id, 0, 30.0)))["events"]:
+    instance_id = ray.get(launcher.launch.remote(LOCAL_USER, LaunchRequest(program=program, deadline_s=DEADLINE_S)))
+    while not (got := ray.get(launcher.events.remote(LOCAL_USER, instance_id, 0, 30.0)))["events"]:
         pass
     first = time.perf_counter()
-    if run_to_end(launcher, USER, instance_id) != ("return", "ok"):
+    if run_to_end(launcher, LOCAL_USER, instance_id) != ("return", "ok"):
         raise RuntimeError(f"trivial instance {instance_id} ended with {got}")
     return (first - start) * 1e3
 

@@ -1,7 +1,9 @@
 """The two-node Pie cluster that bench/cluster.py measures, brought up on this machine and torn down after.
 
 Two raylets with 4 CPUs each, a Pie cluster on them (one replica of the embedded tiny model, the bus, a pooled
-inferlet host per node, the launcher) and the HTTP endpoint on Ray Serve without auth.
+inferlet host per node, the launcher) and the HTTP endpoint on Ray Serve without auth. The sandbox is off: the
+inferlets run in the hosts themselves, whose processes and memory the measurements observe (under bubblewrap each
+user's inferlets would run in a worker of their own, in a pid namespace of its own).
 ``with two_node_pie(console) as pie:`` gives the launcher actor, the node ids, an HTTP client and a scratch folder.
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 import ray
 from local_pie import wait_healthy
 from pie_cluster.client import PieClient
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.controller import LAUNCHER, start_controller
 from pie_cluster.http_app import serve_http, stop_http
 from pie_cluster.local_ray import NAMESPACE
@@ -50,7 +52,11 @@ def two_node_pie(console: Console) -> Iterator[BenchCluster]:
     controller = client = None
     tmp = tempfile.TemporaryDirectory(prefix="pie-bench-cluster-")
     try:
-        config = PieConfig(auth=AuthConfig(enabled=False), model=[ModelConfigEntry(pages=256, cpus_per_rank=1)])
+        config = PieConfig(
+            auth=AuthConfig(enabled=False),
+            model=[ModelConfigEntry(pages=256, cpus_per_rank=1)],
+            sandbox=SandboxConfig(mode="off"),
+        )
         controller = start_controller(config, detached=False)
         url = serve_http(config.auth, NAMESPACE, config.server.model_copy(update={"port": free_port()}))
         wait_healthy(url)
