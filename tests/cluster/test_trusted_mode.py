@@ -1,17 +1,16 @@
 """A cluster whose operator turned the sandbox off (``[sandbox] mode = "off"``: every user is trusted): a manifest's
 ``isolated`` and ``runtime_env`` go to Ray, as a dedicated host actor per instance. With the sandbox on (the default,
-tests/test_cluster.py) a runtime_env is refused at upload and an isolated program stays on the node's pooled host."""
+``test_launcher.py``) a runtime_env is refused at upload and an isolated program stays on the node's pooled host."""
 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import ray
+from launching import launch, run_to_end
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.controller import start_controller
-from pie_cluster.launch_request import LaunchRequest
 from program_zips import isolated_shouter, zip_program
 
 
@@ -23,22 +22,6 @@ def launcher(ray_session):
     yield ray.get_actor("pie-launcher")
     ray.get(controller.shutdown.remote())
     ray.kill(controller)
-
-
-def launch(launcher, program: str, input: dict | None = None) -> str:
-    return ray.get(launcher.launch.remote("alice", LaunchRequest(program=program, input=input or {})))
-
-
-def run_to_end(launcher, instance: str, timeout: float = 120) -> list[list]:
-    """Every event of alice's instance, following the stream until its terminal event."""
-    events, since, deadline = [], 0, time.time() + timeout
-    while time.time() < deadline:
-        got = ray.get(launcher.events.remote("alice", instance, since, 5.0))
-        events += got["events"]
-        since = got["next"]
-        if got["done"]:
-            return events
-    raise AssertionError(f"instance {instance} did not end in {timeout} s; events so far: {events}")
 
 
 def test_an_isolated_directory_program_runs_in_its_own_process(launcher):

@@ -1,0 +1,51 @@
+"""Test helper: driving a cluster's launcher actor directly, as the HTTP app does: upload a program, launch it,
+follow its events to the end, and read the replicas' engine stats."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import ray
+from pie_cluster.launch_request import LaunchRequest
+
+
+def upload(launcher, source: str, user: str = "alice", filename: str = "prog.py") -> str:
+    return ray.get(launcher.upload.remote(user, filename, textwrap.dedent(source).encode()))["program"]
+
+
+def launch(launcher, program: str, input: dict | None = None, user: str = "alice", **fields) -> str:
+    return ray.get(launcher.launch.remote(user, LaunchRequest(program=program, input=input or {}, **fields)))
+
+
+def run_to_end(launcher, instance_id: str, user: str = "alice", timeout: float = 120) -> list[list]:
+    """Every event of the instance, following the stream until its terminal event."""
+    events, since, deadline = [], 0, time.time() + timeout
+    while time.time() < deadline:
+        got = ray.get(launcher.events.remote(user, instance_id, since, 5.0))
+        events += got["events"]
+        since = got["next"]
+        if got["done"]:
+            return events
+    raise AssertionError(f"instance {instance_id} did not end in {timeout} s; events so far: {events}")
+
+
+def engine_stats(cluster) -> list[dict]:
+    return ray.get(cluster.status.remote())["replicas"]
+
+# A program that generates until it is stopped (subscribed to a topic, so it holds a bus session too), or with
+# ``{"how": "raise"}`` raises after its first pass.
+LONG = """
+from inferlet import Context, Model, Sampler, messaging
+
+async def main(input):
+    sub = messaging.subscribe("news")
+    model = Model.load("default")
+    ctx = Context(model)
+    ctx.user("tell me a very long story")
+    if input.get("how") == "raise":
+        await ctx.flush()
+        raise RuntimeError("the inferlet gave up")
+    async for step in ctx.generate(Sampler.argmax(), max_tokens=100000, stop=[]):
+        await step.execute()
+"""
