@@ -8,6 +8,7 @@ import contextlib
 
 from conftest import each_backend
 from inferlet import Context, Model, Sampler
+from pie_workers.wire.messages import PassKind, PassRequest, encode
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 
@@ -93,7 +94,7 @@ def test_an_early_return_or_cancellation_leaves_the_context_as_plain_stepping_do
                 seen.extend(out.tokens)
                 return len(seen) == 3
 
-            await gen._drain(take)
+            await gen.drain(take)
             early_state = early.seq_len - start, early.buffer()
 
             cancelled = base.fork()
@@ -142,11 +143,11 @@ def test_a_chained_pass_needs_a_predecessor_that_sampled(served):
         with Context(model) as ctx:
             ctx.user("no pass yet")
             await ctx.flush()  # a pass that samples nothing
-            args = [ctx._id, [], [ctx.seq_len], [], None, None, [], [], 0, None, None, None, 0, None]
             errors = []
             for tokens in ([], [5]):
+                request = PassRequest(ctx.id, kind=PassKind.CHAINED, tokens=tokens, positions=[ctx.seq_len])
                 try:
-                    await model.channel.call("forward", *args[:1], tokens, *args[2:], [])
+                    await model.channel.call("forward", encode(request))
                 except ValueError as e:
                     errors.append(str(e))
             return errors

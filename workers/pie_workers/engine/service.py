@@ -31,7 +31,6 @@ from pie_workers.engine.directory_link import DirectoryLink
 from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.page_store import OutOfPages, PageStore
 from pie_workers.engine.passes import Passes
-from pie_workers.engine.protocol import PassArgs
 from pie_workers.engine.record import EngineContext, EngineContexts, Session
 from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
@@ -39,6 +38,7 @@ from pie_workers.engine.settle import truncate
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 from pie_workers.wire.capability import CapabilityError, verify
+from pie_workers.wire.messages import AccountReply, ContextReply, PassRequest, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,9 @@ class ReplicaEngine:
         elif time.time() >= session.expires:
             raise CapabilityError(f"expired capability: instance {session.instance!r} is past its lifetime")
         if op == "forward":
-            a = PassArgs.from_wire(args)
+            if len(args) != 1:
+                raise TypeError(f"a forward takes one PassRequest, got {len(args)} arguments")
+            a = decode(PassRequest, args[0])
             state = self._own(session, a.ctx)
             state.gate.when_free(functools.partial(self.passes.start, state, a, answer))
             return None
@@ -224,7 +226,7 @@ class ReplicaEngine:
                 log.exception("market round at the end of %s failed", session.name)
         return len(held)
 
-    async def op_fork(self, session: Session, ctx: int) -> list[int]:
+    async def op_fork(self, session: Session, ctx: int) -> dict:
         """A child sharing the context's pages. When memory is short the child is born suspended (it holds no
         pages and is recomputed on its first pass), so a fork never waits."""
         async with self._turn(session, ctx) as parent:
@@ -242,7 +244,7 @@ class ReplicaEngine:
         child_state.salt = parent.salt  # what it shares was written under the parent's salt
         child_state.bid = parent.bid
         await self._run_copies(copies)
-        return [child, self.residency.seq_len(child_state)]
+        return encode(ContextReply(child, self.residency.seq_len(child_state)))
 
     async def op_save(self, session: Session, ctx: int, name: str) -> None:
         async with self._turn(session, ctx) as state:
@@ -269,7 +271,7 @@ class ReplicaEngine:
             self.contexts.delete(session.username, name)
             raise ContextError(f"snapshot {name!r} already exists for user {session.username!r}")
 
-    async def op_open(self, session: Session, name: str) -> list[int] | None:
+    async def op_open(self, session: Session, name: str) -> dict | None:
         """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short, or when
         the snapshot was saved on another replica (recomputed from the lineage the directory keeps)."""
         try:
@@ -288,18 +290,18 @@ class ReplicaEngine:
         if text is not None:
             self.residency.add_suspended(state, *text)
         await self._run_copies(copies)
-        return [ctx, self.residency.seq_len(state)]
+        return encode(ContextReply(ctx, self.residency.seq_len(state)))
 
-    async def op_take(self, session: Session, name: str) -> list[int] | None:
+    async def op_take(self, session: Session, name: str) -> dict | None:
         ctx = self.contexts.take(session.username, name, session.key)
         if ctx is None:
             return await self._from_elsewhere(session, name, self.directory and self.directory.remove)
         if self.directory is not None:
             await self.directory.remove(session.username, name)
         self._adopt(session, ctx)
-        return [ctx, self.contexts.view(ctx).seq_len]
+        return encode(ContextReply(ctx, self.contexts.view(ctx).seq_len))
 
-    async def _from_elsewhere(self, session: Session, name: str, ask) -> list[int] | None:
+    async def _from_elsewhere(self, session: Session, name: str, ask) -> dict | None:
         """A snapshot this replica does not hold, from its lineage in the directory (``ask``: look it up, or
         take it); a context that is recomputed on its first pass. None if the name is unknown."""
         lineage = await ask(session.username, name) if ask else None
@@ -313,7 +315,7 @@ class ReplicaEngine:
             )
         state = self.records.create(session)
         self.residency.add_suspended(state, [tuple(t) for t in text], committed)
-        return [state.id, self.residency.seq_len(state)]
+        return encode(ContextReply(state.id, self.residency.seq_len(state)))
 
     async def op_delete(self, session: Session, name: str) -> None:
         try:
@@ -358,15 +360,16 @@ class ReplicaEngine:
         account = await self.market.account(session.instance)
         if account is None:
             return None
-        return {
-            "balance": account["balance"],
-            "endowment": account["endowment"],
-            "dividend": account["dividend"],
-            "paid": account["rent"],
-            "page_cost": account["page_cost"],
-            "price": self.market.price,
-            "latency": self.market.latency_s or self.scheduler.last_latency_s,
-        }
+        reply = AccountReply(
+            balance=account["balance"],
+            endowment=account["endowment"],
+            dividend=account["dividend"],
+            paid=account["rent"],
+            page_cost=account["page_cost"],
+            price=self.market.price,
+            latency=self.market.latency_s or self.scheduler.last_latency_s,
+        )
+        return encode(reply)
 
     # -- stats ---------------------------------------------------------------------------------------------------
 
