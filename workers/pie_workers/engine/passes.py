@@ -31,7 +31,7 @@ from pie_workers.engine.channel import Answer
 from pie_workers.engine.protocol import PLAIN_PASS, PassBinding, forward_request
 from pie_workers.engine.record import EngineContext, EngineContexts
 from pie_workers.engine.residency import Residency, pages_to_reserve
-from pie_workers.engine.scheduler import BatchScheduler
+from pie_workers.engine.scheduler import BatchScheduler, prefill_chunks
 from pie_workers.engine.settle import settle, truncate
 from pie_workers.engine.steps import ChainedSteps, Steps
 from pie_workers.wire.batch import ForwardRequest, RequestOutput
@@ -143,18 +143,16 @@ class Passes:
                 await self.residency.restore(state, len(tokens) + len(a.drafts))
             if attention_masks is None and not a.drafts and self.contexts.seq_len(ctx) == 0:
                 tokens, positions, slots = self._reuse_cached_prefix(ctx, tokens, positions, slots, bind.salt)
-            chunk = self.scheduler.limits.max_tokens
             start = 0
-            while len(tokens) - start > chunk:  # chunked prefill: leading chunks carry no samplers
-                if any(row < start + chunk for row, _ in slots):
+            for begin, end in prefill_chunks(len(tokens), self.scheduler.limits.max_tokens)[:-1]:
+                if any(row < end for row, _ in slots):  # leading chunks carry no samplers
                     break
-                end = start + chunk
                 leading = ForwardRequest(
-                    token_ids=tokens[start:end],
-                    positions=positions[start:end],
+                    token_ids=tokens[begin:end],
+                    positions=positions[begin:end],
                     page_ids=[],  # set once reserved
                     kv_len=0,
-                    attention_masks=attention_masks[start:end] if attention_masks is not None else None,
+                    attention_masks=attention_masks[begin:end] if attention_masks is not None else None,
                     adapter=bind.adapter,
                     zo_seed=bind.zo_seed,
                 )
