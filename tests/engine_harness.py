@@ -11,6 +11,7 @@ from pie_workers.engine.service import ReplicaEngine
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import Slot, SlotKind
 from pie_workers.wire.codec import slot_to_wire
+from pie_workers.wire.messages import PassKind, PassReply, PassRequest, decode, encode
 from sdk_host import TRUST
 
 # a seeded draw: reproducible, and unlike greedy decoding the tiny random model's tokens do not settle into a loop
@@ -31,17 +32,26 @@ class Engine:
     def forward(
         self, ctx: int, tokens, position: int, *, chained=None, steps=1, hold=0, sampler=SAMPLER, ahead=None, slots=None
     ):
-        """Send a pass sampling its last row (or with the given ``slots``); a future of its answer."""
+        """Send a pass sampling its last row (or with the given ``slots``); a future of its answer as
+        (slots, walk, seq_len, next drafts), or None for a chained pass that stopped before running."""
         future = asyncio.get_running_loop().create_future()
 
         def answer(error, result):
-            future.set_exception(error) if error else future.set_result(result)
+            future.set_exception(error) if error else future.set_result(_unpacked(result))
 
         rows = max(len(tokens), 1)
-        positions = list(range(position, position + rows))
-        slots = [[rows - 1, sampler]] if slots is None else slots
-        args = [ctx, tokens, positions, slots, None, None, [], [], hold, None, None, None, 0, None]
-        self.engine._handle(SESSION, "forward", [*args, chained, steps, ahead], answer)
+        request = PassRequest(
+            ctx,
+            kind=PassKind.INPUT if chained is None else PassKind.CHAINED,
+            tokens=tokens,
+            positions=list(range(position, position + rows)),
+            slots=[[rows - 1, sampler]] if slots is None else slots,
+            hold=hold,
+            steps=steps,
+            stop_ids=chained if chained is not None else ahead if ahead is not None else [],
+            run_ahead=ahead is not None,
+        )
+        self.engine._handle(SESSION, "forward", [encode(request)], answer)
         return future
 
     async def prefilled(self, prompt: list[int]) -> tuple[int, int]:
@@ -52,6 +62,13 @@ class Engine:
 
     def stop(self) -> None:
         self.batches.cancel()
+
+
+def _unpacked(answer: dict | None) -> tuple | None:
+    if answer is None:
+        return None
+    reply = decode(PassReply, answer)
+    return reply.slots, reply.walk, reply.seq_len, reply.next_drafts
 
 
 def run(runner: ModelRunner, body):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pie_workers.wire.messages import AdapterReply, decode
+
 from inferlet.model import Model
 
 
@@ -22,11 +24,16 @@ def check_zo_seed(seed: int) -> int:
 
 
 class Adapter:
-    def __init__(self, model: Model, description: list, name: str):
+    def __init__(self, model: Model, description: dict, name: str):
+        """``description``: the replica's ``AdapterReply`` for it, on the wire."""
         self._model = model
         self._name = name
-        self._id, self._rank, self._alpha, self._targets = description
+        self._describe(description)
         self._destroyed = False
+
+    def _describe(self, description: dict) -> None:
+        reply = decode(AdapterReply, description)
+        self._id, self._rank, self._alpha, self._targets = reply.id, reply.rank, reply.alpha, reply.targets
 
     # -- lifetime --------------------------------------------------------------------------------------------------
 
@@ -78,9 +85,7 @@ class Adapter:
 
     def load(self, path: str) -> None:
         """Replace the weights — and rank, alpha and target modules — with the PEFT adapter at ``path``."""
-        self._id, self._rank, self._alpha, self._targets = self._model.channel.call_sync(
-            "adapter_load", self._live_id(), path
-        )
+        self._describe(self._model.channel.call_sync("adapter_load", self._live_id(), path))
 
     # -- inspection ------------------------------------------------------------------------------------------------
 
@@ -112,8 +117,8 @@ class Adapter:
             raise ValueError(f"adapter {self._name!r} was destroyed; it can no longer be used")
         return self._id
 
-    def _id_for(self, model: Model) -> int:
-        """The id a forward pass on ``model`` sends."""
+    def id_on(self, model: Model) -> int:
+        """The id a forward pass on ``model`` sends (ValueError for another model's adapter, or one destroyed)."""
         if model is not self._model:
             raise ValueError(f"adapter {self._name!r} belongs to model {self._model.name!r}, not {model.name!r}")
         return self._live_id()

@@ -1,8 +1,5 @@
 """``Generator``: the multi-step decode loop over a context — sampling, stop conditions, manual stepping.
 
-The collectors' chained passes and the stepping loop share one per-generation state (buffer, counters, stop set,
-constraints), read and written at every step; that is why they stay one class in one file past 400 lines.
-
 Each step runs the context's buffer (the prompt on the first step, then the previous token) with the auto sampler
 on its last row, folds the sampled token into the state, and decides whether to stop: ``max_tokens`` reached, a
 token of the stop set (the chat template's end-of-turn tokens plus any you add; never replacing them), or
@@ -21,12 +18,9 @@ and each draft is verified under the constraints' mask after the drafts before i
 ``max_tokens`` cuts inside the accepted drafts, the tokens past the cut are truncated from the KV again, so KV,
 ``seq_len`` and the buffer end exactly as a run without drafts leaves them.
 
-The collectors (``collect_tokens``, ``collect_text``) hand no step to user code, so when nothing else needs a step's
-token before the next step can go — no constraint, no speculation — they let the replica run up to 16 steps per
-pass, each on the token the step before sampled (a *chained* pass, ending at a stop token), and send the next such
-pass before the previous one's output is back. The inferlet's round trip then overlaps the replica's batches instead
-of adding to them, and the replica's bookkeeping per step is a fraction of a pass's. Tokens, KV, ``seq_len`` and the
-buffer end exactly as with stepping one by one, also when a collector returns early or is cancelled.
+The collectors (``collect_tokens``, ``collect_text``) hand no step to user code; without constraints or speculation
+they run chained passes, the next always in flight (``chained.py``). A generation's state and the pass of one step
+are ``Generation``'s (``generation.py``).
 
 Stepping with ``async for`` needs each step's token in user code, so each step is a round trip; but a plain step
 (auto sampler, no constraint or speculation, more than one token left) asks the replica to run the next step
@@ -41,18 +35,16 @@ step's forward.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pie_workers.wire.pages import pages_for
-
-from inferlet import chat, scheduling
+from inferlet import chat
 from inferlet.adapter import Adapter, check_zo_seed
+from inferlet.chained import drain_chained
 from inferlet.constraints import AnyJson, Constraint, ConstraintSet, JsonSchema, Schema
 from inferlet.forward import Forward, Output, ProbeHandle, SampleHandle
+from inferlet.generation import Generation
 from inferlet.sampler import Probe, Sampler
 from inferlet.spec import Speculator
 
@@ -60,44 +52,31 @@ if TYPE_CHECKING:
     from inferlet.context import Context
 
 SYSTEM_DRAFTS = 4  # n-gram drafts asked of the replica per step with system_speculation
-CHAIN_STEPS = 16  # steps a collector asks of one chained pass
-
-
-@dataclass
-class _Sent:
-    """A collector's step in flight: its pass, the auto sampler's handle, the reply to come, and its input."""
-
-    fwd: Forward
-    auto: SampleHandle
-    reply: asyncio.Future
-    fed: list[int] | None  # its input; for a chained pass None until the token it feeds is known here
-    steps: int  # steps the replica runs at most (each one input token)
-    end: int  # the position after its last step's input
 
 
 class GenStep:
     def __init__(self, gen: Generator):
         self._gen = gen
-        self._cleared = False
-        self._every_step = list(gen._step_probes)  # slots: these probes, then this step's, then the sampler
-        self._probes: list[tuple[int, Probe]] = []
+        self.cleared = False
+        self.every_step_probes = list(gen.state.step_probes)  # slots: these, then this step's own, then the sampler
+        self.own_probes: list[tuple[int, Probe]] = []
         self._executed = False
 
     def clear_sampler(self) -> GenStep:
         """Drop the auto sampler: the pass still runs; read a probe and ``g.accept([...])`` your own token."""
-        self._cleared = True
+        self.cleared = True
         return self
 
     def probe(self, idx: int, probe: Probe) -> ProbeHandle:
         """Attach a probe for this step only; its handle indexes this step's output."""
-        self._probes.append((idx, probe))
-        return ProbeHandle(len(self._every_step) + len(self._probes) - 1, probe.kind)
+        self.own_probes.append((idx, probe))
+        return ProbeHandle(len(self.every_step_probes) + len(self.own_probes) - 1, probe.kind)
 
     async def execute(self) -> Output:
         if self._executed:
             raise ValueError("this generation step was already executed")
         self._executed = True
-        return await self._gen._run_step(self)
+        return await self._gen.run_step(self)
 
 
 class Generator:
@@ -128,31 +107,22 @@ class Generator:
             raise TypeError(f"generate() needs a Sampler, got {type(sampler).__name__}")
         if max_tokens is not None and max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        ctx._check_live()
-        self._ctx = ctx
-        self._sampler = sampler
-        self._max_tokens = max_tokens
-        self._constraints = ConstraintSet(ctx.model)
+        ctx.check_live()
+        constraints = ConstraintSet(ctx.model)
         if logit_mask:
-            self._constraints.add_mask(logit_mask)
+            constraints.add_mask(logit_mask)
         if constrain is not None:
-            self._constraints.add(constrain)
-        self._horizon = horizon
-        self._bid_basis: dict | None = None  # the market readings the latest default bid was made from
-        self._adapter: Adapter | None = None
-        self._zo_seed: int | None = None
+            constraints.add(constrain)
+        if auto_flush:
+            ctx.cue()
+            stop_set = set(chat.stop_tokens(ctx.model)) | set(stop or [])
+        else:
+            stop_set = set(stop or [])
+        self.state = Generation(ctx, sampler, constraints, stop_set, max_tokens=max_tokens, horizon=horizon)
         if adapter is not None:
             self.adapter(adapter)
         if zo_seed is not None:
             self.zo_seed(zo_seed)
-        if auto_flush:
-            ctx.cue()
-            self._stop = set(chat.stop_tokens(ctx.model)) | set(stop or [])
-        else:
-            self._stop = set(stop or [])
-        self._step_probes: list[tuple[int, Probe]] = []
-        self._generated = 0
-        self._done = False
         self._speculator: Speculator | None = speculator
         self._system_speculation = system_speculation
         self._system_drafts: list[int] = []  # the replica's n-gram drafts for the next step
@@ -160,54 +130,54 @@ class Generator:
     # -- builder -------------------------------------------------------------------------------------------------
 
     def max_tokens(self, n: int) -> Generator:
-        self._max_tokens = n
+        self.state.max_tokens = n
         return self
 
     def stop(self, tokens: list[int]) -> Generator:
         """Replace the stop set."""
-        self._stop = set(tokens)
+        self.state.stop = set(tokens)
         return self
 
     def add_stop(self, tokens: list[int]) -> Generator:
-        self._stop |= set(tokens)
+        self.state.stop |= set(tokens)
         return self
 
     def horizon(self, n: int) -> Generator:
         """Hint at the expected output length (used by the credit market's bidding)."""
-        self._horizon = n
+        self.state.horizon = n
         return self
 
     def constrain(self, c: Schema | Constraint | list[Schema | Constraint]) -> Generator:
         """Add a constraint (or a list); it composes with those already attached and applies from the next step."""
-        self._constraints.add(c)
+        self.state.constraints.add(c)
         return self
 
     def adapter(self, a: Adapter) -> Generator:
         """Apply a LoRA adapter on every step (the prompt's included, if it has not been flushed)."""
         if not isinstance(a, Adapter):
             raise TypeError(f"adapter() needs an Adapter, got {type(a).__name__}")
-        self._adapter = a
+        self.state.adapter = a
         return self
 
     def zo_seed(self, seed: int) -> Generator:
         """Perturb the adapter by this Evolution Strategies seed on every step."""
-        self._zo_seed = check_zo_seed(seed)
+        self.state.zo_seed = check_zo_seed(seed)
         return self
 
     def probe_each_step(self, idx: int, probe: Probe) -> ProbeHandle:
         """Attach a probe to every step; the handle is valid on each step's output."""
-        self._step_probes.append((idx, probe))
-        return ProbeHandle(len(self._step_probes) - 1, probe.kind)
+        self.state.step_probes.append((idx, probe))
+        return ProbeHandle(len(self.state.step_probes) - 1, probe.kind)
 
     # -- state ---------------------------------------------------------------------------------------------------
 
     @property
     def tokens_generated(self) -> int:
-        return self._generated
+        return self.state.generated
 
     @property
     def is_done(self) -> bool:
-        return self._done or (self._max_tokens is not None and self._generated >= self._max_tokens)
+        return self.state.is_done
 
     # -- stepping ------------------------------------------------------------------------------------------------
 
@@ -219,123 +189,76 @@ class Generator:
             raise StopAsyncIteration
         return GenStep(self)
 
-    async def _run_step(self, step: GenStep) -> Output:
-        ctx = self._ctx
-        pending = ctx.buffer()
-        if not pending:
-            self._done = True
+    async def run_step(self, step: GenStep) -> Output:
+        """Run one step (``GenStep.execute``): the buffer with the step's probes and sampler, and drafts."""
+        state, ctx = self.state, self.state.ctx
+        if not ctx.buffer():
+            state.done = True
             return Output([])
-        mask = self._constraints.step_mask()
-        fwd = Forward(ctx)
-        fwd.input(pending)
-        if self._adapter is not None:
-            fwd.adapter(self._adapter)
-        if self._zo_seed is not None:
-            fwd.zo_seed(self._zo_seed)
-        last = len(pending) - 1
-        for idx, probe in step._every_step + step._probes:
-            fwd.probe(last + idx, probe)
-        auto: SampleHandle | None = None if step._cleared else fwd.sample([last], self._sampler)
-        if mask is not None:
-            fwd.mask(mask)
-        proposed = self._draft(fwd) if auto is not None else 0
-        if self._system_speculation and auto is not None:
-            fwd._draft_budget = SYSTEM_DRAFTS
-        elif auto is not None and mask is None and not fwd._drafts and self._more_than_one_left():
-            fwd._ahead = sorted(self._stop)  # the replica runs the next step while this one's answer travels
-        ctx._buffer = []
-        bid = await self._default_bid()
-        if bid is not None and bid != ctx._bid:
-            fwd._bid = ctx._bid = bid  # rides in the forward request, set before its pages are reserved
-        try:
-            out = await fwd.execute()
-        except BaseException:
-            ctx._buffer = pending  # nothing reached the KV cache
-            raise
-        out.auto_sampler = auto
+        out, auto, proposed = await self._execute_step(step, ctx.buffer())
         if auto is not None:
-            self._system_drafts = fwd._next_drafts
-            walk = fwd._walk if fwd._drafts else [out.token(auto)]
-            out.tokens, surplus = self._fold(walk, in_kv=len(walk) - 1)
+            self._system_drafts = out.next_drafts
+            walk = out.walk or [out.token(auto)]
+            out.tokens, surplus = state.fold(walk, in_kv=len(walk) - 1)
             if surplus:  # a stop or max_tokens cut inside the accepted drafts: their KV goes too
-                ctx._seq_len = await ctx.model.channel.call("truncate", ctx._id, surplus)
+                await ctx.truncate_async(surplus)
             if self._speculator is not None:
                 self._speculator.accept(out.tokens)
                 if proposed > len(walk) - 1:
                     self._speculator.rollback(proposed - (len(walk) - 1))
         return out
 
-    def _more_than_one_left(self) -> bool:
-        return self._max_tokens is None or self._max_tokens - self._generated > 1
+    async def _execute_step(self, step: GenStep, pending: list[int]) -> tuple[Output, SampleHandle | None, int]:
+        """The step's pass over the buffered tokens (``pending``), sent and answered; with the auto sampler's handle
+        and how many drafts the speculator proposed. The buffer is left as it was until the pass goes (a speculator
+        reads it), and again if the pass fails."""
+        state = self.state
+        mask = state.constraints.step_mask()
+        fwd, auto = await state.step_pass(
+            pending, state.ctx.seq_len, step.every_step_probes + step.own_probes, sample=not step.cleared
+        )
+        if mask is not None:
+            fwd.mask(mask)
+        proposed, drafted = self._draft(fwd, len(pending)) if auto is not None else (0, 0)
+        if self._system_speculation and auto is not None:
+            fwd.ask_drafts(SYSTEM_DRAFTS)
+        elif auto is not None and mask is None and not drafted and state.more_than_one_left():
+            fwd.run_ahead(sorted(state.stop))  # the replica runs the next step while this one's answer travels
+        ctx = state.ctx
+        ctx.take_buffer()
+        try:
+            out = await fwd.execute()
+        except BaseException:
+            ctx.requeue(pending)  # nothing reached the KV cache
+            raise
+        out.auto_sampler = auto
+        return out, auto, proposed
 
-    async def _default_bid(self) -> float | None:
-        """This step's bid (Pie's rule), unless the inferlet set one or is idle; None without a market.
-
-        The tokens still expected: ``horizon`` minus those generated (exactly), else ``max_tokens`` minus them
-        (cv² = 1), else as many as generated so far, at least 64 (the Lindy rule)."""
-        ctx = self._ctx
-        if not ctx._bids_by_default:
-            return None
-        readings = self._bid_basis = await scheduling.step_readings(ctx.model)
-        if readings is None:
-            return None
-        if self._horizon is not None:
-            expected, cv2 = self._horizon - self._generated, 0.0
-        elif self._max_tokens is not None:
-            expected, cv2 = self._max_tokens - self._generated, 1.0
-        else:
-            expected, cv2 = max(self._generated, 64), 1.0
-        pages = max(pages_for(ctx.seq_len, ctx.page_size), 1)
-        return scheduling.default_bid(readings["balance"], pages, expected, cv2, ctx.page_size, readings["dividend"])
-
-    def _draft(self, fwd: Forward) -> int:
-        """Attach this step's drafts to ``fwd``; returns how many the speculator proposed (0 for the system's)."""
-        first = fwd._positions[-1] + 1
+    def _draft(self, fwd: Forward, inputs: int) -> tuple[int, int]:
+        """Attach this step's drafts to ``fwd`` (after its ``inputs`` tokens); returns how many the speculator
+        proposed (0 for the system's) and how many were attached."""
+        state = self.state
+        first = state.ctx.seq_len + inputs
         if self._speculator is not None:
-            drafts, positions = _checked_proposal(self._speculator.draft(), first)
+            drafts, _ = _checked_proposal(self._speculator.draft(), first)
             proposed = len(drafts)
         else:
             drafts, proposed = self._system_drafts, 0
-        if self._max_tokens is not None:  # every step yields one token past its accepted drafts
-            drafts = drafts[: max(0, self._max_tokens - self._generated - 1)]
-        drafts, fwd._draft_masks = self._constraints.lookahead(drafts)
-        fwd._drafts, fwd._draft_positions = drafts, list(range(first, first + len(drafts)))
-        return proposed
+        if state.max_tokens is not None:  # every step yields one token past its accepted drafts
+            drafts = drafts[: max(0, state.max_tokens - state.generated - 1)]
+        drafts, masks = state.constraints.lookahead(drafts)
+        if drafts:
+            fwd.drafts(drafts, masks)
+        return proposed, len(drafts)
 
     def accept(self, tokens: list[int]) -> list[int]:
         """Register tokens chosen by hand (after ``clear_sampler``); returns what was kept: tokens from the first one
         a constraint forbids are dropped, then stop/max cuts apply."""
-        kept, _ = self._fold([int(t) for t in tokens])
+        kept, _ = self.state.fold([int(t) for t in tokens])
         self._system_drafts = []  # they guessed what follows the sampled token, not these
         if self._speculator is not None:
             self._speculator.accept(kept)
         return kept
-
-    def _fold(self, tokens: list[int], in_kv: int = 0) -> tuple[list[int], int]:
-        """Reconcile with the constraints, apply stop tokens and ``max_tokens``, and count the survivors.
-
-        The first ``in_kv`` tokens (accepted drafts) already have KV. Afterwards KV and buffer are what a run without
-        drafts leaves: every survivor is in the KV but the last, which is queued as the next step's input — unless
-        a stop token ended generation, whose step flushed them all. Returns the survivors and how many in-KV tokens
-        must be truncated for that.
-        """
-        kept: list[int] = []
-        stopped = False
-        for t in self._constraints.admit(tokens):
-            if t in self._stop:
-                self._done = stopped = True
-                break
-            kept.append(t)
-        if self._max_tokens is not None:
-            room = self._max_tokens - self._generated
-            if len(kept) >= room:
-                kept, self._done = kept[:room], True
-        self._generated += len(kept)
-        stays = max(0, min(len(kept) if stopped else len(kept) - 1, in_kv))
-        self._ctx._buffer += kept[stays:]
-        if not self._done and self._constraints and self._constraints.terminated:
-            self._done = True
-        return kept, in_kv - stays
 
     # -- collectors ----------------------------------------------------------------------------------------------
 
@@ -346,12 +269,12 @@ class Generator:
             tokens.extend(out.tokens)
             return False
 
-        await self._drain(take)
+        await self.drain(take)
         return tokens
 
     async def collect_text(self) -> str:
         """Drain and return the visible text (a chat decoder strips control tokens)."""
-        decoder = chat.Decoder(self._ctx.model)
+        decoder = chat.Decoder(self.state.ctx.model)
         parts: list[str] = []
         done: list[str] = []
 
@@ -364,114 +287,18 @@ class Generator:
                 return True
             return False
 
-        await self._drain(take)
+        await self.drain(take)
         return done[0] if done else "".join(parts)
 
-    async def _drain(self, take: Callable[[Output], bool]) -> None:
-        """Step until done, handing each step's output to ``take`` (which returns True to stop early)."""
-        if self._constraints or self._speculator is not None or self._system_speculation:
+    async def drain(self, take: Callable[[Output], bool]) -> None:
+        """Step until done, handing each step's output to ``take`` (which returns True to stop early): what the
+        collectors do, for a collector of one's own."""
+        if self.state.constraints or self._speculator is not None or self._system_speculation:
             async for step in self:
                 if take(await step.execute()):
                     return
             return
-        await self._drain_chained(take)
-
-    async def _drain_chained(self, take: Callable[[Output], bool]) -> None:
-        """Plain stepping with the next run of steps always in flight (see the module docstring)."""
-        ctx = self._ctx
-        if self.is_done:
-            return
-        if not ctx._buffer:
-            self._done = True
-            return
-        cur: _Sent | None = await self._send_step(ctx.buffer(), ctx.seq_len)
-        ctx._buffer = []
-        nxt: _Sent | None = None
-        stop_ids = sorted(self._stop)  # nothing can change them while this runs
-        try:
-            while cur is not None:
-                room = CHAIN_STEPS if self._max_tokens is None else self._max_tokens - self._generated - cur.steps
-                if room > 0:
-                    nxt = await self._send_step(None, cur.end, stop_ids, min(room, CHAIN_STEPS), cur.steps)
-                reply = await asyncio.shield(cur.reply)
-                steps, cur = self._read(cur, reply), None
-                for surplus, out in steps:
-                    if take(out):
-                        if nxt is not None:
-                            surplus += await self._undo(nxt)
-                            nxt = None
-                        if surplus:
-                            ctx._seq_len = await ctx.model.channel.call("truncate", ctx._id, surplus)
-                        return
-                if nxt is not None and not self._done:  # the chained pass feeds the token the buffer now holds
-                    nxt.fed, ctx._buffer = ctx._buffer, []
-                    cur, nxt = nxt, None
-        finally:
-            await self._unchain(cur, nxt)
-
-    async def _send_step(
-        self, tokens: list[int] | None, position: int, stop_ids: list[int] | None = None, steps: int = 1, after: int = 0
-    ) -> _Sent:
-        """Send a plain step: ``tokens`` from ``position`` on, or (None) a pass chained on the previous one, which
-        the replica runs for up to ``steps`` steps, each on the token the step before sampled, ending after one
-        that samples a token of ``stop_ids`` (and skipping the pass if its first input is one). ``after``: the
-        steps of the pass it is chained on, whose tokens it may have to let be undone too."""
-        fwd = Forward(self._ctx)
-        if tokens is None:  # the replica supplies the token
-            fwd._positions, last = [position], 0
-        else:
-            fwd.input_at(tokens, list(range(position, position + len(tokens))))
-            last = len(tokens) - 1
-        if self._adapter is not None:
-            fwd.adapter(self._adapter)
-        if self._zo_seed is not None:
-            fwd.zo_seed(self._zo_seed)
-        for idx, probe in self._step_probes:
-            fwd.probe(last + idx, probe)
-        auto = fwd.sample([last], self._sampler)
-        bid = await self._default_bid()
-        if bid is not None and bid != self._ctx._bid:
-            fwd._bid = self._ctx._bid = bid
-        reply = fwd._send() if tokens is not None else fwd._send(chained=stop_ids, steps=steps, hold=steps + after)
-        return _Sent(fwd, auto, reply, tokens, steps, fwd._positions[-1] + steps)
-
-    def _read(self, sent: _Sent, reply: list) -> Iterator[tuple[int, Output]]:
-        """Fold a sent pass's tokens in one by one, as single steps would, each token moving from the buffer into
-        the KV as the next step ran; yields, per token, its Output (the last one carries the pass's slots) and how
-        many tokens after it the KV holds already."""
-        out = sent.fwd._finish(reply)
-        out.auto_sampler = sent.auto
-        walk = sent.fwd._walk if not sent.fwd._tokens else [out.token(sent.auto)]  # a chained pass lists its tokens
-        for i, token in enumerate(walk):
-            step = out if i == len(walk) - 1 else Output([], auto_sampler=sent.auto)
-            if i:
-                self._ctx._buffer = []
-            step.tokens, _ = self._fold([token])
-            yield len(walk) - 1 - i, step
-
-    async def _undo(self, sent: _Sent) -> int:
-        """Wait for a chained pass nobody will read; returns how many tokens it wrote to the KV."""
-        try:
-            reply = await sent.reply
-        except Exception:  # it failed, or followed a pass that did: nothing reached the KV
-            return 0
-        return 0 if reply is None else len(reply[1])  # None: skipped, as the token it would feed stops generation
-
-    async def _unchain(self, cur: _Sent | None, nxt: _Sent | None) -> None:
-        """Leave the context as stepping one by one would have: read a pass whose reply was not read (the collector
-        was cancelled or failed while waiting), and undo a chained pass nobody will read (truncating the tokens it
-        wrote). Replies are awaited to the end, so the state is known."""
-        ctx = self._ctx
-        if cur is not None:
-            try:
-                for _ in self._read(cur, await cur.reply):
-                    pass
-            except Exception:  # nothing of it reached the KV
-                ctx._buffer = cur.fed + ctx._buffer
-        if nxt is None:
-            return
-        if written := await self._undo(nxt):  # the token it fed stays in the buffer, as it never moved from there
-            ctx._seq_len = await ctx.model.channel.call("truncate", ctx._id, written)
+        await drain_chained(self.state, take)
 
     async def collect_json(self, *, schema: str | dict | None = None, parse: Callable[[str], Any] | None = None) -> Any:
         """Constrain to JSON (matching ``schema`` if given), drain, and return ``json.loads`` of the text, or
@@ -484,8 +311,8 @@ class Generator:
             return json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(
-                f"collect_json: the output is not complete JSON ({e.msg}) after {self._generated} tokens "
-                f"(max_tokens={self._max_tokens}): {text[:200]!r}"
+                f"collect_json: the output is not complete JSON ({e.msg}) after {self.state.generated} tokens "
+                f"(max_tokens={self.state.max_tokens}): {text[:200]!r}"
             ) from None
 
 

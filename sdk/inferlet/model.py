@@ -16,6 +16,7 @@ class Model:
         self._tokenizer = Tokenizer.from_dir(endpoint.model_dir)
         self.instruct = Instruct.from_dir(endpoint.model_dir)
         self.channel = Channel(endpoint.address, f"{runtime.capability}/{runtime.session.replace('/', '_')}")
+        self.market_readings = None  # ``inferlet.scheduling``'s cache of the replica's market readings
 
     @staticmethod
     def load(name: str) -> Model:
@@ -33,8 +34,9 @@ class Model:
     def __repr__(self) -> str:
         return f"Model({self.name!r})"
 
-    def _close(self) -> None:
-        """Release every context this inferlet holds on the replica (snapshots survive), then hang up."""
+    def close(self) -> None:
+        """Release every context this inferlet holds on the replica (snapshots survive), then hang up. The runtime
+        does this when the inferlet ends."""
         try:
             self.channel.call_sync("close")
         finally:

@@ -82,7 +82,7 @@ class Runtime:
         registered (bus pulls and subscriptions, MCP sessions); snapshots and queued messages survive."""
         try:
             for model in self.models_loaded.values():
-                model._close()
+                model.close()
             self.models_loaded.clear()
         finally:
             self._closers.close()

@@ -8,8 +8,11 @@ market every round (50 ms), so these readings may be that stale; they are cached
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
+
+from pie_workers.wire.messages import AccountReply, decode
 
 from inferlet.model import Model
 
@@ -89,15 +92,17 @@ class _Readings:
 
     @staticmethod
     def of(model: Model) -> _Readings:
-        if not hasattr(model, "_market_readings"):
-            model._market_readings = _Readings()
-        return model._market_readings
+        if model.market_readings is None:
+            model.market_readings = _Readings()
+        return model.market_readings
 
     def stale(self) -> bool:
         return self.market and time.monotonic() - self.at > _FRESH_S
 
-    def store(self, got: dict | None) -> None:
-        self.latest, self.at, self.market = got, time.monotonic(), got is not None
+    def store(self, answer: dict | None) -> None:
+        """Keep an ``account`` answer (an ``AccountReply`` on the wire; None: the replica has no market)."""
+        self.latest = None if answer is None else dataclasses.asdict(decode(AccountReply, answer))
+        self.at, self.market = time.monotonic(), answer is not None
 
     async def refresh(self, model: Model) -> None:
         try:

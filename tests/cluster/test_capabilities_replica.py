@@ -21,6 +21,7 @@ from forgery import SECRET, claims, expired, forged
 from inferlet import Context, Model, runtime
 from pie_cluster.host import endpoints_for, run_inferlet
 from pie_workers.wire.capability import mint
+from pie_workers.wire.messages import PassRequest, encode
 from sdk_host import TRUST
 
 # -- the replica channel ------------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def test_the_escape_from_the_issue_acts_as_alice_still(replica, bobs_snapshot):
         try:
             return Context.open(model, input["name"])
         finally:
-            model._close()
+            model.close()
 
     assert run_as(replica, "alice", impersonates, {"name": bobs_snapshot}) is None
 
@@ -235,8 +236,8 @@ def test_a_wallet_is_only_ever_the_verified_instances(replica, market):
         assert raw.call(session(mine["capability"]), "account")[1]["balance"] == 50.0
         error, ctx = raw.call(session(mine["capability"]), "create")
         prompt = list(range(5, 40))
-        args = [ctx, prompt, list(range(len(prompt))), [[len(prompt) - 1, SAMPLER]], None, None, [], [], 0]
-        assert raw.call(session(mine["capability"]), "forward", *args, *[None] * 3, 0, None, None, 1, None)[0] is None
+        request = PassRequest(ctx, tokens=prompt, positions=list(range(len(prompt))), slots=[[len(prompt) - 1, SAMPLER]])
+        assert raw.call(session(mine["capability"]), "forward", encode(request))[0] is None
         for _ in range(200):  # its pages are charged at the market's next round
             if raw.call(session(mine["capability"]), "account")[1]["balance"] < 50.0:
                 break

@@ -260,7 +260,7 @@ def test_an_early_return_or_cancellation_leaves_the_context_as_plain_stepping_do
                 seen.extend(out.tokens)
                 return len(seen) == 3
 
-            await gen._drain(take)
+            await gen.drain(take)
             early_state = early.seq_len - start, early.buffer()
 
             cancelled = base.fork()

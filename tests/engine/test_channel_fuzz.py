@@ -21,6 +21,7 @@ from inferlet._channel import Channel
 from pie_workers.engine.channel import MAX_FRAME_BYTES
 from pie_workers.engine.service import ReplicaEngine
 from pie_workers.runner import ModelRunner, RunnerSettings
+from pie_workers.wire.messages import PassReply, PassRequest, decode, encode
 from sdk_host import TRUST
 
 PAGES = 64
@@ -79,12 +80,9 @@ def a_good_inferlet_is_served(path: str) -> None:
         try:
             ctx = await asyncio.wait_for(channel.call("create"), 30)
             slots = [[2, SAMPLER]]
-            answer = await asyncio.wait_for(
-                channel.call("forward", ctx, [5, 6, 7], [0, 1, 2], slots, None, None, [], [], 0, None, None, None,
-                             0, None, None, 1, None),  # fmt: skip
-                30,
-            )
-            assert isinstance(answer[0][0][1], int)
+            request = PassRequest(ctx, tokens=[5, 6, 7], positions=[0, 1, 2], slots=slots)
+            answer = await asyncio.wait_for(channel.call("forward", encode(request)), 30)
+            assert isinstance(decode(PassReply, answer).slots[0][1], int)
             await asyncio.wait_for(channel.call("destroy", ctx), 30)
             await asyncio.wait_for(channel.call("close"), 30)
         finally:

@@ -147,22 +147,22 @@ def test_the_generator_bids_by_default_unless_told_otherwise(replica, market):
                 await step.execute()
                 if gen.tokens_generated == 4:
                     break
-            readings = gen._bid_basis  # what this step's bid was computed from
+            readings = gen.state.bid_basis  # what this step's bid was computed from
             pages = pages_for(ctx.seq_len - 1, ctx.page_size)  # the KV the bid was made for (before the step)
-            out["bid"] = ctx._bid
+            out["bid"] = ctx.bid
             bids = await input["leader"].__ray_call__.remote(
                 lambda worker: {r.id: r.bid for r in worker.engine.records}
             )
-            out["engine_bid"] = bids[ctx._id]  # it reached the replica, riding in the step's forward request
+            out["engine_bid"] = bids[ctx.id]  # it reached the replica, riding in the step's forward request
             out["expected"] = scheduling.default_bid(
                 readings["balance"], max(pages, 1), 16 - 3, 1.0, ctx.page_size, readings["dividend"]
             )
             with ctx.idle():
                 await ctx.generate(Sampler.argmax(), max_tokens=2).collect_tokens()
-                out["idle"] = ctx._bid
+                out["idle"] = ctx.bid
             ctx.set_bid(0.25)
             await ctx.generate(Sampler.argmax(), max_tokens=2).collect_tokens()
-            out["explicit"] = ctx._bid
+            out["explicit"] = ctx.bid
         return out
 
     [got] = run_all(replica, market, [(stepping, {"leader": replica.leader}, 500.0)])
@@ -181,7 +181,7 @@ def test_without_a_market_there_are_no_credits_to_read(ray_session, tiny_llama):
         with Context(model) as ctx:
             ctx.user("no market here")
             await ctx.generate(Sampler.argmax(), max_tokens=3).collect_tokens()
-            bid = ctx._bid
+            bid = ctx.bid
         try:
             scheduling.balance(model)
         except RuntimeError as e:

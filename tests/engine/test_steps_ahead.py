@@ -88,7 +88,7 @@ async def _truncate_and_redo(e, ctx, first, token, position):
 
 
 async def _fork(e, ctx, first, token, position):
-    child, _ = await e.call("fork", ctx)
+    child = (await e.call("fork", ctx))["ctx"]
     await e.call("destroy", child)
     return await e.forward(ctx, [token], position)
 
@@ -197,7 +197,7 @@ def test_destroying_a_context_while_its_step_runs_ahead(runner):
     ("kwargs", "message"),
     [
         ({"chained": [], "ahead": []}, "only a plain pass of one step"),
-        ({"ahead": 3}, "to run the next step ahead: 3"),
+        ({"ahead": 3}, "stop_ids must be a list of token ids, got 3"),
     ],
 )
 def test_malformed_ahead_requests_are_refused(runner, kwargs, message):

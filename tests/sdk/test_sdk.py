@@ -144,7 +144,7 @@ def test_stop_sets_add_and_max_tokens_is_exact(served):
             stopped = await g.collect_tokens()
             exact = await ctx.fork().generate(Sampler.argmax(), max_tokens=5).collect_tokens()
             g2 = ctx.generate(Sampler.argmax(), stop=[12345 % 4096])
-            templated = 2 in g2._stop and 0 in g2._stop
+            templated = 2 in g2.state.stop and 0 in g2.state.stop
             return free_run, stopped, exact, templated
 
     free_run, stopped, exact, templated = served.run(main)

@@ -24,6 +24,7 @@ from pie_workers.engine.directory_link import DirectoryLink
 from pie_workers.engine.record import Session
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
+from pie_workers.wire.messages import AdapterReply, encode
 
 
 @dataclass
@@ -52,7 +53,7 @@ class AdapterRegistry:
         alpha: float = 16.0,
         targets: Sequence[str] = DEFAULT_TARGETS,
         sigma: float = DEFAULT_SIGMA,
-    ) -> list:
+    ) -> dict:
         """A fresh adapter under ``name`` in the user's namespace (PEFT's init: it changes nothing until trained or
         loaded); returns what ``open`` returns."""
         key = self._key(session, name)
@@ -68,8 +69,8 @@ class AdapterRegistry:
         self.runner.create_adapter(adapter_id, config, float(sigma))
         return await self._publish(adapter_id, key)
 
-    async def open(self, session: Session, name: str) -> list | None:
-        """[id, rank, alpha, target modules] of the user's adapter ``name``, or None."""
+    async def open(self, session: Session, name: str) -> dict | None:
+        """The user's adapter ``name`` (an ``AdapterReply``), or None."""
         key = self._key(session, name)
         adapter_id = self._ids.get(key)
         if adapter_id is None and self.directory is not None:  # made on another replica: copy it here
@@ -77,7 +78,7 @@ class AdapterRegistry:
             adapter_id = None if found is None else self._ids.get(key) or self._copy_here(key, found)
         return None if adapter_id is None else self._describe(adapter_id)
 
-    async def fork(self, session: Session, adapter: int, new_name: str) -> list:
+    async def fork(self, session: Session, adapter: int, new_name: str) -> dict:
         key = self._key(session, new_name)
         if key in self._ids:
             raise ValueError(f"adapter {new_name!r} already exists for user {session.username!r}")
@@ -100,7 +101,7 @@ class AdapterRegistry:
         if self.directory is not None:  # loadable from every node, not only this one's disk
             await self.directory.save_adapter_file(session.username, path, weights)
 
-    async def load(self, session: Session, adapter: int, path: str) -> list:
+    async def load(self, session: Session, adapter: int, path: str) -> dict:
         """Replace the adapter's weights (and rank, alpha, targets) with the PEFT adapter at ``path``."""
         named = self.owned(session, adapter)
         directory = user_path(self._root, session.username, path)
@@ -156,7 +157,7 @@ class AdapterRegistry:
             raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
         return session.username, name
 
-    async def _publish(self, adapter_id: int, key: tuple[str, str]) -> list:
+    async def _publish(self, adapter_id: int, key: tuple[str, str]) -> dict:
         """Register a new adapter here and in the cluster's directory; a name taken on another replica is
         refused as it would be here (and the adapter just made is dropped)."""
         described = self._register(adapter_id, key)
@@ -179,12 +180,13 @@ class AdapterRegistry:
         self.runner.drop_adapter(adapter_id)
         del self._ids[named.owner, named.name]
 
-    def _register(self, adapter_id: int, key: tuple[str, str]) -> list:
+    def _register(self, adapter_id: int, key: tuple[str, str]) -> dict:
         self._next_id += 1
         self._adapters[adapter_id] = NamedAdapter(key[0], key[1], uuid.uuid4().bytes)
         self._ids[key] = adapter_id
         return self._describe(adapter_id)
 
-    def _describe(self, adapter_id: int) -> list:
+    def _describe(self, adapter_id: int) -> dict:
+        """The adapter's ``AdapterReply``, on the wire."""
         config = self.runner.adapters.get(adapter_id).config
-        return [adapter_id, config.rank, config.alpha, list(config.targets)]
+        return encode(AdapterReply(adapter_id, config.rank, config.alpha, list(config.targets)))

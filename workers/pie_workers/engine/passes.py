@@ -28,14 +28,15 @@ from collections.abc import Callable
 from pie_workers.engine import ngram
 from pie_workers.engine.adapter_registry import AdapterRegistry
 from pie_workers.engine.channel import Answer
-from pie_workers.engine.protocol import PLAIN_PASS, PassArgs, PassBinding, PassReply, forward_request
+from pie_workers.engine.protocol import PLAIN_PASS, PassBinding, forward_request
 from pie_workers.engine.record import EngineContext, EngineContexts
 from pie_workers.engine.residency import Residency, pages_to_reserve
-from pie_workers.engine.scheduler import BatchScheduler
+from pie_workers.engine.scheduler import BatchScheduler, prefill_chunks
 from pie_workers.engine.settle import settle, truncate
 from pie_workers.engine.steps import ChainedSteps, Steps
 from pie_workers.wire.batch import ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
+from pie_workers.wire.messages import PassReply, PassRequest, encode
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Passes:
 
     # -- a pass's course -----------------------------------------------------------------------------------------
 
-    def start(self, state: EngineContext, a: PassArgs, answer: Answer, walk: list[int] | None = None) -> None:
+    def start(self, state: EngineContext, a: PassRequest, answer: Answer, walk: list[int] | None = None) -> None:
         """The context's turn has come (this holds its gate): send the pass down the fast path, answer it from the
         step run ahead that it repeats, or continue it as a task. ``walk``: the tokens of a chained pass's steps
         before this one."""
@@ -106,7 +107,7 @@ class Passes:
     def _settle_start(
         self,
         state: EngineContext,
-        a: PassArgs,
+        a: PassRequest,
         answer: Answer,
         walk: list[int] | None,
         request: ForwardRequest,
@@ -127,7 +128,7 @@ class Passes:
     async def _pass_slowly(
         self,
         state: EngineContext,
-        a: PassArgs,
+        a: PassRequest,
         tokens: list[int],
         slots: list,
         bind: PassBinding,
@@ -142,18 +143,16 @@ class Passes:
                 await self.residency.restore(state, len(tokens) + len(a.drafts))
             if attention_masks is None and not a.drafts and self.contexts.seq_len(ctx) == 0:
                 tokens, positions, slots = self._reuse_cached_prefix(ctx, tokens, positions, slots, bind.salt)
-            chunk = self.scheduler.limits.max_tokens
             start = 0
-            while len(tokens) - start > chunk:  # chunked prefill: leading chunks carry no samplers
-                if any(row < start + chunk for row, _ in slots):
+            for begin, end in prefill_chunks(len(tokens), self.scheduler.limits.max_tokens)[:-1]:
+                if any(row < end for row, _ in slots):  # leading chunks carry no samplers
                     break
-                end = start + chunk
                 leading = ForwardRequest(
-                    token_ids=tokens[start:end],
-                    positions=positions[start:end],
+                    token_ids=tokens[begin:end],
+                    positions=positions[begin:end],
                     page_ids=[],  # set once reserved
                     kv_len=0,
-                    attention_masks=attention_masks[start:end] if attention_masks is not None else None,
+                    attention_masks=attention_masks[begin:end] if attention_masks is not None else None,
                     adapter=bind.adapter,
                     zo_seed=bind.zo_seed,
                 )
@@ -183,7 +182,7 @@ class Passes:
     def _done(
         self,
         state: EngineContext,
-        a: PassArgs,
+        a: PassRequest,
         answer: Answer,
         reply: PassReply,
         walk: list[int] | None,
@@ -192,21 +191,21 @@ class Passes:
     ) -> None:
         """A pass ended well (``request``: the last it sent): answer it, or run a chained pass's next step on the
         token this one sampled."""
-        if a.chained is None:
-            ahead = functools.partial(self.steps.run_ahead, state, a, request.slots) if a.ahead is not None else None
+        if not a.chained:
+            ahead = functools.partial(self.steps.run_ahead, state, a, request.slots) if a.run_ahead else None
             return self.end(state, answer, reply, ahead=ahead)
         sampled = state.sampled
         walk = reply.walk = walk if walk is not None else []
         if sampled is not None:
             walk.append(sampled)
-        if a.steps > 1 and sampled is not None and sampled not in a.chained:
+        if a.steps > 1 and sampled is not None and sampled not in a.stop_ids:
             return self._chain(self.steps.chain(state, a, answer, request.slots, bind, walk))
         self.end(state, answer, reply)
 
     def _chain(self, run: ChainedSteps) -> None:
         """Send a chained pass's next step, or the rest of the pass the general way (``start``) when it needs to."""
         step = self.steps.next_step(run)
-        if isinstance(step, PassArgs):
+        if isinstance(step, PassRequest):
             return self.start(run.record, step, run.answer, run.walk)
         self.scheduler.submit_then(step, functools.partial(self._step_ended, run))
         return None
@@ -241,7 +240,7 @@ class Passes:
         the next step run ``ahead``."""
         gate = state.gate
         try:
-            answer(error, None if reply is None else reply.to_wire())
+            answer(error, None if reply is None else encode(reply))
         finally:
             if ahead is None or gate.waiting() or not _started(ahead):
                 gate.give()
@@ -260,14 +259,14 @@ class Passes:
 
     # -- what a pass runs on, and its answer -----------------------------------------------------------------------
 
-    def _input(self, state: EngineContext, a: PassArgs) -> list[int] | None:
+    def _input(self, state: EngineContext, a: PassRequest) -> list[int] | None:
         """The pass's input tokens, once it is the context's turn: a chained pass's is the token its predecessor
         sampled, and None when that is a stop token (nothing runs). Applies the pass's bid, and a suspension
         deferred until this pass began."""
         sampled, state.sampled = state.sampled, None
         a.check()
         tokens = a.tokens
-        if a.chained is not None and (tokens := self.steps.chained_input(a, sampled)) is None:
+        if a.chained and (tokens := self.steps.chained_input(a, sampled)) is None:
             return None
         if a.bid is not None:
             self.residency.set_bid(state, a.bid)
@@ -276,7 +275,7 @@ class Passes:
             raise ValueError(f"{len(a.positions)} positions for {len(tokens)} input tokens")
         return tokens
 
-    def _binding(self, state: EngineContext, a: PassArgs) -> PassBinding:
+    def _binding(self, state: EngineContext, a: PassRequest) -> PassBinding:
         """What the pass runs under; a plain one (no adapter, zo seed or attention mask, unsalted context) shares
         ``PLAIN_PASS``."""
         adapter, zo_seed, masked = a.adapter, a.zo_seed, a.attention_masks is not None

@@ -10,12 +10,14 @@ after that; the table entry is gone by then, so whatever it tries on the context
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pie_workers.engine.contexts import ContextTable
 from pie_workers.engine.gate import Gate
+from pie_workers.wire.capability import CapabilityError, verify
 
 if TYPE_CHECKING:
     from pie_workers.engine.ngram import NgramIndex
@@ -33,6 +35,35 @@ class Session:
     instance: str  # the inferlet's process, whose wallet pays the rent of its contexts
     key: str  # the inferlet run; scopes its contexts
     expires: float  # when its capability does (``time.time()``): past it, its requests are refused
+
+
+class Sessions:
+    """The sessions that sent requests, by their session string, each verified once: who it is comes from its
+    capability alone (signed with the cluster's ``secret``); its expiry is checked on every request."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._known: dict[str, Session] = {}
+
+    def admit(self, name: str) -> Session:
+        """The session that sent a request as ``name`` (``capability/session``); a ``CapabilityError`` (which closes
+        the connection) for a forged, malformed or expired one."""
+        session = self._known.get(name) if isinstance(name, str) else None
+        if session is None:
+            token, _, key = name.partition("/") if isinstance(name, str) else ("", "", "")
+            if not key:
+                raise CapabilityError("malformed session: not capability/session")
+            capability = verify(self._secret, token)
+            session = self._known[name] = Session(name, capability.user, capability.instance, key, capability.expires)
+        elif time.time() >= session.expires:
+            raise CapabilityError(f"expired capability: instance {session.instance!r} is past its lifetime")
+        return session
+
+    def get(self, name: str) -> Session | None:
+        return self._known.get(name)
+
+    def forget(self, name: str) -> None:
+        self._known.pop(name, None)
 
 
 @dataclass(slots=True, eq=False)

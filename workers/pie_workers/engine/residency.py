@@ -44,7 +44,7 @@ from pie_workers.engine.holding import ContextView
 from pie_workers.engine.page_store import OutOfPages
 from pie_workers.engine.protocol import PLAIN_PASS
 from pie_workers.engine.record import EngineContext, EngineContexts
-from pie_workers.engine.scheduler import BatchScheduler
+from pie_workers.engine.scheduler import BatchScheduler, prefill_chunks
 from pie_workers.engine.settle import settle
 from pie_workers.wire.batch import ForwardRequest
 from pie_workers.wire.pages import pages_for
@@ -287,12 +287,11 @@ class Residency:
     async def _recompute(self, record: EngineContext, tokens: list[int], positions: list[int], hold: int) -> None:
         """Rebuild a restored context's KV for these tokens by passes, in chunks a batch takes, into the pages
         already reserved; pages touching the last ``hold`` tokens stay uncommitted, as they were."""
-        chunk = self.scheduler.limits.max_tokens
-        for start in range(0, len(tokens), chunk):
+        for start, end in prefill_chunks(len(tokens), self.scheduler.limits.max_tokens):
             view = self.contexts.view(record.id)
             request = ForwardRequest(
-                token_ids=tokens[start : start + chunk],
-                positions=positions[start : start + chunk],
+                token_ids=tokens[start:end],
+                positions=positions[start:end],
                 page_ids=list(view.page_ids),
                 kv_len=view.seq_len,
             )

@@ -26,6 +26,12 @@ class BatchLimits:
     max_wait_s: float = 0.005  # upper bound on holding a batch open for stragglers
 
 
+def prefill_chunks(rows: int, limit: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` row ranges a prefill of ``rows`` runs as, each of at most ``limit`` rows (the batch's
+    token limit): a pass's leading chunks, and a restored context's recomputation."""
+    return [(start, min(start + limit, rows)) for start in range(0, rows, limit)]
+
+
 @dataclass(slots=True)
 class _Job:
     request: ForwardRequest | None  # None: a job that only moves pages

@@ -1,11 +1,10 @@
 """The replica engine on rank 0: contexts and pages, the batch scheduler, and the channel inferlets talk to.
 
-Just over 400 lines: every wire operation's handler sits beside the table that names it, context lifetime and
-snapshots included, so the table can be checked against them in one read.
-
 Every operation an inferlet can ask of a replica is named in ``ReplicaEngine``'s table of operations; its arguments
-are the handler's parameters after the session, in order. A forward is the exception: it goes through ``Passes``
-(``passes.py``, with chained steps and steps run ahead in ``steps.py``), which answers it itself. A context belongs
+are the handler's parameters after the session, in order, and a structured answer is one of
+``wire.messages``' replies. A forward is the exception: its one argument is a ``PassRequest``, and it goes through
+``Passes`` (``passes.py``, with chained steps and steps run ahead in ``steps.py``), which answers it itself. Who
+sends a request is its session's capability, verified once (``record.Sessions``). A context belongs
 to the inferlet run (session) that made it; snapshots and LoRA adapters (``adapter_registry.py``) belong to the user.
 What the engine keeps per context is one ``EngineContext`` record (``record.py``), made and ended by its registry.
 
@@ -21,7 +20,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pie_workers.engine.adapter_registry import AdapterRegistry
@@ -31,14 +29,13 @@ from pie_workers.engine.directory_link import DirectoryLink
 from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.page_store import OutOfPages, PageStore
 from pie_workers.engine.passes import Passes
-from pie_workers.engine.protocol import PassArgs
-from pie_workers.engine.record import EngineContext, EngineContexts, Session
+from pie_workers.engine.record import EngineContext, EngineContexts, Session, Sessions
 from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.engine.settle import truncate
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
-from pie_workers.wire.capability import CapabilityError, verify
+from pie_workers.wire.messages import AccountReply, ContextReply, PassRequest, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +57,12 @@ class ReplicaEngine:
         signed with (there is no unauthenticated mode)."""
         if not secret:
             raise ValueError("a replica engine needs the cluster's secret to verify its clients' capabilities")
-        self._secret = secret
         self.directory = directory
         self.runner = runner
         self.store = PageStore(runner.num_pages, runner.page_size)
         self.contexts = ContextTable(self.store)
         self.records = EngineContexts(self.contexts, runner.kv.host_pages)  # the live contexts
-        self._sessions: dict[str, Session] = {}  # by the session string ``capability/session``, once verified
+        self.sessions = Sessions(secret)
         self.scheduler = BatchScheduler(self._execute, limits, contexts=self.records.__len__)
         self.residency = Residency(self.records, self.scheduler, count_made=market is not None)
         self.channel = ChannelServer(self._handle, self._disconnected)
@@ -129,13 +125,11 @@ class ReplicaEngine:
         """``name`` is the requesting session, ``capability/session``; it scopes every context operation.
         Returns the operation as a coroutine for the channel to run as a task, or None for a forward: the engine
         runs those without a task and calls ``answer`` itself, once the context's turn has come."""
-        session = self._sessions.get(name) if isinstance(name, str) else None
-        if session is None:
-            session = self._sessions[name] = self._admit(name)
-        elif time.time() >= session.expires:
-            raise CapabilityError(f"expired capability: instance {session.instance!r} is past its lifetime")
+        session = self.sessions.admit(name)
         if op == "forward":
-            a = PassArgs.from_wire(args)
+            if len(args) != 1:
+                raise TypeError(f"a forward takes one PassRequest, got {len(args)} arguments")
+            a = decode(PassRequest, args[0])
             state = self._own(session, a.ctx)
             state.gate.when_free(functools.partial(self.passes.start, state, a, answer))
             return None
@@ -144,20 +138,11 @@ class ReplicaEngine:
             raise ValueError(f"unknown replica operation {op!r}")
         return self._operation(handler(session, *args))
 
-    def _admit(self, name: str) -> Session:
-        """A session seen for the first time: who it is comes from its capability alone (verified once; its
-        expiry is checked on every request). Raises ``CapabilityError``, which closes the connection."""
-        token, _, key = name.partition("/") if isinstance(name, str) else ("", "", "")
-        if not key:
-            raise CapabilityError("malformed session: not capability/session")
-        capability = verify(self._secret, token)
-        return Session(name, capability.user, capability.instance, key, capability.expires)
-
     def _disconnected(self, names: set[str]) -> None:
         """An inferlet process went away without closing these sessions (it died with its host, or its
         connection broke): release what they hold, as closing them would."""
         for name in names:
-            session = self._sessions.get(name)
+            session = self.sessions.get(name)
             if session is not None:
                 task = asyncio.get_running_loop().create_task(self._operation(self.op_close(session)))
                 self._closing.add(task)
@@ -214,7 +199,7 @@ class ReplicaEngine:
         held = [state.id for state in self.records if state.session is session]
         for ctx in held:
             await self.op_destroy(session, ctx)
-        self._sessions.pop(session.name, None)
+        self.sessions.forget(session.name)
         self.channel.forget(session.name)
         if self.market is not None:
             self.market.forget(session.instance)
@@ -224,7 +209,7 @@ class ReplicaEngine:
                 log.exception("market round at the end of %s failed", session.name)
         return len(held)
 
-    async def op_fork(self, session: Session, ctx: int) -> list[int]:
+    async def op_fork(self, session: Session, ctx: int) -> dict:
         """A child sharing the context's pages. When memory is short the child is born suspended (it holds no
         pages and is recomputed on its first pass), so a fork never waits."""
         async with self._turn(session, ctx) as parent:
@@ -242,7 +227,7 @@ class ReplicaEngine:
         child_state.salt = parent.salt  # what it shares was written under the parent's salt
         child_state.bid = parent.bid
         await self._run_copies(copies)
-        return [child, self.residency.seq_len(child_state)]
+        return encode(ContextReply(child, self.residency.seq_len(child_state)))
 
     async def op_save(self, session: Session, ctx: int, name: str) -> None:
         async with self._turn(session, ctx) as state:
@@ -269,7 +254,7 @@ class ReplicaEngine:
             self.contexts.delete(session.username, name)
             raise ContextError(f"snapshot {name!r} already exists for user {session.username!r}")
 
-    async def op_open(self, session: Session, name: str) -> list[int] | None:
+    async def op_open(self, session: Session, name: str) -> dict | None:
         """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short, or when
         the snapshot was saved on another replica (recomputed from the lineage the directory keeps)."""
         try:
@@ -288,18 +273,18 @@ class ReplicaEngine:
         if text is not None:
             self.residency.add_suspended(state, *text)
         await self._run_copies(copies)
-        return [ctx, self.residency.seq_len(state)]
+        return encode(ContextReply(ctx, self.residency.seq_len(state)))
 
-    async def op_take(self, session: Session, name: str) -> list[int] | None:
+    async def op_take(self, session: Session, name: str) -> dict | None:
         ctx = self.contexts.take(session.username, name, session.key)
         if ctx is None:
             return await self._from_elsewhere(session, name, self.directory and self.directory.remove)
         if self.directory is not None:
             await self.directory.remove(session.username, name)
         self._adopt(session, ctx)
-        return [ctx, self.contexts.view(ctx).seq_len]
+        return encode(ContextReply(ctx, self.contexts.view(ctx).seq_len))
 
-    async def _from_elsewhere(self, session: Session, name: str, ask) -> list[int] | None:
+    async def _from_elsewhere(self, session: Session, name: str, ask) -> dict | None:
         """A snapshot this replica does not hold, from its lineage in the directory (``ask``: look it up, or
         take it); a context that is recomputed on its first pass. None if the name is unknown."""
         lineage = await ask(session.username, name) if ask else None
@@ -313,7 +298,7 @@ class ReplicaEngine:
             )
         state = self.records.create(session)
         self.residency.add_suspended(state, [tuple(t) for t in text], committed)
-        return [state.id, self.residency.seq_len(state)]
+        return encode(ContextReply(state.id, self.residency.seq_len(state)))
 
     async def op_delete(self, session: Session, name: str) -> None:
         try:
@@ -358,15 +343,16 @@ class ReplicaEngine:
         account = await self.market.account(session.instance)
         if account is None:
             return None
-        return {
-            "balance": account["balance"],
-            "endowment": account["endowment"],
-            "dividend": account["dividend"],
-            "paid": account["rent"],
-            "page_cost": account["page_cost"],
-            "price": self.market.price,
-            "latency": self.market.latency_s or self.scheduler.last_latency_s,
-        }
+        reply = AccountReply(
+            balance=account["balance"],
+            endowment=account["endowment"],
+            dividend=account["dividend"],
+            paid=account["rent"],
+            page_cost=account["page_cost"],
+            price=self.market.price,
+            latency=self.market.latency_s or self.scheduler.last_latency_s,
+        )
+        return encode(reply)
 
     # -- stats ---------------------------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Steps that run without a round trip to the inferlet between them: a chained pass's further steps, and the step
-run ahead of a plain pass (see ``PassArgs``).
+run ahead of a plain pass (see ``wire.messages.PassRequest``).
 
 Both take the token the step before sampled as their input and go straight into the next batch from the callback
 that settles the step before, holding the context's gate all along. A chained pass's steps record their tokens as
@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pie_workers.engine.channel import Answer
 from pie_workers.engine.contexts import ContextTable
 from pie_workers.engine.gate import Gate
-from pie_workers.engine.protocol import PassArgs, PassBinding, PassReply
+from pie_workers.engine.protocol import PLAIN_PASS, PassBinding, one_step
 from pie_workers.engine.record import EngineContext
 from pie_workers.engine.residency import Residency, pages_to_reserve
 from pie_workers.engine.scheduler import BatchScheduler
 from pie_workers.engine.settle import commit_full, trim
 from pie_workers.wire.batch import ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire
+from pie_workers.wire.messages import PassReply, PassRequest
 from pie_workers.wire.pages import pages_for
 
 
@@ -39,7 +40,7 @@ class StepAhead:
     slots: list  # the pass's slots on the wire, as a request for this step carries them
     out: RequestOutput | Exception | None = None  # None while its batch runs
 
-    def repeats(self, a: PassArgs) -> bool:
+    def repeats(self, a: PassRequest) -> bool:
         return (
             a.plain()
             and a.tokens == self.request.token_ids
@@ -56,7 +57,7 @@ class ChainedSteps:
     (only this pass changes the context while it holds the context's gate)."""
 
     record: EngineContext
-    a: PassArgs
+    a: PassRequest
     answer: Answer
     slots: list
     bind: PassBinding
@@ -80,19 +81,19 @@ class Steps:
 
     # -- chained steps -----------------------------------------------------------------------------------------------
 
-    def chained_input(self, a: PassArgs, sampled: int | None) -> list[int] | None:
+    def chained_input(self, a: PassRequest, sampled: int | None) -> list[int] | None:
         """A chained pass's input: the token its predecessor sampled; None when that is a stop id (nothing runs)."""
         if sampled is None:
             raise ValueError(
                 f"context {a.ctx}: a chained pass follows the previous one, which failed or sampled no token"
             )
-        if sampled in a.chained:
+        if sampled in a.stop_ids:
             return None
         self.chained_passes += 1
         return [sampled]
 
     def chain(
-        self, record: EngineContext, a: PassArgs, answer: Answer, slots: list, bind: PassBinding, walk: list[int]
+        self, record: EngineContext, a: PassRequest, answer: Answer, slots: list, bind: PassBinding, walk: list[int]
     ) -> ChainedSteps:
         """The further steps of chained pass ``a``, whose first step sampled ``walk[-1]``."""
         view = self.table.view(record.id)
@@ -110,7 +111,7 @@ class Steps:
             seq_len=view.seq_len,
         )
 
-    def next_step(self, run: ChainedSteps) -> ForwardRequest | PassArgs:
+    def next_step(self, run: ChainedSteps) -> ForwardRequest | PassRequest:
         """A chained pass's next step, on the token the step before sampled. The plain case (the context resident,
         no suspension due, its pages at hand) is a request made of what the pass already knows; anything else is
         the rest of the pass as a pass of its own, to go the general way, holding back the pages of the steps so
@@ -125,17 +126,7 @@ class Steps:
         record.sampled = None  # this step consumes it
         residency.touch(record)
         self.chained_passes += 1
-        # (tokens, positions, pages, KV length, slots) by position: keywords cost a tenth of a microsecond a step
-        return ForwardRequest(
-            [run.token],
-            [run.position],
-            run.page_ids,
-            run.seq_len,
-            run.slots,
-            logit_mask=run.a.logit_mask,
-            adapter=run.bind.adapter,
-            zo_seed=run.bind.zo_seed,
-        )
+        return one_step(run.token, run.position, run.page_ids, run.seq_len, run.slots, run.a.logit_mask, run.bind)
 
     def step_ended(self, run: ChainedSteps, out: RequestOutput | Exception) -> PassReply | None:
         """Settle a step ``next_step`` made: record its token; None if a next step is due, else the pass's answer
@@ -155,7 +146,7 @@ class Steps:
         if sampled is not None:
             record.sampled = run.token = sampled
             run.walk.append(sampled)
-            if run.left and sampled not in run.a.chained:
+            if run.left and sampled not in run.a.stop_ids:
                 self.residency.wake()  # a waiter may find room now (as between single passes)
                 return None
         commit_full(self.table, record.id, run.a.hold)
@@ -164,7 +155,7 @@ class Steps:
 
     # -- the step run ahead ------------------------------------------------------------------------------------------
 
-    def run_ahead(self, record: EngineContext, a: PassArgs, slots: list) -> bool:
+    def run_ahead(self, record: EngineContext, a: PassRequest, slots: list) -> bool:
         """Run the next step of a plain pass that asked for it, holding the context's gate until its batch ends;
         False (nothing runs) when the pass is not plain, sampled a stop id, or the step would wait for a page."""
         sampled = record.sampled
@@ -172,7 +163,7 @@ class Steps:
         if (
             not a.plain()
             or sampled is None
-            or sampled in a.ahead
+            or sampled in a.stop_ids
             or any(row != last for row, _ in a.slots)
             or record.deferred
             or record.suspended is not None
@@ -184,12 +175,8 @@ class Steps:
                 return False
             self.residency.grant(record, need)
             view = self.table.view(record.id)
-        request = ForwardRequest(
-            token_ids=[sampled],
-            positions=[a.positions[-1] + 1],
-            page_ids=list(view.page_ids),
-            kv_len=view.seq_len,
-            slots=[(0, s) for _, s in slots],
+        request = one_step(
+            sampled, a.positions[-1] + 1, list(view.page_ids), view.seq_len, [(0, s) for _, s in slots], None, PLAIN_PASS
         )
         ahead = record.ahead = StepAhead(request, [[0, s] for _, s in a.slots])
         self.steps_ahead += 1
@@ -201,7 +188,7 @@ class Steps:
         gate.give()  # to the request for this step, when it came meanwhile
         self.residency.wake()
 
-    def take_ahead(self, record: EngineContext, a: PassArgs | None = None) -> StepAhead | None:
+    def take_ahead(self, record: EngineContext, a: PassRequest | None = None) -> StepAhead | None:
         """Take the context's step run ahead off it: the step, with its output, if pass ``a`` repeats it and it
         still fits the context (a suspension since changes that), else None, giving back a page only it used."""
         ahead, record.ahead = record.ahead, None
