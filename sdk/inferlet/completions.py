@@ -162,7 +162,7 @@ class _ChoiceRun:
         if (c := constraint(self.model, request)) is not None:
             gen.constrain(c)
         if request.alternatives is None:
-            await gen._drain(self._take)
+            await gen.drain(self._take)
         else:  # every step's sampler output is needed, so no chained passes
             async for step in gen:
                 if self._take(await step.execute()):
