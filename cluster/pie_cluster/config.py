@@ -121,6 +121,13 @@ class MarketConfig(_Strict):
     default_endowment: float = Field(64.0, ge=0)  # credits of an instance launched without a token budget
 
 
+class ResponsesConfig(_Strict):
+    """The Responses API's stored responses (``[responses]``): each keeps its conversation's KV context as a
+    snapshot, and both are deleted this long after the response was made."""
+
+    ttl_s: float = Field(86400.0, gt=0)
+
+
 class SandboxConfig(_Strict):
     """How uploaded programs are confined (``[sandbox]``): each user's inferlets run in that user's worker processes
     under bubblewrap, with these limits per worker. ``mode = "off"`` runs them inside the trusted host instead —
@@ -151,6 +158,7 @@ class PieConfig(_Strict):
     market: MarketConfig = Field(default_factory=MarketConfig)
     mcp: dict[str, dict] = Field(default_factory=dict)  # [mcp.<name>] server declarations
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
 
     @field_validator("model")
     @classmethod

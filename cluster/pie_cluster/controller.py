@@ -34,6 +34,7 @@ from pie_cluster.directory import get_or_create_directory
 from pie_cluster.inferlet_host import InferletHost, NodeServices
 from pie_cluster.launcher import HostPool, Launcher
 from pie_cluster.market import get_or_create_market
+from pie_cluster.responses_store import get_or_create_store
 
 CONTROLLER = "pie-controller"
 LAUNCHER = "pie-launcher"
@@ -81,6 +82,9 @@ class Controller:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.market = get_or_create_market(namespace, config.market.default_endowment, scheduling_strategy=here)
         self.directory = get_or_create_directory(namespace, scheduling_strategy=here)
+        self.responses = get_or_create_store(
+            namespace, config.responses.ttl_s, self.directory, scheduling_strategy=here
+        )
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
         self.bus = start_bus(shards=config.bus.shards, detached=False, secret=self.secret)
@@ -268,7 +272,7 @@ class Controller:
         self._stopping.set()
         with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             ray.get(self.launcher.close.remote(), timeout=_PROBE_S)  # its program store leaves the disk
-        for actor in [self.launcher, *self.hosts.values(), self.market, self.directory]:
+        for actor in [self.launcher, *self.hosts.values(), self.market, self.directory, self.responses]:
             ray.kill(actor)
         with contextlib.suppress(ray.exceptions.RayError):
             self.bus.shutdown()

@@ -34,6 +34,8 @@ from pie_cluster.openai_requests import OpenAIError
 from pie_cluster.openai_routes import OPENAI_PATHS, OpenAIRoutes
 from pie_cluster.openai_routes import router as openai_router
 from pie_cluster.programs import MAX_PROGRAM_BYTES
+from pie_cluster.responses_routes import RESPONSES_PATH, ResponsesRoutes
+from pie_cluster.responses_routes import router as responses_router
 
 LOCAL_USER = "local"
 log = logging.getLogger("pie.http")
@@ -73,7 +75,7 @@ async def _invalid_request(request: Request, error: RequestValidationError) -> J
     """Malformed bodies and out-of-range fields are 400 with one line naming the fields, after authentication
     (a body that is not even JSON fails before the dependencies run, so the token is checked here too); on the
     OpenAI routes in OpenAI's shape, ``param`` naming the first bad field."""
-    openai = request.url.path in OPENAI_PATHS
+    openai = request.url.path in OPENAI_PATHS or request.url.path.startswith(RESPONSES_PATH)
     try:
         _ingress().user_for(request.headers.get("authorization"))
     except HTTPException as e:
@@ -141,15 +143,16 @@ async def _read_capped(request: Request, limit: int) -> bytes:
 
 
 app.include_router(openai_router)
+app.include_router(responses_router)
 
 
 # Helpers above this line: Serve freezes (pickles) the app's routes when the class is decorated, so what they
 # call must already be defined.
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
-class PieIngress(OpenAIRoutes):
+class PieIngress(OpenAIRoutes, ResponsesRoutes):
     def __init__(self, auth: AuthConfig, namespace: str):
-        self._auth = auth
+        self._auth, self._namespace = auth, namespace
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
         self._registry = CollectorRegistry()
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)

@@ -41,7 +41,12 @@ class NotFound(LookupError):
 
 OPENAI_PROGRAM = "pie:openai-completions"
 """The built-in program serving the OpenAI-compatible routes, launched by this id like any uploaded program."""
-_BUILTINS = {OPENAI_PROGRAM: Path(__file__).parent / "builtin" / "openai_completions.py"}
+RESPONSES_PROGRAM = "pie:openai-responses"
+"""The built-in program serving ``POST /v1/responses``: one turn of a conversation kept as a snapshot."""
+_BUILTINS = {
+    OPENAI_PROGRAM: Path(__file__).parent / "builtin" / "openai_completions.py",
+    RESPONSES_PROGRAM: Path(__file__).parent / "builtin" / "openai_responses_api.py",
+}
 
 
 @dataclass

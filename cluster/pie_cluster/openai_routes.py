@@ -43,7 +43,7 @@ async def openai_user(authorization: Annotated[str | None, Header()] = None) -> 
 OpenAIUser = Annotated[str, Depends(openai_user)]
 
 
-def _error_status(message: str) -> int:
+def error_status(message: str) -> int:
     """An instance's error event as a status: what the request asked for that cannot be done is 400 (the
     inferlet raised ValueError or TypeError on it), anything else 500."""
     return 400 if message.startswith(("ValueError", "TypeError", "TokenBudgetExhausted")) else 500
@@ -68,9 +68,7 @@ class OpenAIRoutes:
         return await self._complete(user, body)
 
     async def _complete(self, user: str, body: ChatCompletionRequest | CompletionRequest):
-        if body.model not in self._model_names and body.model not in await self._served_models():
-            message = f"the model {body.model!r} does not exist; this cluster serves: {', '.join(self._model_names)}"
-            raise OpenAIError(404, message, param="model", code="model_not_found")
+        await self._check_model(body.model)
         check_grammars(body)
         launch = LaunchRequest(program=body.inferlet or OPENAI_PROGRAM, input=body.as_input())
         instance = await self._launch(user, launch, named=body.inferlet is not None)
@@ -82,7 +80,7 @@ class OpenAIRoutes:
                 if kind == "return":
                     return reply.complete(parse_report(value))
                 if kind == "error":
-                    raise OpenAIError(_error_status(value), value)
+                    raise OpenAIError(error_status(value), value)
         raise OpenAIError(500, "the serving inferlet ended without an answer")
 
     async def _streamed(self, user: str, instance: str, reply: Reply) -> AsyncIterator[str]:
@@ -99,7 +97,7 @@ class OpenAIRoutes:
                     for line in lines:
                         yield line
                 elif kind == "error":
-                    yield error_event(value, _error_status(value))
+                    yield error_event(value, error_status(value))
 
     async def _events(self, user: str, instance: str) -> AsyncIterator[tuple[str, str]]:
         """The instance's events, until its terminal one. Closed before that (the client went away, and the
@@ -118,6 +116,12 @@ class OpenAIRoutes:
             raise OpenAIError(http.status_code, str(http.detail), param=param, headers=http.headers) from None
         except RayActorError:
             raise OpenAIError(503, "the launcher is not reachable; is the cluster running?") from None
+
+    async def _check_model(self, model: str) -> None:
+        """404 in OpenAI's shape for a model this cluster does not serve."""
+        if model not in self._model_names and model not in await self._served_models():
+            message = f"the model {model!r} does not exist; this cluster serves: {', '.join(self._model_names)}"
+            raise OpenAIError(404, message, param="model", code="model_not_found")
 
     async def _served_models(self) -> frozenset[str]:
         """The model names, asked of the launcher again when a request names one not known yet."""

@@ -30,6 +30,7 @@ from inferlet.openai_schema import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    Message,
     Piece,
     Report,
     ReportedCall,
@@ -49,8 +50,7 @@ Request = ChatCompletionRequest | CompletionRequest
 
 def chat_prompt(model: Model, request: ChatCompletionRequest) -> list[int]:
     """The conversation's tokens up to the opened assistant turn: system turns, the tools (when in use), then the
-    other turns in order; an assistant's ``tool_calls`` are written in the family's call syntax and a tool result
-    is answered under the name of the call it answers."""
+    other turns in order (``chat_turns``)."""
     instruct = model.instruct
     tokens: list[int] = []
     for message in request.messages:
@@ -58,10 +58,21 @@ def chat_prompt(model: Model, request: ChatCompletionRequest) -> list[int]:
             tokens += instruct.system(message.text)
     if request.uses_tools:
         tokens += tools.equip_prefix(model, request.tool_specs)
-    call_names: dict[str, str] = {}
-    for message in request.messages:
+    turns = [m for m in request.messages if m.role not in ("system", "developer")]
+    return tokens + chat_turns(model, turns, {}) + instruct.cue()
+
+
+def chat_turns(model: Model, messages: list[Message], call_names: dict[str, str]) -> list[int]:
+    """Turns in order, as appended to a conversation: an assistant's ``tool_calls`` are written in the family's
+    call syntax and a tool result is answered under the name of the call it answers (``call_names`` holds the
+    calls of earlier turns by id, and gains these). A system turn here is written where it stands."""
+    instruct = model.instruct
+    tokens: list[int] = []
+    for message in messages:
         role, content = message.role, message.text
-        if role == "user":
+        if role in ("system", "developer"):
+            tokens += instruct.system(content)
+        elif role == "user":
             tokens += instruct.user(content)
         elif role == "assistant":
             calls = message.tool_calls or []
@@ -71,7 +82,7 @@ def chat_prompt(model: Model, request: ChatCompletionRequest) -> list[int]:
         elif role == "tool":
             name = call_names.get(message.tool_call_id or "", message.name or "tool")
             tokens += instruct.answer(name, content)
-    return tokens + instruct.cue()
+    return tokens
 
 
 # -- sampling and constraints ------------------------------------------------------------------------------------
@@ -153,7 +164,8 @@ class _ChoiceRun:
         if echo:
             self._release(echo, [])
 
-    async def run(self, first_input: list[int]) -> Choice:
+    async def run(self, first_input: list[int], keep: bool = False) -> Choice:
+        """Generate the choice; its context is released after, unless ``keep`` (the caller saves it)."""
         request, ctx = self.request, self.ctx
         ctx.append(first_input)
         stops = [] if request.ignore_eos else chat.stop_tokens(self.model)
@@ -170,7 +182,8 @@ class _ChoiceRun:
         if self.choice.finish_reason != "stop" and gen.tokens_generated < request.token_limit:
             self.choice.finish_reason = "stop"  # a stop token (or a finished grammar) ended it
         self.choice.completion_tokens = gen.tokens_generated
-        ctx.release()
+        if not keep:
+            ctx.release()
         self._release(self._stop.rest(), [])
         if request.uses_tools:
             self._parse_tool_calls()
@@ -235,9 +248,12 @@ def prompts(model: Model, request: Request) -> list[tuple[list[int], str]]:
     return [(encode(p), p if request.echo else "") for p in request.prompts]
 
 
-async def run_choice(model: Model, request: Request, ctx: Context, index: int, first_input: list[int]) -> Choice:
-    """Generate one choice on ``ctx`` (fed ``first_input`` first), streaming it if the request streams."""
-    return await _ChoiceRun(model, request, index, ctx, "").run(first_input)
+async def run_choice(
+    model: Model, request: Request, ctx: Context, index: int, first_input: list[int], keep: bool = False
+) -> Choice:
+    """Generate one choice on ``ctx`` (fed ``first_input`` first), streaming it if the request streams; ``keep``
+    leaves ``ctx`` live afterwards (else it is released)."""
+    return await _ChoiceRun(model, request, index, ctx, "").run(first_input, keep)
 
 
 async def serve(input: dict) -> dict:

@@ -1,0 +1,196 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``POST
+/v1/responses/{id}/cancel``, with the chat routes' bearer tokens and error shapes.
+
+Each turn runs the built-in program ``pie:openai-responses`` (``inferlet.responses``) as the calling user. A stored
+response (``store``, the default) keeps its conversation as a KV snapshot named after it, and its record in the
+cluster's response store (``responses_store``), so ``previous_response_id`` continues the live context: only the
+new input items are prefilled, on any replica, also after the ingress restarted. Another user's id is 404, as an
+unknown one. A turn that fails, is cancelled or loses its client leaves no snapshot behind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import ray
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from inferlet.responses_schema import Continued, ResponsesRequest, Turn, snapshot_name
+from ray.exceptions import RayActorError
+
+from pie_cluster.launch_request import LaunchRequest
+from pie_cluster.launcher import RESPONSES_PROGRAM
+from pie_cluster.openai_requests import OpenAIError, check_grammars
+from pie_cluster.openai_routes import OpenAIUser, error_status
+from pie_cluster.responses_api import (
+    ResponseStream,
+    failed,
+    finished,
+    new_response_id,
+    parse_turn,
+    response_object,
+)
+from pie_cluster.responses_store import RESPONSES, ResponseRecord
+
+router = APIRouter(tags=["OpenAI Responses"])
+RESPONSES_PATH = "/v1/responses"
+
+
+class _Turn:
+    """One turn being served: the request, its id and record (None when not stored)."""
+
+    def __init__(self, user: str, request: ResponsesRequest, response_id: str, record: ResponseRecord | None):
+        self.user, self.request, self.id, self.record = user, request, response_id, record
+        self.created_at = time.time()
+        self.done = False
+
+
+class ResponsesRoutes:
+    """Mixed into ``PieIngress`` beside ``OpenAIRoutes``, whose launch, events and model check it uses."""
+
+    _namespace: str
+    _store_handle = None
+
+    @router.post(RESPONSES_PATH)
+    async def create_response(self, body: ResponsesRequest, user: OpenAIUser):
+        await self._check_model(body.model)
+        try:
+            check_grammars(body.as_chat(body.items, {}))
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="text") from None
+        except OpenAIError as e:  # the chat request's name for what is text.format here
+            param = "text" if e.param == "response_format" else e.param
+            raise OpenAIError(400, e.message.replace("response_format", "text.format"), param=param) from None
+        response_id = new_response_id()
+        continued, history = await self._continued(user, body)
+        program_input = Turn(request=body, response_id=response_id, continued=continued, history=history)
+        launch = LaunchRequest(program=RESPONSES_PROGRAM, input=program_input.model_dump(mode="json", by_alias=True))
+        instance = await self._launch(user, launch, named=False)
+        record = None
+        if body.store:
+            items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
+            record = ResponseRecord(
+                response_id, user, body.model, {}, body.previous_response_id, body.header(), items, instance
+            )
+        turn = _Turn(user, body, response_id, record)
+        if record is not None:
+            record.body = response_object(body, response_id, turn.created_at)
+            await self._store().put.remote(record)
+        if body.stream:
+            return StreamingResponse(self._streamed_turn(turn, instance), media_type="text/event-stream")
+        async with aclosing(self._turn_events(turn, instance)) as events:
+            async for kind, value in events:
+                if kind == "return":
+                    return await self._finish(turn, value)
+                if kind == "error":
+                    raise self._failure(turn, value)
+        raise OpenAIError(500, "the serving inferlet ended without an answer")
+
+    @router.get(RESPONSES_PATH + "/{response_id}")
+    async def get_response(self, response_id: str, user: OpenAIUser) -> dict:
+        return (await self._record(user, response_id)).body
+
+    @router.delete(RESPONSES_PATH + "/{response_id}")
+    async def delete_response(self, response_id: str, user: OpenAIUser) -> dict:
+        if await self._store().delete.remote(user, response_id) is None:
+            raise self._unknown(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @router.post(RESPONSES_PATH + "/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, user: OpenAIUser) -> dict:
+        record = await self._record(user, response_id)
+        if record.status != "in_progress" or record.instance is None:
+            raise OpenAIError(400, f"response {response_id} is {record.status}: only one in progress can be cancelled")
+        await self._launcher.abort.remote(user, record.instance)
+        record.body |= {"status": "cancelled"}
+        await self._store().fail.remote(record)
+        return record.body
+
+    # -- serving a turn ----------------------------------------------------------------------------------------
+
+    async def _continued(self, user: str, body: ResponsesRequest) -> tuple[Continued | None, list[dict]]:
+        """The stored context to continue, or (its header differs from this request's) the history to render."""
+        if body.previous_response_id is None:
+            return None, []
+        previous = await self._record(user, body.previous_response_id, param="previous_response_id")
+        if previous.status not in ("completed", "incomplete"):
+            message = f"previous_response_id {previous.id} is {previous.status}; only a finished one continues"
+            raise OpenAIError(400, message, param="previous_response_id")
+        if previous.header != body.header():
+            return None, await self._store().history.remote(user, previous.id)
+        name = snapshot_name(previous.id)
+        return Continued(snapshot=name, pending=previous.pending, call_names=previous.call_names), []
+
+    async def _streamed_turn(self, turn: _Turn, instance: str) -> AsyncIterator[str]:
+        stream = ResponseStream(turn.request, turn.id, turn.created_at)
+        for line in stream.opening():
+            yield line
+        async with aclosing(self._turn_events(turn, instance)) as events:
+            async for kind, value in events:
+                if kind == "message":
+                    for line in stream.piece(value):
+                        yield line
+                elif kind == "return":
+                    try:
+                        report = parse_turn(value)
+                        stream.adopt(report)
+                        body = await self._finish(turn, value, report)
+                        lines = stream.ending(report, body)
+                    except OpenAIError as e:
+                        lines = stream.failure(failed(turn.request, turn.id, turn.created_at, e))
+                    for line in lines:
+                        yield line
+                elif kind == "error":
+                    error = self._failure(turn, value)
+                    for line in stream.failure(failed(turn.request, turn.id, turn.created_at, error)):
+                        yield line
+
+    async def _finish(self, turn: _Turn, value: str, report=None) -> dict:
+        """The finished response object; a stored one's record completed, with what continues it."""
+        report = report or parse_turn(value)
+        body = finished(turn.request, turn.id, turn.created_at, report)
+        if turn.record is not None:
+            record = turn.record
+            record.body, record.pending, record.instance = body, report.pending, None
+            record.call_names = {item.call_id: item.name for item in report.output if item.type == "function_call"}
+            await self._store().put.remote(record)
+        turn.done = True
+        return body
+
+    def _failure(self, turn: _Turn, message: str) -> OpenAIError:
+        status = 404 if message.startswith("LookupError") else error_status(message)
+        param = "previous_response_id" if status == 404 else None
+        return OpenAIError(status, message, param=param)
+
+    async def _turn_events(self, turn: _Turn, instance: str) -> AsyncIterator[tuple[str, str]]:
+        """The instance's events (closing early aborts it); a turn that did not finish leaves its record failed and
+        no snapshot behind."""
+        try:
+            async with aclosing(self._events(turn.user, instance)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            if not turn.done and turn.record is not None:
+                turn.record.body |= {"status": "failed", "error": {"code": "server_error", "message": "not finished"}}
+                self._store().fail.remote(turn.record)  # not awaited: this may run in a cancelled task
+
+    async def _record(self, user: str, response_id: str, param: str | None = None) -> ResponseRecord:
+        try:
+            record = await self._store().get.remote(user, response_id)
+        except RayActorError:
+            raise OpenAIError(503, "the response store is not reachable; is the cluster running?") from None
+        if record is None:
+            raise self._unknown(response_id, param)
+        return record
+
+    @staticmethod
+    def _unknown(response_id: str, param: str | None = None) -> OpenAIError:
+        return OpenAIError(404, f"no response with id {response_id!r}", param=param, code="response_not_found")
+
+    def _store(self):
+        """The cluster's response store (looked up on first use: it is the controller's, made after the app)."""
+        if self._store_handle is None:
+            self._store_handle = ray.get_actor(RESPONSES, namespace=self._namespace)
+        return self._store_handle

@@ -1,0 +1,118 @@
+"""The records of stored Responses-API responses, per user, outside the ingress: a named actor of the cluster.
+
+Why an actor beside the directory rather than the ingress's memory or Ray's internal KV: a record is worth only as
+much as the snapshot it names, and snapshots live in the directory actor's memory (their lineage) and the replicas'
+pools; a record kept in the same failure domain, created and stopped by the controller like the directory, outlives
+an ingress restart or an ingress replica per request, and expires together with its snapshot. A sweeper deletes
+expired records and their snapshots (through the directory, which has the holding replica drop the pages); a record
+past its expiry is gone for readers even before the sweeper runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import ray
+from inferlet.responses_schema import snapshot_name
+
+RESPONSES = "pie-responses"
+SWEEP_EVERY_S = 1.0
+
+
+@dataclass
+class ResponseRecord:
+    """One response: who owns it, what it answered (the OpenAI object), and how to continue its conversation."""
+
+    id: str
+    user: str
+    model: str
+    body: dict  # the response object as the API answers it
+    previous_id: str | None
+    header: str  # ResponsesRequest.header() of the request: what the stored context begins with
+    input_items: list[dict]  # the request's items, for a continuation that must re-render the history
+    instance: str | None = None  # the serving instance while in progress
+    pending: list[int] = field(default_factory=list)  # tokens closing the turn, not in the snapshot's KV
+    call_names: dict[str, str] = field(default_factory=dict)  # the output's calls by call id
+    expires_at: float = 0.0
+
+    @property
+    def status(self) -> str:
+        return self.body.get("status", "in_progress")
+
+    @property
+    def output_items(self) -> list[dict]:
+        return self.body.get("output", [])
+
+
+class ResponseStore:
+    def __init__(self, ttl_s: float, directory) -> None:
+        self._ttl_s = ttl_s
+        self._directory = directory
+        self._records: dict[str, ResponseRecord] = {}
+        self._sweeper: asyncio.Task | None = None
+
+    async def put(self, record: ResponseRecord) -> None:
+        """Add or replace a record; its expiry starts now."""
+        self._start_sweeper()
+        record.expires_at = time.time() + self._ttl_s
+        self._records[record.id] = record
+
+    async def get(self, user: str, response_id: str) -> ResponseRecord | None:
+        """The user's record (another user's, or an expired one, is None)."""
+        record = self._records.get(response_id)
+        if record is None or record.user != user or record.expires_at <= time.time():
+            return None
+        return record
+
+    async def history(self, user: str, response_id: str) -> list[dict]:
+        """The conversation's items up to and including the response: each turn's input, then its output."""
+        items: list[dict] = []
+        record = await self.get(user, response_id)
+        while record is not None:
+            items[:0] = record.input_items + record.output_items
+            record = await self.get(user, record.previous_id) if record.previous_id else None
+        return items
+
+    async def delete(self, user: str, response_id: str) -> ResponseRecord | None:
+        """Remove the user's record and its snapshot; the removed record, or None if there was none."""
+        record = await self.get(user, response_id)
+        if record is not None:
+            self._drop(record)
+        return record
+
+    async def fail(self, record: ResponseRecord) -> None:
+        """The turn ended without finishing (failed, cancelled, its client gone): keep the record (a cancelled one
+        stays cancelled) and drop whatever snapshot it may have saved."""
+        kept = self._records.get(record.id)
+        await self.put(kept if kept is not None and kept.status == "cancelled" else record)
+        self._forget_snapshot(record)
+
+    def _drop(self, record: ResponseRecord) -> None:
+        """Forget the record and its snapshot, whether or not the turn got as far as saving one."""
+        self._records.pop(record.id, None)
+        self._forget_snapshot(record)
+
+    def _forget_snapshot(self, record: ResponseRecord) -> None:
+        with contextlib.suppress(ray.exceptions.RayError):
+            self._directory.remove.remote(record.model, record.user, snapshot_name(record.id))
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while self._records:
+            now = time.time()
+            for record in [r for r in self._records.values() if r.expires_at <= now]:
+                self._drop(record)
+            await asyncio.sleep(SWEEP_EVERY_S)
+
+
+def get_or_create_store(namespace: str, ttl_s: float, directory, scheduling_strategy=None):
+    options = {"name": RESPONSES, "namespace": namespace, "get_if_exists": True, "num_cpus": 0}
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
+    return ray.remote(ResponseStore).options(**options).remote(ttl_s, directory)

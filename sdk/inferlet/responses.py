@@ -1,0 +1,90 @@
+"""Serving one turn of OpenAI's Responses API, where the conversation so far is a live KV context.
+
+A stored response keeps its conversation as a snapshot (``snapshot_name``): the prompt and the output, the
+assistant turn closed. A continuation (``previous_response_id``) opens that snapshot, on whichever replica it runs
+(the cluster's directory recomputes it from its token lineage where the pages are not), and appends only the
+new input items, so only they are prefilled; a continuation whose instructions or tools differ from the stored
+header renders the whole history instead. The turn itself is the chat route's code (``inferlet.completions``): the
+same rendering, sampler, JSON and tool-call constraints and call parsing, streaming ``Piece`` messages while text
+is generated.
+
+The closing tokens of the turn (the last sampled token and the template's turn end) are not run before the reply
+leaves: the report hands them back as ``pending`` and the next turn prefills them with its input, in one pass.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from inferlet import completions
+from inferlet.context import Context
+from inferlet.model import Model
+from inferlet.openai_schema import ChatCompletionRequest, Choice
+from inferlet.responses_schema import (
+    FunctionCallItem,
+    MessageItem,
+    OutputItem,
+    OutputText,
+    Turn,
+    TurnReport,
+    TurnUsage,
+    snapshot_name,
+)
+
+
+def _opened(model: Model, turn: Turn) -> tuple[Context, list[int], ChatCompletionRequest]:
+    """The context to generate on, the tokens to feed it first, and the chat request serving the turn."""
+    request = turn.request
+    continued = turn.continued
+    if continued is None:
+        chat = request.as_chat([*turn.history, *request.items], {})
+        return Context(model), completions.chat_prompt(model, chat), chat
+    ctx = Context.open(model, continued.snapshot)
+    if ctx is None:
+        raise LookupError(f"the conversation of previous_response_id {request.previous_response_id} is gone")
+    call_names = dict(continued.call_names)
+    chat = request.as_chat(request.items, call_names)
+    new_turns = chat.messages[1:] if request.instructions else chat.messages  # the instructions are in the KV
+    tokens = continued.pending + completions.chat_turns(model, new_turns, call_names) + model.instruct.cue()
+    return ctx, tokens, chat
+
+
+def _output(choice: Choice) -> list[OutputItem]:
+    """The choice as output items: its text as one assistant message (if any, or if there is nothing else), then
+    its tool calls."""
+    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    items: list[OutputItem] = []
+    if choice.text or not choice.tool_calls:
+        content = [OutputText(text=choice.text)]
+        items.append(MessageItem(role="assistant", content=content, id=f"msg_{uuid.uuid4().hex}", status=status))
+    for call in choice.tool_calls:
+        items.append(
+            FunctionCallItem(
+                id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.name, arguments=call.arguments, status=status
+            )
+        )
+    return items
+
+
+async def serve(input: dict) -> dict:
+    """The built-in Responses handler: one turn, generated on the continued (or a fresh) context, saved when the
+    request stores it."""
+    turn = Turn.model_validate(input)
+    request = turn.request
+    model = Model.load(request.model)
+    ctx, tokens, chat = _opened(model, turn)
+    cached = ctx.seq_len
+    try:
+        choice = await completions.run_choice(model, chat, ctx, 0, tokens, keep=True)
+        pending: list[int] = []
+        if request.store:
+            ctx.seal()
+            pending = ctx.buffer()
+            ctx.save(snapshot_name(turn.response_id))
+    finally:
+        ctx.release()
+    usage = TurnUsage(input_tokens=cached + len(tokens), cached_tokens=cached, output_tokens=choice.completion_tokens)
+    report = TurnReport(
+        output=_output(choice), usage=usage, incomplete=choice.finish_reason == "length", pending=pending
+    )
+    return report.model_dump(mode="json", exclude_none=True)
