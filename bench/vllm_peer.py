@@ -76,14 +76,15 @@ def _peer_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
 def openai_server(model_dir: Path, served_name: str, threads: int = 2, max_model_len: int = 1024) -> Iterator[str]:
     """Start vLLM's OpenAI server on `model_dir`, yield its base URL ("http://127.0.0.1:PORT/v1"), stop it on exit.
 
-    float32 to match the project's CPU runs; prefix caching stays at vLLM's default (on).
+    float32 to match the project's CPU runs; prefix caching stays at vLLM's default (on). Its Responses API keeps
+    stored responses (``VLLM_ENABLE_RESPONSES_API_STORE``, off by default), so ``previous_response_id`` works.
     """
     reason = available()
     if reason:
         raise RuntimeError(reason)
     port = free_port()
     base = f"http://127.0.0.1:{port}/v1"
-    env = _peer_env(threads, kv_cache_gib=2)
+    env = _peer_env(threads, kv_cache_gib=2) | {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
     cmd = [
         str(PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", served_name,

@@ -5,7 +5,8 @@ It sits in the SDK beside ``openai_schema`` for the same reason: both ends impor
 served as a chat request (``as_chat``), so rendering, sampling, tool calls and JSON constraints are the chat
 route's own code. Items the client sends back (a response's ``message`` and ``function_call`` outputs) are the same
 models the program reports, so an agent that re-sends its history validates without changes. A field we do not
-implement is refused by name (``extra="forbid"``); the few accepted without effect say so.
+implement is refused by name (``extra="forbid"``); the few accepted without effect say so. Besides OpenAI's
+fields: ``ignore_eos``, as on the chat route.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ class ResponsesRequest(_Strict):
     user: str | None = Field(None, max_length=256, description="accepted, has no effect")
     truncation: Literal["disabled", "auto"] | None = Field(None, description="nothing is ever truncated")
     include: list[str] | None = None
+    ignore_eos: bool = Field(False, description="as vLLM's chat routes: generate max_output_tokens whatever comes")
 
     @field_validator("include")
     @classmethod
@@ -186,6 +188,7 @@ class ResponsesRequest(_Strict):
             items, call_names
         )
         fields: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream}
+        fields["ignore_eos"] = self.ignore_eos
         for key, value in (("temperature", self.temperature), ("top_p", self.top_p)):
             if value is not None:
                 fields[key] = value
