@@ -18,6 +18,9 @@ from typing import Annotated
 import httpx
 import openai
 import pytest
+from inferlet.responses_schema import snapshot_name
+from pie_cluster.client import PieClient
+from pie_cluster.launch_request import LaunchRequest
 from pie_procs import engine_status, started_pie
 from pydantic import Field
 
@@ -39,6 +42,35 @@ def pie(ray_cluster, tmp_path_factory):
 @pytest.fixture(scope="module")
 def api(pie) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{pie['url']}/v1", api_key="tok-alice", max_retries=0, timeout=120)
+
+
+SNAPSHOT_PROBE = """
+from inferlet import Context, Model
+
+async def main(input):
+    ctx = Context.open(Model.load("default"), input["name"])
+    if ctx is None:
+        return "absent"
+    ctx.release()
+    return "present"
+"""
+
+
+@pytest.fixture(scope="module")
+def has_context(pie, tmp_path_factory):
+    """Whether alice's stored context of a response exists, asked by an inferlet of hers."""
+    path = tmp_path_factory.mktemp("probe") / "probe.py"
+    path.write_text(SNAPSHOT_PROBE)
+    client = PieClient(pie["url"], "tok-alice")
+    program = client.upload(path)["program"]
+
+    def probe(response_id: str) -> bool:
+        launch = LaunchRequest(program=program, input={"name": snapshot_name(response_id)})
+        (*_, (_, kind, value)) = client.launch_and_follow(launch)
+        assert kind == "return", value
+        return value == "present"
+
+    return probe
 
 
 def greedy(api, **kw):
@@ -79,25 +111,28 @@ def test_a_continuation_prefills_only_the_new_input_and_equals_resending_the_his
     assert other.usage.input_tokens > first.usage.input_tokens
 
 
-def test_store_false_is_not_retrievable_and_get_delete_cancel_answer_in_openai_shape(pie, api):
+def test_store_false_is_not_retrievable_and_get_delete_cancel_answer_in_openai_shape(pie, api, has_context):
     unstored = greedy(api, input="hi", store=False)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(unstored.id)
     with pytest.raises(openai.NotFoundError) as e:
         greedy(api, input="hi", previous_response_id=unstored.id)
     assert e.value.body["param"] == "previous_response_id"
+    assert not has_context(unstored.id)
     stored = greedy(api, input="hi")
     with pytest.raises(openai.BadRequestError) as e:
         api.responses.cancel(stored.id)  # finished already
     assert "in progress" in e.value.message
+    assert has_context(stored.id)
     api.responses.delete(stored.id)
+    assert not has_context(stored.id)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(stored.id)
     with pytest.raises(openai.NotFoundError):
         api.responses.delete(stored.id)
 
 
-def test_a_response_in_progress_can_be_cancelled(api):
+def test_a_response_in_progress_can_be_cancelled_and_keeps_no_context(api, has_context):
     stream = api.responses.create(
         model=MODEL, input="Go on and on.", max_output_tokens=4000, stream=True, extra_body={"temperature": 1.0}
     )
@@ -111,6 +146,7 @@ def test_a_response_in_progress_can_be_cancelled(api):
     assert cancelled.status == "cancelled"
     assert [e.type for e in events][-1] == "response.failed"
     assert api.responses.retrieve(created.response.id).status == "cancelled"
+    assert not has_context(created.response.id)
     with pytest.raises(openai.BadRequestError):
         greedy(api, input="more", previous_response_id=created.response.id)
 
@@ -170,7 +206,6 @@ def test_streaming_events_arrive_in_order_and_equal_the_whole_response(api):
     final = events[-1].response
     assert text == whole.output_text == final.output_text
     assert final.output[0].id == events[2].item.id == events[-2].item.id
-
 
 
 def test_a_function_tool_round_trip_continues_with_the_output(api):
@@ -268,10 +303,44 @@ def test_a_continuation_after_the_replica_died_recomputes_the_context_and_gives_
     assert again.usage.input_tokens_details.cached_tokens == unbroken.usage.input_tokens_details.cached_tokens
 
 
-def test_stored_responses_expire_with_their_context(api):
+def test_a_client_that_goes_away_mid_stream_leaves_a_failed_record_and_no_context(api, has_context):
+    with api.responses.create(model=MODEL, input="Talk.", max_output_tokens=4000, stream=True) as stream:
+        response_id = next(iter(stream)).response.id
+    for _ in range(60):  # the ingress notices the closed connection and aborts the turn
+        if api.responses.retrieve(response_id).status != "in_progress":
+            break
+        time.sleep(0.5)
+    assert api.responses.retrieve(response_id).status == "failed"
+    assert not has_context(response_id)
+
+
+def test_stored_responses_survive_the_ingress_restarting(pie, api, ray_cluster):
+    from ray.util.state import list_actors
+
+    first = greedy(api, input="Keep this.")
+    (ingress,) = list_actors(
+        ray_cluster.address,
+        filters=[("class_name", "=", "ServeReplica:pie:PieIngress"), ("state", "=", "ALIVE")],
+        detail=True,
+    )
+    os.kill(ingress["pid"], signal.SIGKILL)
+    for _ in range(240):  # Serve starts a new replica of the ingress
+        try:
+            again = api.responses.retrieve(first.id)
+            break
+        except (openai.APIConnectionError, openai.InternalServerError, openai.APIStatusError):
+            time.sleep(0.5)
+    assert again.output_text == first.output_text
+    continued = greedy(api, input="More.", previous_response_id=first.id)
+    assert continued.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+def test_stored_responses_expire_with_their_context(api, has_context):
     stored = greedy(api, input="short lived")
+    assert has_context(stored.id)
     time.sleep(TTL_S + 2)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(stored.id)
     with pytest.raises(openai.NotFoundError):
         greedy(api, input="more", previous_response_id=stored.id)
+    assert not has_context(stored.id)
