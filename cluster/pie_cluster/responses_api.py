@@ -88,11 +88,11 @@ def finished(request: ResponsesRequest, response_id: str, created_at: float, rep
     )
 
 
-def failed(request: ResponsesRequest, response_id: str, created_at: float, error: OpenAIError, status="failed"):
-    """The response object of a turn that did not finish (``status`` "failed" or "cancelled")."""
+def failed(request: ResponsesRequest, response_id: str, created_at: float, error: OpenAIError) -> dict:
+    """The response object of a turn that did not finish."""
     code = "server_error" if error.status >= 500 else "invalid_prompt"
     return response_object(
-        request, response_id, created_at, status=status, error={"code": code, "message": error.message}
+        request, response_id, created_at, status="failed", error={"code": code, "message": error.message}
     )
 
 

@@ -77,7 +77,7 @@ class ResponsesRoutes:
         turn = _Turn(user, body, response_id, record)
         if record is not None:
             record.body = response_object(body, response_id, turn.created_at)
-            await self._store().put.remote(record)
+            self._store().put.remote(record)  # not awaited: the store never lets it overwrite the finished record
         if body.stream:
             return StreamingResponse(self._streamed_turn(turn, instance), media_type="text/event-stream")
         async with aclosing(self._turn_events(turn, instance)) as events:
@@ -85,7 +85,9 @@ class ResponsesRoutes:
                 if kind == "return":
                     return await self._finish(turn, value)
                 if kind == "error":
-                    raise self._failure(turn, value)
+                    error = self._failure(turn, value)
+                    self._failed_body(turn, error)
+                    raise error
         raise OpenAIError(500, "the serving inferlet ended without an answer")
 
     @router.get(RESPONSES_PATH + "/{response_id}")
@@ -139,12 +141,11 @@ class ResponsesRoutes:
                         body = await self._finish(turn, value, report)
                         lines = stream.ending(report, body)
                     except OpenAIError as e:
-                        lines = stream.failure(failed(turn.request, turn.id, turn.created_at, e))
+                        lines = stream.failure(self._failed_body(turn, e))
                     for line in lines:
                         yield line
                 elif kind == "error":
-                    error = self._failure(turn, value)
-                    for line in stream.failure(failed(turn.request, turn.id, turn.created_at, error)):
+                    for line in stream.failure(self._failed_body(turn, self._failure(turn, value))):
                         yield line
 
     async def _finish(self, turn: _Turn, value: str, report=None) -> dict:
@@ -164,6 +165,13 @@ class ResponsesRoutes:
         param = "previous_response_id" if status == 404 else None
         return OpenAIError(status, message, param=param)
 
+    def _failed_body(self, turn: _Turn, error: OpenAIError) -> dict:
+        """The failed response object, kept as the record's body when the turn is stored."""
+        body = failed(turn.request, turn.id, turn.created_at, error)
+        if turn.record is not None:
+            turn.record.body = body
+        return body
+
     async def _turn_events(self, turn: _Turn, instance: str) -> AsyncIterator[tuple[str, str]]:
         """The instance's events (closing early aborts it); a turn that did not finish leaves its record failed and
         no snapshot behind."""
@@ -173,7 +181,8 @@ class ResponsesRoutes:
                     yield event
         finally:
             if not turn.done and turn.record is not None:
-                turn.record.body |= {"status": "failed", "error": {"code": "server_error", "message": "not finished"}}
+                if turn.record.status == "in_progress":
+                    self._failed_body(turn, OpenAIError(500, "the turn did not finish: its client went away"))
                 self._store().fail.remote(turn.record)  # not awaited: this may run in a cancelled task
 
     async def _record(self, user: str, response_id: str, param: str | None = None) -> ResponseRecord:

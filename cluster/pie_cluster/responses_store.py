@@ -55,7 +55,11 @@ class ResponseStore:
         self._sweeper: asyncio.Task | None = None
 
     async def put(self, record: ResponseRecord) -> None:
-        """Add or replace a record; its expiry starts now."""
+        """Add or replace a record; its expiry starts now. An in-progress record never replaces a finished one (the
+        ingress does not wait for the first put, so it may arrive last)."""
+        kept = self._records.get(record.id)
+        if record.status == "in_progress" and kept is not None and kept.status != "in_progress":
+            return
         self._start_sweeper()
         record.expires_at = time.time() + self._ttl_s
         self._records[record.id] = record
