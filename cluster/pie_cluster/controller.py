@@ -82,9 +82,7 @@ class Controller:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.market = get_or_create_market(namespace, config.market.default_endowment, scheduling_strategy=here)
         self.directory = get_or_create_directory(namespace, scheduling_strategy=here)
-        self.responses = get_or_create_store(
-            namespace, config.responses.ttl_s, self.directory, scheduling_strategy=here
-        )
+        self.responses = get_or_create_store(namespace, config.responses, self.directory, scheduling_strategy=here)
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
         self.bus = start_bus(shards=config.bus.shards, detached=False, secret=self.secret)

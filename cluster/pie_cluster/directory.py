@@ -72,6 +72,15 @@ class UserDirectory:
             _tell(entry.holder, "drop_snapshot", user, name)
         return entry.text, entry.committed
 
+    async def release(self, model: str, user: str, name: str) -> None:
+        """The holder frees the snapshot's pages while the name stays, to be recomputed from its lineage wherever it
+        is opened next: its committed pages become the holder's prefix cache, reused by that recompute while they
+        last and evicted, least recently used first, when memory runs short. A snapshot that cannot be recomputed
+        keeps its pages."""
+        entry = self._snapshots.get((model, user, name))
+        if entry is not None and entry.text is not None:
+            _tell(entry.holder, "drop_snapshot", user, name)
+
     # -- adapters ----------------------------------------------------------------------------------------------
 
     async def add_adapter(self, model: str, user: str, name: str, adapter, holder) -> bool:

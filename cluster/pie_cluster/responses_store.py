@@ -6,6 +6,12 @@ pools; a record kept in the same failure domain, created and stopped by the cont
 an ingress restart or an ingress replica per request, and expires together with its snapshot. A sweeper deletes
 expired records and their snapshots (through the directory, which has the holding replica drop the pages); a record
 past its expiry is gone for readers even before the sweeper runs.
+
+Snapshots are not contexts: the market neither prices nor suspends them, so a stored conversation would hold its
+pages until it expires. The store therefore keeps only a conversation's newest turn resident, and only for
+``resident_s``: once a turn is continued, or idle that long, the directory has its holder release the pages while
+the name stays (``UserDirectory.release``). Its committed pages become prefix cache, evicted least recently used
+first when memory is short and reused while they last; a continuation recomputes whatever is gone from the lineage.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from dataclasses import dataclass, field
 
 import ray
 from inferlet.responses_schema import snapshot_name
+
+from pie_cluster.config import ResponsesConfig
 
 RESPONSES = "pie-responses"
 SWEEP_EVERY_S = 1.0
@@ -37,6 +45,7 @@ class ResponseRecord:
     pending: list[int] = field(default_factory=list)  # tokens closing the turn, not in the snapshot's KV
     call_names: dict[str, str] = field(default_factory=dict)  # the output's calls by call id
     expires_at: float = 0.0
+    resident_until: float = 0.0  # its snapshot's pages are released after this (0: released already)
 
     @property
     def status(self) -> str:
@@ -48,8 +57,8 @@ class ResponseRecord:
 
 
 class ResponseStore:
-    def __init__(self, ttl_s: float, directory) -> None:
-        self._ttl_s = ttl_s
+    def __init__(self, config: ResponsesConfig, directory) -> None:
+        self._config = config
         self._directory = directory
         self._records: dict[str, ResponseRecord] = {}
         self._sweeper: asyncio.Task | None = None
@@ -61,8 +70,13 @@ class ResponseStore:
         if record.status == "in_progress" and kept is not None and kept.status != "in_progress":
             return
         self._start_sweeper()
-        record.expires_at = time.time() + self._ttl_s
+        now = time.time()
+        record.expires_at = now + self._config.ttl_s
+        record.resident_until = now + self._config.resident_s
         self._records[record.id] = record
+        previous = self._records.get(record.previous_id) if record.status != "in_progress" else None
+        if previous is not None and previous.resident_until:  # continued: its turn is no longer the newest
+            self._release(previous)
 
     async def get(self, user: str, response_id: str) -> ResponseRecord | None:
         """The user's record (another user's, or an expired one, is None)."""
@@ -99,6 +113,11 @@ class ResponseStore:
         self._records.pop(record.id, None)
         self._forget_snapshot(record)
 
+    def _release(self, record: ResponseRecord) -> None:
+        record.resident_until = 0.0
+        with contextlib.suppress(ray.exceptions.RayError):
+            self._directory.release.remote(record.model, record.user, snapshot_name(record.id))
+
     def _forget_snapshot(self, record: ResponseRecord) -> None:
         with contextlib.suppress(ray.exceptions.RayError):
             self._directory.remove.remote(record.model, record.user, snapshot_name(record.id))
@@ -112,11 +131,14 @@ class ResponseStore:
             now = time.time()
             for record in [r for r in self._records.values() if r.expires_at <= now]:
                 self._drop(record)
+            for record in self._records.values():
+                if 0 < record.resident_until <= now and record.status != "in_progress":
+                    self._release(record)
             await asyncio.sleep(SWEEP_EVERY_S)
 
 
-def get_or_create_store(namespace: str, ttl_s: float, directory, scheduling_strategy=None):
+def get_or_create_store(namespace: str, config: ResponsesConfig, directory, scheduling_strategy=None):
     options = {"name": RESPONSES, "namespace": namespace, "get_if_exists": True, "num_cpus": 0}
     if scheduling_strategy is not None:
         options["scheduling_strategy"] = scheduling_strategy
-    return ray.remote(ResponseStore).options(**options).remote(ttl_s, directory)
+    return ray.remote(ResponseStore).options(**options).remote(config, directory)

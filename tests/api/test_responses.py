@@ -26,6 +26,7 @@ from pydantic import Field
 
 MODEL = "default"
 TTL_S = 40
+RESIDENT_S = 3  # a stored turn keeps its pages this long unless it is continued
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -36,7 +37,11 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def pie(ray_cluster, tmp_path_factory):
-    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-responses"), f"[responses]\nttl_s = {TTL_S}\n")
+    yield from started_pie(
+        ray_cluster,
+        tmp_path_factory.mktemp("pie-responses"),
+        f"[responses]\nttl_s = {TTL_S}\nresident_s = {RESIDENT_S}\n",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +338,18 @@ def test_stored_responses_survive_the_ingress_restarting(pie, api, ray_cluster):
     assert again.output_text == first.output_text
     continued = greedy(api, input="More.", previous_response_id=first.id)
     assert continued.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+def test_an_idle_or_continued_turn_releases_its_pages_and_still_continues_with_the_same_tokens(pie, api):
+    first = greedy(api, input="Hold this.", max_output_tokens=40, extra_body={"ignore_eos": True})
+    resident = greedy(api, input="Go on.", previous_response_id=first.id)  # continuing releases first's pages
+    recomputed = greedy(api, input="Go on.", previous_response_id=first.id)
+    assert recomputed.output_text == resident.output_text
+    time.sleep(RESIDENT_S + 2)  # every turn is idle now: its pages are the replica's prefix cache
+    (replica,) = engine_status(pie)["replicas"]
+    assert replica["pages_used"] == 0 and replica["pages_cached"] > 0, replica
+    later = greedy(api, input="Go on.", previous_response_id=first.id)
+    assert later.output_text == resident.output_text
 
 
 def test_stored_responses_expire_with_their_context(api, has_context):
