@@ -123,9 +123,9 @@ class MarketConfig(_Strict):
 
 class ResponsesConfig(_Strict):
     """The Responses API's stored responses (``[responses]``): each keeps its conversation's KV context as a
-    snapshot, and both are deleted ``ttl_s`` after the response was made. Only the newest turn of a conversation,
-    and only for ``resident_s`` after it was made, keeps its pages resident; then they become prefix cache, which
-    memory pressure evicts, and a continuation recomputes what is gone from the token lineage."""
+    snapshot, and both are deleted ``ttl_s`` after the response was made. A stored turn keeps its pages resident for
+    ``resident_s``; then they become prefix cache, which memory pressure evicts, and a continuation recomputes what
+    is gone from the token lineage."""
 
     ttl_s: float = Field(86400.0, gt=0)
     resident_s: float = Field(300.0, ge=0)

@@ -8,9 +8,10 @@ expired records and their snapshots (through the directory, which has the holdin
 past its expiry is gone for readers even before the sweeper runs.
 
 Snapshots are not contexts: the market neither prices nor suspends them, so a stored conversation would hold its
-pages until it expires. The store therefore keeps only a conversation's newest turn resident, and only for
-``resident_s``: once a turn is continued, or idle that long, the directory has its holder release the pages while
-the name stays (``UserDirectory.release``). Its committed pages become prefix cache, evicted least recently used
+pages until it expires. The store therefore keeps a turn resident only for ``resident_s``: then the directory has
+its holder release the pages while the name stays (``UserDirectory.release``). Releasing a turn as soon as it is
+continued would save little (consecutive turns' snapshots share all but their last, partly filled page) for two
+more actor calls per turn. Its committed pages become prefix cache, evicted least recently used
 first when memory is short and reused while they last; a continuation recomputes whatever is gone from the lineage.
 """
 
@@ -74,9 +75,6 @@ class ResponseStore:
         record.expires_at = now + self._config.ttl_s
         record.resident_until = now + self._config.resident_s
         self._records[record.id] = record
-        previous = self._records.get(record.previous_id) if record.status != "in_progress" else None
-        if previous is not None and previous.resident_until:  # continued: its turn is no longer the newest
-            self._release(previous)
 
     async def get(self, user: str, response_id: str) -> ResponseRecord | None:
         """The user's record (another user's, or an expired one, is None)."""
