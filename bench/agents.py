@@ -22,7 +22,7 @@ the same two over **vLLM's own OpenAI server** (its CPU build, prefix caching on
 ``make vllm-peer``; skipped when not installed). An observation goes in as a user turn in every system (in ChatML a
 tool result is a user turn too). Prints wall seconds and turns/s per (workload, K, system) and the ratios between
 them, and plots wall time against K to ``OUT/agents.png`` (tables in ``OUT/agents.md``). One round per
-configuration, after a warm-up.
+configuration, after a warm-up; vLLM's server runs beside our cluster, so each K's systems run back to back.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import asyncio
 import logging
 import os
 import time
+from contextlib import nullcontext
 
 import httpx
 import openai
@@ -222,45 +223,32 @@ def timed(work) -> float:
     return time.perf_counter() - began
 
 
-def measure_pie(args, console: Console) -> dict:
-    """(a) and (b) on one cluster of this machine; returns {(workload, k, system): seconds}."""
+def measure(args, console: Console) -> tuple[dict, str | None]:
+    """Every system, K by K: our cluster and (installed and asked for) vLLM's server run side by side, so each K's
+    systems run back to back under the same load of this shared machine. Returns {(workload, k, system): seconds},
+    and why vLLM's server was skipped (None: it ran)."""
+    asked = {"vllm", "vllm-responses"} & set(args.systems)
+    skipped = vllm_peer.available() if asked else "not asked for"
+    peer = vllm_peer.openai_server(default_model_path(), MODEL, threads=2) if skipped is None else nullcontext()
     results: dict = {}
-    with local_pie(pages=args.pages) as pie:
+    with local_pie(pages=args.pages) as pie, peer as vllm_url:
+        urls = {"openai": f"{pie.url}/v1", "responses": f"{pie.url}/v1", "vllm": vllm_url, "vllm-responses": vllm_url}
+        clients = [s for s in SYSTEMS[1:] if s in args.systems and urls[s]]
         program = ray.get(pie.launcher.upload.remote("bench", "agent.py", AGENT_PROGRAM.encode()))["program"]
         for n, workload in enumerate(args.workloads):  # warm-up: compile, connect, fill caches
             asyncio.run(run_inferlets(pie.launcher, program, inferlet_inputs(workload, 2, args, f"warm{n}")))
-            asyncio.run(run_clients(f"{pie.url}/v1", workload, 2, args))
-            asyncio.run(run_clients(f"{pie.url}/v1", workload, 2, args, "responses"))
+            for system in clients:
+                asyncio.run(run_clients(urls[system], workload, 2, args, APIS[system]))
         for workload in args.workloads:
             for k in args.ks:
                 if "inferlets" in args.systems:
                     inputs = inferlet_inputs(workload, k, args, f"{workload}{k}")
                     results[workload, k, "inferlets"] = timed(run_inferlets(pie.launcher, program, inputs))
-                for system in ("openai", "responses"):
-                    if system in args.systems:
-                        work = run_clients(f"{pie.url}/v1", workload, k, args, APIS[system])
-                        results[workload, k, system] = timed(work)
+                for system in clients:
+                    results[workload, k, system] = timed(run_clients(urls[system], workload, k, args, APIS[system]))
                 measured = [f"{s} {results[workload, k, s]:.1f} s" for s in SYSTEMS if (workload, k, s) in results]
                 console.log(f"{workload} K={k}: " + ", ".join(measured))
-    return results
-
-
-def measure_vllm(args, console: Console) -> tuple[dict, str | None]:
-    """(c): vLLM's server on the same model directory, two threads; {} and the reason when it is not installed."""
-    if (reason := vllm_peer.available()) is not None:
-        return {}, reason
-    results: dict = {}
-    with vllm_peer.openai_server(default_model_path(), MODEL, threads=2) as base_url:
-        systems = [s for s in ("vllm", "vllm-responses") if s in args.systems]
-        for workload in args.workloads:
-            for system in systems:
-                asyncio.run(run_clients(base_url, workload, 2, args, APIS[system]))
-        for workload in args.workloads:
-            for k in args.ks:
-                for system in systems:
-                    results[workload, k, system] = timed(run_clients(base_url, workload, k, args, APIS[system]))
-                    console.log(f"{workload} K={k}: {system} {results[workload, k, system]:.1f} s")
-    return results, None
+    return results, skipped
 
 
 def main() -> None:
@@ -282,10 +270,7 @@ def main() -> None:
     logging.getLogger("ray").setLevel(logging.WARNING)
     console = Console(width=120)
 
-    results = measure_pie(args, console)
-    asked = {"vllm", "vllm-responses"} & set(args.systems)
-    vllm_results, skipped = measure_vllm(args, console) if asked else ({}, "not asked for")
-    results.update(vllm_results)
+    results, skipped = measure(args, console)
     report(args, results, skipped, console)
 
 
