@@ -79,13 +79,12 @@ class Runtime:
 
     def close(self) -> None:
         """Release everything this inferlet still holds on every replica (contexts, pages), then what its features
-        registered (bus pulls and subscriptions, MCP sessions); snapshots and queued messages survive."""
-        try:
-            for model in self.models_loaded.values():
-                model.close()
-            self.models_loaded.clear()
-        finally:
-            self._closers.close()
+        registered (bus pulls and subscriptions, MCP sessions); snapshots and queued messages survive. One that
+        fails to close (its replica died) does not keep the others from closing; its error is raised at the end."""
+        for model in self.models_loaded.values():
+            self._closers.callback(model.close)  # run first: callbacks run last registered, first run
+        self.models_loaded.clear()
+        self._closers.close()
 
 
 _current: contextvars.ContextVar[Runtime] = contextvars.ContextVar("inferlet_runtime")

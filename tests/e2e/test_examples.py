@@ -171,11 +171,12 @@ def record_forwarded_tokens(monkeypatch) -> list[int]:
     own: each of its steps runs on the token the step before sampled, and its reply lists one token per step)."""
     from inferlet import Forward
 
-    sent, finish = [], Forward._finish
+    sent, finish = [], Forward.finish
 
-    def logged(self, reply):
-        sent.append(len(self._tokens) or len(reply[1]))
-        return finish(self, reply)
+    def logged(self, answer):
+        out = finish(self, answer)
+        sent.append(len(self.input_tokens) or len(out.walk))
+        return out
 
-    monkeypatch.setattr(Forward, "_finish", logged)
+    monkeypatch.setattr(Forward, "finish", logged)
     return sent

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import random
 
 import pytest
 import torch
 from inferlet import Context, Logits, Model, Sampler
+from inferlet._channel import ReplicaError
+from pie_cluster.host import run_inferlet
 from pie_workers.wire.pages import pages_for
-from sdk_host import each_backend
+from sdk_host import TRUST, each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 
@@ -255,3 +259,17 @@ def test_a_new_context_reuses_cached_prefix_pages(served, hf):
     assert fresh <= without_reuse - 2, "at least the two pages of pure system prompt were adopted from the cache"
     messages = [{"role": "system", "content": long_system}, {"role": "user", "content": "Why is the sea salty?"}]
     assert second == hf_greedy(hf, messages, 6)
+
+
+def test_a_model_that_fails_to_close_does_not_keep_the_others_contexts(served, tmp_path):
+    """The inferlet ends holding contexts on two models, one whose replica is gone: the other's contexts are still
+    released, and the failure is reported."""
+    gone = dataclasses.replace(served.endpoints["default"], name="gone", address=f"ipc://{tmp_path}/no-replica")
+
+    async def holds_both(input):
+        Model.load("gone")  # loaded first, so closed first: its failure must not stop the rest
+        Context(Model.load("default")).user("kept until the end")
+
+    with pytest.raises(ReplicaError, match="cannot reach the replica"):
+        asyncio.run(run_inferlet(holds_both, {}, {**served.endpoints, "gone": gone}, "alice", **TRUST.instance("alice")))
+    assert served.stats()["contexts"] == 0

@@ -5,7 +5,7 @@ by its ``flash_attn_varlen_func`` over a block table of the engine's page ids.
 FlashAttention aligns each request's causal mask to the end of its keys, which is what decode, chunked prefill and
 a pass on top of a cached prefix need. What it cannot express runs the torch path over the same tensors in the
 same batch, as on the CPU: requests with a custom attention mask (their buckets only) and sliding-window layers.
-No GPU is available where this repository's CI runs: ``tests/test_gpu.py`` checks this pool wherever CUDA is.
+No GPU is available where this repository's CI runs: ``tests/model/test_gpu.py`` checks this pool wherever CUDA is.
 """
 
 from __future__ import annotations
