@@ -66,8 +66,11 @@ class ResponseStore:
 
     async def put(self, record: ResponseRecord) -> None:
         """Add or replace a record; its expiry starts now. An in-progress record never replaces a finished one (the
-        ingress does not wait for the first put, so it may arrive last)."""
+        ingress does not wait for the first put, so it may arrive last), and nothing replaces a cancelled one (its
+        snapshot is gone, even if the turn finished as it was cancelled)."""
         kept = self._records.get(record.id)
+        if kept is not None and kept is not record and kept.status == "cancelled":
+            return
         if record.status == "in_progress" and kept is not None and kept.status != "in_progress":
             return
         self._start_sweeper()
@@ -102,8 +105,9 @@ class ResponseStore:
     async def fail(self, record: ResponseRecord) -> None:
         """The turn ended without finishing (failed, cancelled, its client gone): keep the record (a cancelled one
         stays cancelled) and drop whatever snapshot it may have saved."""
-        kept = self._records.get(record.id)
-        await self.put(kept if kept is not None and kept.status == "cancelled" else record)
+        await self.put(record)
+        record = self._records.get(record.id, record)
+        record.resident_until = 0.0  # nothing left to release
         self._forget_snapshot(record)
 
     def _drop(self, record: ResponseRecord) -> None:

@@ -139,7 +139,7 @@ def test_store_false_is_not_retrievable_and_get_delete_cancel_answer_in_openai_s
 
 def test_a_response_in_progress_can_be_cancelled_and_keeps_no_context(api, has_context):
     stream = api.responses.create(
-        model=MODEL, input="Go on and on.", max_output_tokens=4000, stream=True, extra_body={"temperature": 1.0}
+        model=MODEL, input="Go on and on.", max_output_tokens=4000, stream=True, extra_body={"ignore_eos": True}
     )
     events = iter(stream)
     created = next(events)
@@ -309,7 +309,8 @@ def test_a_continuation_after_the_replica_died_recomputes_the_context_and_gives_
 
 
 def test_a_client_that_goes_away_mid_stream_leaves_a_failed_record_and_no_context(api, has_context):
-    with api.responses.create(model=MODEL, input="Talk.", max_output_tokens=4000, stream=True) as stream:
+    endless = {"max_output_tokens": 4000, "extra_body": {"ignore_eos": True}}
+    with api.responses.create(model=MODEL, input="Talk.", stream=True, **endless) as stream:
         response_id = next(iter(stream)).response.id
     for _ in range(60):  # the ingress notices the closed connection and aborts the turn
         if api.responses.retrieve(response_id).status != "in_progress":
