@@ -80,9 +80,9 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host
 async def build_view(endpoints: dict[str, ModelEndpoint], bus: tuple[str, ...], relays: Relays) -> SandboxView:
     """``endpoints`` (model_dir already on this node) and ``bus`` as a worker must be given them."""
     view = SandboxView(endpoints={}, bus=())
-    for i, (name, endpoint) in enumerate(sorted(endpoints.items())):
-        inside = f"{MODELS}/{i}"
-        view.models[await asyncio.to_thread(_tokenizer_copy, endpoint.model_dir)] = inside
+    for name, endpoint in sorted(endpoints.items()):
+        copy = await asyncio.to_thread(_tokenizer_copy, endpoint.model_dir)
+        inside = view.models.setdefault(copy, f"{MODELS}/{len(view.models)}")  # models with the same files share it
         address = await _socket_inside(endpoint.address, view, relays)
         view.endpoints[name] = replace(endpoint, address=address, model_dir=inside)
     view.bus = tuple([await _socket_inside(address, view, relays) for address in bus])
