@@ -85,6 +85,7 @@ class ModelConfigEntry(_Strict):
     pages: int = Field(4096, ge=1)
     page_size: int = Field(16, ge=1)
     cpus_per_rank: int = Field(1, ge=1)
+    resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources each replica's bundle takes
     use_gpu: bool | None = None  # None: GPUs when the cluster has them
     max_batch_tokens: int = Field(2048, ge=1)
     max_batch_requests: int = Field(256, ge=1)
@@ -131,6 +132,18 @@ class ResponsesConfig(_Strict):
     resident_s: float = Field(300.0, ge=0)
 
 
+class SupervisionConfig(_Strict):
+    """How the controller watches replicas (``[supervision]``): every ``probe_every_s`` it asks every rank of every
+    tensor-parallel group to answer within ``probe_deadline_s``; a rank that is dead, or that misses ``misses``
+    probes in a row (hung), gets its whole group replaced. A replacement that is not placed and loaded within
+    ``start_s`` is given up and tried again on the next probe."""
+
+    probe_every_s: float = Field(2.0, gt=0)
+    probe_deadline_s: float = Field(10.0, gt=0)
+    misses: int = Field(2, ge=1)
+    start_s: float = Field(600.0, gt=0)
+
+
 class SandboxConfig(_Strict):
     """How uploaded programs are confined (``[sandbox]``): each user's inferlets run in that user's worker processes
     under bubblewrap, with these limits per worker. ``mode = "off"`` runs them inside the trusted host instead —
@@ -162,6 +175,7 @@ class PieConfig(_Strict):
     mcp: dict[str, dict] = Field(default_factory=dict)  # [mcp.<name>] server declarations
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
 
     @field_validator("model")
     @classmethod

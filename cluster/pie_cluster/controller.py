@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import threading
 from dataclasses import dataclass
 
 import ray
@@ -35,10 +34,10 @@ from pie_cluster.inferlet_host import InferletHost, NodeServices
 from pie_cluster.launcher import HostPool, Launcher
 from pie_cluster.market import get_or_create_market
 from pie_cluster.responses_store import get_or_create_store
+from pie_cluster.supervisor import Supervisor, probe_ranks
 
 CONTROLLER = "pie-controller"
 LAUNCHER = "pie-launcher"
-_SUPERVISE_S = 2.0  # how often replicas are checked for death
 log = logging.getLogger(__name__)
 
 
@@ -72,8 +71,6 @@ class Controller:
         self.replicas: dict[str, list[Replica]] = {}
         self.placements: list[PlacementGroup] = []
         self._models: dict[str, _ModelPlacement] = {}
-        self.restarting: set[tuple[str, int]] = set()  # replicas being replaced (model, index)
-        self.restarts = 0
         _check_placements(config)
         self.secret = secrets.token_bytes(32)  # signs instances' capabilities; only trusted actors are given it
         namespace = ray.get_runtime_context().namespace
@@ -109,8 +106,7 @@ class Controller:
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
         )
         ray.get(self.launcher.attach_pool.remote(pool))
-        self._stopping = threading.Event()
-        threading.Thread(target=self._supervise, name="replica-supervisor", daemon=True).start()
+        self.supervisor = Supervisor(config.supervision, self.replicas, self._new_replica, self._publish)
 
     def _services(self, nodes) -> dict[str, NodeServices]:
         """What inferlets on each node reach: the models (through this node's view of the replicas), bus, MCP
@@ -127,37 +123,16 @@ class Controller:
             for node in nodes
         }
 
-    # -- replicas that die are replaced ---------------------------------------------------------------------------
-
-    def _supervise(self) -> None:
-        """Every few seconds, replace each replica whose leader (rank 0) is dead: its process killed, its node lost.
-        Only leaders are probed, so a peer rank that dies alone is not noticed here. Inferlets connected to a dead
-        leader have already failed with a clear error; new launches reach the replacement."""
-        while not self._stopping.wait(_SUPERVISE_S):
-            for name, group in list(self.replicas.items()):
-                for i, replica in enumerate(list(group)):
-                    if self._stopping.is_set() or _probe(replica.leader.engine_stats.remote()) != "dead":
-                        continue
-                    try:
-                        self._replace(name, i, replica)
-                    except Exception:  # e.g. the launcher is gone too: keep supervising the others
-                        log.exception("replacing replica %d of model %r failed", i, name)
-
-    def _replace(self, name: str, index: int, dead: Replica) -> None:
-        log.warning("replica %d of model %r died; starting a replacement", index, name)
-        for rank in dead.ranks:  # the survivors of a tensor-parallel group cannot go on without the dead one
-            ray.kill(rank)
-        self.restarting.add((name, index))
-        try:  # if its node is gone and the bundle cannot be placed yet, this fails and is tried again next round
-            fresh = self._new_replica(name, index)
-        finally:
-            self.restarting.discard((name, index))
-        self.replicas[name][index] = fresh
-        self.restarts += 1
+    def _publish(self) -> None:
+        """A replica was replaced: hosts and the launcher get the new addresses."""
         services = self._services(list(self.hosts))
         for node, host in self.hosts.items():
             host.set_services.remote(services[node])
-        ray.get(self.launcher.set_services.remote(services))
+        ray.get(self.launcher.set_services.remote(services), timeout=self._deadline)
+
+    @property
+    def _deadline(self) -> float:
+        return self.config.supervision.probe_deadline_s
 
     def _start_replicas(self, entry: ModelConfigEntry) -> list[Replica]:
         """The model's replicas, one bundle each of one placement group (spread over nodes as configured)."""
@@ -165,7 +140,12 @@ class Controller:
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         group = replica_placement(
-            entry.replicas, entry.tensor_parallel, entry.cpus_per_rank, use_gpu, entry.placement.upper()
+            entry.replicas,
+            entry.tensor_parallel,
+            entry.cpus_per_rank,
+            use_gpu,
+            entry.placement.upper(),
+            entry.resources,
         )
         self.placements.append(group)
         self._models[entry.name] = _ModelPlacement(entry, group, use_gpu)
@@ -186,6 +166,7 @@ class Controller:
             placement=(model.group, index),
             directory=(self.directory, name),
             secret=self.secret,
+            start_s=self.config.supervision.start_s,
         )
 
     def ready(self) -> bool:
@@ -210,7 +191,7 @@ class Controller:
 
     def status(self) -> dict:
         """Replicas with their page use, batches and queue; nodes and their inferlet hosts; the launcher's counts.
-        A part that is dead or does not answer within ``_PROBE_S`` is reported as such, never raised."""
+        A part that is dead or does not answer within the probe deadline is reported as such, never raised."""
         replicas = []
         for name, group in self.replicas.items():
             for i, replica in enumerate(group):
@@ -223,10 +204,12 @@ class Controller:
                     "tensor_parallel": info.tensor_parallel_size,
                     "device": info.device,
                 }
-                if (name, i) in self.restarting:
+                if (name, i) in self.supervisor.restarting:
                     replicas.append({**row, "state": "restarting"})
                     continue
-                s = _probe(replica.leader.engine_stats.remote())
+                probe = probe_ranks(replica.ranks, self._deadline)
+                row["pids"] = list(probe.pids)
+                s = self._probe(replica.leader.engine_stats.remote()) if probe.state == "serving" else probe.state
                 if isinstance(s, str):
                     replicas.append({**row, "state": s})
                     continue
@@ -246,30 +229,39 @@ class Controller:
                     }
                 )
         alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
-        hosts = {node: _probe(host.describe.remote()) for node, host in self.hosts.items()}
-        launcher = _probe(self.launcher.stats.remote())
-        market = _probe(self.market.summary.remote())
+        hosts = {node: self._probe(host.describe.remote()) for node, host in self.hosts.items()}
+        launcher = self._probe(self.launcher.stats.remote())
+        market = self._probe(self.market.summary.remote())
         try:
             bus = self.bus.stats()
         except ray.exceptions.RayError:
             bus = "dead"
         return {
             "replicas": replicas,
-            "replica_restarts": self.restarts,
+            "replica_restarts": self.supervisor.restarts,
             "nodes": [{"node": node, "alive": alive.get(node, False), **_host_row(got)} for node, got in hosts.items()],
             "launcher": launcher if isinstance(launcher, dict) else {"state": launcher},
             "bus": bus if isinstance(bus, dict) else {"state": bus},
             "market": market if isinstance(market, dict) else {"state": market},
         }
 
+    def _probe(self, ref) -> object:
+        """The reply to a status call, or "dead" / "unresponsive" in its place."""
+        try:
+            return ray.get(ref, timeout=self._deadline)
+        except ray.exceptions.GetTimeoutError:
+            return "unresponsive"
+        except ray.exceptions.RayError:
+            return "dead"
+
     def nodes(self) -> list[str]:
         return list(self.hosts)
 
     def shutdown(self) -> None:
         """Stop everything, whatever has died already (a dead part is simply skipped)."""
-        self._stopping.set()
+        self.supervisor.stop()
         with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            ray.get(self.launcher.close.remote(), timeout=_PROBE_S)  # its program store leaves the disk
+            ray.get(self.launcher.close.remote(), timeout=self._deadline)  # its program store leaves the disk
         for actor in [self.launcher, *self.hosts.values(), self.market, self.directory, self.responses]:
             ray.kill(actor)
         with contextlib.suppress(ray.exceptions.RayError):
@@ -319,21 +311,8 @@ def stop_controller() -> bool:
     return True
 
 
-_PROBE_S = 10.0
-
-
 def _host_row(described: object) -> dict:
     """A node's host as ``pie status`` shows it: serving with its sandbox mode and workers, or dead / no answer."""
     if isinstance(described, dict):
         return {"host": "serving", **described}
     return {"host": described}
-
-
-def _probe(ref) -> object:
-    """The reply to a status call, or "dead" / "unresponsive" in its place."""
-    try:
-        return ray.get(ref, timeout=_PROBE_S)
-    except ray.exceptions.GetTimeoutError:
-        return "unresponsive"
-    except ray.exceptions.RayError:
-        return "dead"

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+import ray.exceptions
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -127,6 +129,11 @@ class RankWorker:
         """New weights were loaded into the adapter on another replica: the copy here takes them."""
         self.engine.adapters.refresh_named(user, name, adapter)
 
+    async def ping(self) -> int:
+        """The supervisor's probe of every rank: answering at all shows the actor's event loop is alive (a follower
+        runs its passes in a thread); the pid says which process to look at."""
+        return os.getpid()
+
     async def engine_stats(self) -> dict:
         return await self.engine.op_stats(None)
 
@@ -155,6 +162,7 @@ class Replica:
         placement: tuple[PlacementGroup, int] | None = None,
         directory: tuple | None = None,
         secret: bytes | None = None,
+        start_s: float | None = None,
     ):
         """``model``: a model directory (resolved on the replica's node) or the embedded model; ``engine``: also
         start the replica engine with these batch limits (what inferlets talk to); ``market``: the market actor its
@@ -162,7 +170,8 @@ class Replica:
         placement group to run in (see ``replica_placement``; None: a placement group of its own); ``directory``: the
         cluster's user directory actor and this model's name in it (None: snapshots and adapters stay here);
         ``secret``: the cluster's, which its engine verifies inferlets' capabilities with (required with ``engine``:
-        a replica never serves unauthenticated inferlets)."""
+        a replica never serves unauthenticated inferlets); ``start_s``: how long its ranks may take to be placed and
+        load the model (None: no limit) before they are killed and ``TimeoutError`` is raised."""
         if engine is not None and not secret:
             raise ValueError("a replica that serves inferlets needs the cluster's secret (secret=...)")
         if use_gpu is None:
@@ -172,7 +181,6 @@ class Replica:
         if placement is None:
             placement = replica_placement(1, n, cpus_per_rank, use_gpu), 0
         self.placement_group, bundle = placement
-        ray.get(self.placement_group.ready(), timeout=600)
         actor = ray.remote(RankWorker)
         self.ranks = [
             actor.options(
@@ -184,12 +192,27 @@ class Replica:
             ).remote(i, n, cpus_per_rank)
             for i in range(n)
         ]
-        addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
-        infos = ray.get([r.start.remote(model, settings, addr, port) for r in self.ranks])
-        self.info: ReplicaInfo = infos[0]
-        self._following = [r.follow.remote() for r in self.ranks[1:]]
-        started = self.leader.start_engine.remote(engine, secret, market, directory) if engine is not None else None
-        self.addresses = ray.get(started) if started is not None else {}
+        try:
+            self._start(model, settings, engine, market, directory, secret, start_s)
+        except BaseException:  # ranks left waiting for a bundle or half-loaded would hold its resources
+            for r in self.ranks:
+                ray.kill(r)
+            raise
+
+    def _start(self, model, settings, engine, market, directory, secret, start_s: float | None) -> None:
+        try:
+            ray.get(self.placement_group.ready(), timeout=600 if start_s is None else start_s)
+            addr, port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=start_s)
+            infos = ray.get([r.start.remote(model, settings, addr, port) for r in self.ranks], timeout=start_s)
+            self.info: ReplicaInfo = infos[0]
+            self._following = [r.follow.remote() for r in self.ranks[1:]]
+            started = self.leader.start_engine.remote(engine, secret, market, directory) if engine is not None else None
+            self.addresses = ray.get(started, timeout=start_s) if started is not None else {}
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"the replica's {len(self.ranks)} rank(s) were not placed and started within {start_s} s "
+                "(no node has room for its bundle, or loading the model hangs)"
+            ) from None
 
     @property
     def leader(self):
@@ -208,12 +231,18 @@ class Replica:
 
 
 def replica_placement(
-    replicas: int, tensor_parallel_size: int, cpus_per_rank: int, use_gpu: bool, strategy: str = "SPREAD"
+    replicas: int,
+    tensor_parallel_size: int,
+    cpus_per_rank: int,
+    use_gpu: bool,
+    strategy: str = "SPREAD",
+    resources: dict[str, float] | None = None,
 ) -> PlacementGroup:
     """A placement group with one bundle per replica, each holding a whole tensor-parallel group (a bundle never
     spans nodes). ``SPREAD`` puts replicas on different nodes where it can, ``STRICT_SPREAD`` always (or never
-    becomes ready), ``PACK`` on as few nodes as fit."""
-    bundle = {"CPU": cpus_per_rank * tensor_parallel_size}
+    becomes ready), ``PACK`` on as few nodes as fit. ``resources``: custom Ray resources each bundle takes too (a
+    model kept to the nodes that declare them)."""
+    bundle = {**(resources or {}), "CPU": cpus_per_rank * tensor_parallel_size}
     if use_gpu:
         bundle["GPU"] = tensor_parallel_size
     return placement_group([dict(bundle) for _ in range(replicas)], strategy=strategy)

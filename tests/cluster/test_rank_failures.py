@@ -1,0 +1,95 @@
+"""Any rank of a tensor-parallel group that dies or hangs gets its whole group replaced: the follower (rank 1) of a
+2-rank replica is SIGKILLed, then (in its replacement) SIGSTOPped. Each time the replica goes ``restarting``, then
+``serving`` with a higher restart count, on new processes, and greedy generation gives the same tokens as before."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+
+import pytest
+import ray
+from launching import launch, run_to_end, upload
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
+from pie_cluster.controller import start_controller
+
+GREEDY = """
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    with Context(Model.load("default")) as ctx:
+        ctx.user("which rank answers?")
+        return await ctx.generate(Sampler.argmax(), max_tokens=6, stop=[]).collect_tokens()
+"""
+
+
+@pytest.fixture(scope="module")
+def tp_cluster(ray_session):
+    """One replica of the tiny model as a 2-rank tensor-parallel group, probed every second with a 3 s deadline."""
+    model = ModelConfigEntry(pages=128, cpus_per_rank=1, tensor_parallel=2)
+    supervision = SupervisionConfig(probe_every_s=1.0, probe_deadline_s=3.0, misses=2)
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=supervision)
+    controller = start_controller(config, detached=False)
+    yield controller
+    ray.get(controller.shutdown.remote())
+    ray.kill(controller)
+
+
+def replica_row(controller) -> dict:
+    (row,) = ray.get(controller.status.remote())["replicas"]
+    return row
+
+
+def greedy(launcher, program: str) -> list[int]:
+    last = run_to_end(launcher, launch(launcher, program))[-1]
+    assert last[1] == "return", last
+    return json.loads(last[2])
+
+
+def recovered(controller, restarts: int, bound_s: float = 240) -> tuple[dict, list[str], float]:
+    """Poll ``pie status`` until the replica serves again after ``restarts``: its row, the states seen, the time."""
+    started, seen = time.monotonic(), []
+    while time.monotonic() - started < bound_s:
+        status = ray.get(controller.status.remote())
+        (row,) = status["replicas"]
+        seen.append(row["state"])
+        if status["replica_restarts"] >= restarts and row["state"] == "serving":
+            return row, seen, time.monotonic() - started
+        time.sleep(0.2)
+    raise AssertionError(f"the replica did not serve again within {bound_s} s; states seen: {seen}")
+
+
+def test_a_killed_follower_rank_replaces_its_tensor_parallel_group(tp_cluster):
+    launcher = ray.get_actor("pie-launcher")
+    program = upload(launcher, GREEDY)
+    before = replica_row(tp_cluster)
+    assert before["state"] == "serving" and before["tensor_parallel"] == 2 and None not in before["pids"], before
+    tokens = greedy(launcher, program)
+
+    os.kill(before["pids"][1], signal.SIGKILL)  # the follower, not the leader the controller used to probe alone
+    after, seen, took = recovered(tp_cluster, restarts=1)
+    print(f"follower SIGKILL -> serving again in {took:.1f} s")
+    assert "restarting" in seen, seen
+    assert not set(after["pids"]) & set(before["pids"]), (before, after)  # a new group, leader included
+    assert greedy(launcher, program) == tokens
+
+
+def test_a_hung_follower_rank_is_detected_by_its_probe_deadline_and_replaced(tp_cluster):
+    launcher = ray.get_actor("pie-launcher")
+    program = upload(launcher, GREEDY)
+    tokens = greedy(launcher, program)
+    restarts = ray.get(tp_cluster.status.remote())["replica_restarts"]
+    hung = replica_row(tp_cluster)["pids"][1]
+    os.kill(hung, signal.SIGSTOP)  # alive, but answers nothing
+    try:
+        after, seen, took = recovered(tp_cluster, restarts=restarts + 1)
+        print(f"follower SIGSTOP -> serving again in {took:.1f} s")
+        assert {"unresponsive", "restarting"} & set(seen), seen
+        assert hung not in after["pids"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # Ray killed it; if not, it must not stay stopped
+            os.kill(hung, signal.SIGCONT)
+    assert greedy(launcher, program) == tokens
