@@ -14,6 +14,8 @@ leaves: the report hands them back as ``pending`` and the next turn prefills the
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 
 from inferlet import completions
@@ -32,14 +34,14 @@ from inferlet.responses_schema import (
 )
 
 
-def _opened(model: Model, turn: Turn) -> tuple[Context, list[int], ChatCompletionRequest]:
+async def _opened(model: Model, turn: Turn) -> tuple[Context, list[int], ChatCompletionRequest]:
     """The context to generate on, the tokens to feed it first, and the chat request serving the turn."""
     request = turn.request
     continued = turn.continued
     if continued is None:
         chat = request.as_chat([*turn.history, *request.items], {})
         return Context(model), completions.chat_prompt(model, chat), chat
-    ctx = Context.open(model, continued.snapshot)
+    ctx = await asyncio.to_thread(Context.open, model, continued.snapshot)  # off the event loop: see serve
     if ctx is None:
         raise LookupError(f"the conversation of previous_response_id {request.previous_response_id} is gone")
     call_names = dict(continued.call_names)
@@ -66,13 +68,27 @@ def _output(choice: Choice) -> list[OutputItem]:
     return items
 
 
+async def _save(ctx: Context, name: str) -> None:
+    """Save the conversation in a thread. Opening and saving copy the last, partly filled page, which waits for the
+    replica's next batch: a blocking call would hold every other turn this process serves for that long. Cancelled
+    meanwhile (the turn was aborted), it lets the save finish and deletes it, so that nothing outlives the turn."""
+    saving = asyncio.ensure_future(asyncio.to_thread(ctx.save, name))
+    try:
+        await asyncio.shield(saving)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await saving
+            Context.delete(ctx.model, name)
+        raise
+
+
 async def serve(input: dict) -> dict:
     """The built-in Responses handler: one turn, generated on the continued (or a fresh) context, saved when the
     request stores it."""
     turn = Turn.model_validate(input)
     request = turn.request
     model = Model.load(request.model)
-    ctx, tokens, chat = _opened(model, turn)
+    ctx, tokens, chat = await _opened(model, turn)
     cached = ctx.seq_len
     try:
         choice = await completions.run_choice(model, chat, ctx, 0, tokens, keep=True)
@@ -80,7 +96,7 @@ async def serve(input: dict) -> dict:
         if request.store:
             ctx.seal()
             pending = ctx.buffer()
-            ctx.save(snapshot_name(turn.response_id))
+            await _save(ctx, snapshot_name(turn.response_id))
     finally:
         ctx.release()
     usage = TurnUsage(input_tokens=cached + len(tokens), cached_tokens=cached, output_tokens=choice.completion_tokens)
