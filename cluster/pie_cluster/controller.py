@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import ray
 import ray.exceptions
 from inferlet.runtime import ModelEndpoint
+from pie_workers.deadlines import LAUNCHER_S, answered
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.model_dir import ModelSource
 from pie_workers.replica import Replica, replica_placement
@@ -105,7 +106,7 @@ class Controller:
             secret=self.secret,
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
         )
-        ray.get(self.launcher.attach_pool.remote(pool))
+        answered(self.launcher.attach_pool.remote(pool), "the launcher", LAUNCHER_S)
         self.supervisor = Supervisor(config.supervision, self.replicas, self._new_replica, self._publish)
 
     def _services(self, nodes) -> dict[str, NodeServices]:
@@ -128,7 +129,7 @@ class Controller:
         services = self._services(list(self.hosts))
         for node, host in self.hosts.items():
             host.set_services.remote(services[node])
-        ray.get(self.launcher.set_services.remote(services), timeout=self._deadline)
+        answered(self.launcher.set_services.remote(services), "the launcher", LAUNCHER_S)
 
     @property
     def _deadline(self) -> float:

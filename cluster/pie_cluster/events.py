@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pie_workers.deadlines import LAUNCHER_S, answer
+
 KINDS = ("stdout", "stderr", "message", "file", "return", "error")
 TERMINAL = ("return", "error")
 
@@ -89,7 +91,8 @@ async def follow(
     try:
         while True:
             if batch is None:
-                batch = await launcher.events.remote(user, instance, since, wait)
+                polled = launcher.events.remote(user, instance, since, wait)
+                batch = await answer(polled, "the launcher", wait + LAUNCHER_S)
             ended = batch["done"]
             yield batch["events"]
             if ended:

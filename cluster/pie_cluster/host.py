@@ -12,6 +12,7 @@ from typing import Any
 
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint, Runtime, SessionIO, install, uninstall
+from pie_workers.deadlines import MARKET_S, answer
 
 from pie_cluster import stdio
 from pie_cluster.programs import Main, Program, ProgramError
@@ -66,7 +67,7 @@ async def run_inferlet(
     captured = stdio.capture(output) if output is not None else None
     try:
         if market is not None:
-            await market.join.remote(runtime.instance_id, endowment)
+            await answer(market.join.remote(runtime.instance_id, endowment), "the market", MARKET_S)
         return await main(input)
     finally:
         try:
@@ -76,7 +77,7 @@ async def run_inferlet(
                 stdio.release(captured)
             uninstall(token)
             if market is not None:  # after its contexts are gone: a later report of them pays nothing
-                await asyncio.shield(market.leave.remote(runtime.instance_id))
+                await asyncio.shield(answer(market.leave.remote(runtime.instance_id), "the market", MARKET_S))
 
 
 @dataclass(frozen=True)

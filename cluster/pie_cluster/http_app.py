@@ -20,6 +20,7 @@ import ray
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -174,20 +175,22 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         down or not ready 503."""
         self._requests.labels(route).inc()
         try:
-            return await method.remote(*args)
+            return await answer(method.remote(*args), "the launcher", LAUNCHER_S)
         except RayTaskError as e:
             raise launcher_error(e.cause) from None
+        except NoAnswer as e:
+            raise HTTPException(503, str(e)) from None
         except RayActorError:
             raise HTTPException(503, "the launcher is not reachable; is the cluster running?") from None
 
     @app.get("/healthz")
     async def health(self) -> dict:
         """Up, and how uploaded programs are confined (``off``: they run trusted, with Ray in reach)."""
-        return {"status": "ok", "sandbox": (await self._launcher.stats.remote())["sandbox"]}
+        return {"status": "ok", "sandbox": (await self._call("healthz", self._launcher.stats))["sandbox"]}
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        self._running.set((await self._launcher.stats.remote())["running"])
+        self._running.set((await self._call("metrics", self._launcher.stats))["running"])
         return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/programs", response_model=Uploaded)

@@ -25,7 +25,7 @@ def launcher_error(cause: BaseException | None) -> HTTPException:
         return HTTPException(400, describe_errors(cause.errors()))
     if isinstance(cause, ValueError):  # ProgramError included
         return HTTPException(400, str(cause))
-    if isinstance(cause, RuntimeError):  # the launcher cannot serve now (e.g. no hosts yet)
+    if isinstance(cause, RuntimeError | TimeoutError):  # it cannot serve now (no hosts yet), or a part hangs
         return HTTPException(503, str(cause))
     log.error("launcher call failed: %r", cause)
     return HTTPException(500, "internal error serving this request; the cluster's log has the details")

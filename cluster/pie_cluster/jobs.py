@@ -17,6 +17,7 @@ from contextlib import aclosing
 from pathlib import Path
 
 import ray
+from pie_workers.deadlines import LAUNCHER_S, answered
 from rich.console import Console
 
 from pie_cluster.client import package
@@ -74,8 +75,9 @@ def job_run(request: LaunchRequest, user: str) -> int:
     except ValueError:
         err.print("[red]error:[/red] no Pie cluster is running on this Ray cluster (run `pie start`)")
         return 1
-    program_id = ray.get(launcher.upload.remote(user, filename, data))["program"]
-    instance = ray.get(launcher.launch.remote(user, request.model_copy(update={"program": program_id})))
+    program_id = answered(launcher.upload.remote(user, filename, data), "the launcher", LAUNCHER_S)["program"]
+    launched = launcher.launch.remote(user, request.model_copy(update={"program": program_id}))
+    instance = answered(launched, "the launcher", LAUNCHER_S)
     return asyncio.run(_print_events(launcher, user, instance))
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import ray
 import ray.exceptions
+from pie_workers.deadlines import DEDICATED_START_S, HOST_S, MARKET_S, NoAnswer, answer
 from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -148,14 +149,15 @@ class Launcher:
             self._down.add(node)
             market = self._pool.services[node].market
             for instance in lost if market is not None else ():
-                with contextlib.suppress(ray.exceptions.RayError):
-                    await market.leave.remote(instance.id)
+                with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
+                    await answer(market.leave.remote(instance.id), "the market", MARKET_S)
             message = f"the inferlet host on node {node} died; the instance was lost with it"
             await self.emit([(instance.id, "error", message) for instance in lost])
             while True:  # until Ray has restarted it (a lost node's host never comes back)
                 try:
                     await asyncio.wait_for(host.ready.remote(), timeout=30)
-                    await host.set_services.remote(self._pool.services[node])  # it restarted with the first ones
+                    services = host.set_services.remote(self._pool.services[node])  # it restarted with the first ones
+                    await answer(services, f"the inferlet host on node {node}", HOST_S)
                     self._down.discard(node)
                     break
                 except (ray.exceptions.RayError, TimeoutError):
@@ -224,8 +226,9 @@ class Launcher:
     async def _watch_start(self, instance: _Instance, started) -> None:
         """The id goes back without waiting for the host to take the instance (its events follow soon); a host
         that could not take it ends the instance with an error event, which it would otherwise never get."""
+        deadline = DEDICATED_START_S if instance.dedicated else HOST_S
         try:
-            await started
+            await answer(started, f"the inferlet host on node {instance.node_id}", deadline)
         except Exception as e:
             lines = str(e).strip().splitlines() or [type(e).__name__]
             cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # Ray's errors carry tracebacks
@@ -282,7 +285,8 @@ class Launcher:
         if instance.queued:  # never started: it ends here, without a host
             await self.emit([(instance_id, "error", "aborted by its user")])
             return True
-        return await instance.host.abort.remote(instance_id, "aborted by its user")
+        aborted = instance.host.abort.remote(instance_id, "aborted by its user")
+        return await answer(aborted, f"the inferlet host on node {instance.node_id}", HOST_S)
 
     async def models(self) -> list[str]:
         """The names of the models the cluster serves (every node's inferlets reach the same ones)."""

@@ -18,6 +18,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, HTTPException
 from fastapi.responses import StreamingResponse
 from inferlet.openai_schema import ChatCompletionRequest, CompletionRequest
+from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -109,7 +110,9 @@ class OpenAIRoutes:
 
     async def _launch(self, user: str, launch: LaunchRequest, named: bool) -> str:
         try:
-            return await self._launcher.launch.remote(user, launch)
+            return await answer(self._launcher.launch.remote(user, launch), "the launcher", LAUNCHER_S)
+        except NoAnswer as e:
+            raise OpenAIError(503, str(e)) from None
         except RayTaskError as e:
             http = launcher_error(e.cause)
             param = "inferlet" if named and http.status_code == 404 else None
@@ -126,7 +129,7 @@ class OpenAIRoutes:
     async def _served_models(self) -> frozenset[str]:
         """The model names, asked of the launcher again when a request names one not known yet."""
         try:
-            self._model_names = frozenset(await self._launcher.models.remote())
-        except (RayTaskError, RayActorError):
+            self._model_names = frozenset(await answer(self._launcher.models.remote(), "the launcher", LAUNCHER_S))
+        except (RayTaskError, RayActorError, NoAnswer):
             raise OpenAIError(503, "the cluster's models are not reachable; is the cluster running?") from None
         return self._model_names

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import ray.exceptions
 from pie_workers.cache import cache_root
+from pie_workers.deadlines import MARKET_S, NoAnswer, answer
 
 from pie_cluster.config import SandboxConfig
 from pie_cluster.host import InstanceSetup
@@ -49,7 +50,7 @@ class Sandbox:
         spec = InstanceSpec(seen, ProgramRef(program.id, program.name, program.version, program.entry), input)
         market = self._host.services.market
         if market is not None:
-            await market.join.remote(setup.instance_id, limits.endowment)
+            await answer(market.join.remote(setup.instance_id, limits.endowment), "the market", MARKET_S)
             self._wallets.add(setup.instance_id)
         try:
             await self.pool.start(setup.username, program, spec, program.isolated)
@@ -72,8 +73,8 @@ class Sandbox:
             task.add_done_callback(self._tasks.discard)
 
     async def _leave(self, instance_id: str) -> None:
-        with contextlib.suppress(ray.exceptions.RayError):
-            await self._host.services.market.leave.remote(instance_id)
+        with contextlib.suppress(ray.exceptions.RayError, NoAnswer):  # a wallet the market lost or cannot close now
+            await answer(self._host.services.market.leave.remote(instance_id), "the market", MARKET_S)
 
 
 def _private_directory() -> Path:

@@ -10,6 +10,8 @@ replica's own.
 
 from __future__ import annotations
 
+from pie_workers.deadlines import DIRECTORY_S, answer
+
 Text = list[tuple[int, int]]
 Lineage = tuple[Text | None, int]  # (token, position) per token, or None if not recomputable; committed count
 
@@ -18,34 +20,40 @@ class DirectoryLink:
     def __init__(self, directory, model: str, holder):
         self._directory, self._model, self._holder = directory, model, holder
 
+    async def _ask(self, method: str, *args):
+        """One call of the directory about this model, with a deadline (a hung directory fails the op, not the
+        replica)."""
+        ref = getattr(self._directory, method).remote(self._model, *args)
+        return await answer(ref, "the user directory", DIRECTORY_S)
+
     async def register(self, user: str, name: str, lineage: Lineage | None) -> bool:
         """False if another replica already holds a snapshot of this name for this user."""
         text, committed = lineage if lineage is not None else (None, 0)
-        return await self._directory.register.remote(self._model, user, name, self._holder, text, committed)
+        return await self._ask("register", user, name, self._holder, text, committed)
 
     async def lookup(self, user: str, name: str) -> Lineage | None:
-        return await self._directory.lookup.remote(self._model, user, name)
+        return await self._ask("lookup", user, name)
 
     async def remove(self, user: str, name: str) -> Lineage | None:
         """Forget the name; the replica holding it (if not this one) drops its pages."""
-        return await self._directory.remove.remote(self._model, user, name, self._holder)
+        return await self._ask("remove", user, name, self._holder)
 
     async def add_adapter(self, user: str, name: str, adapter) -> bool:
         """False if the name is taken (an adapter of this user on any replica)."""
-        return await self._directory.add_adapter.remote(self._model, user, name, adapter, self._holder)
+        return await self._ask("add_adapter", user, name, adapter, self._holder)
 
     async def open_adapter(self, user: str, name: str):
         """The adapter's current weights (a ``LoraAdapter``) for a copy here, or None."""
-        return await self._directory.open_adapter.remote(self._model, user, name, self._holder)
+        return await self._ask("open_adapter", user, name, self._holder)
 
     async def update_adapter(self, user: str, name: str, adapter) -> None:
-        await self._directory.update_adapter.remote(self._model, user, name, adapter, self._holder)
+        await self._ask("update_adapter", user, name, adapter, self._holder)
 
     async def destroy_adapter(self, user: str, name: str) -> None:
-        await self._directory.destroy_adapter.remote(self._model, user, name, self._holder)
+        await self._ask("destroy_adapter", user, name, self._holder)
 
     async def save_adapter_file(self, user: str, path: str, adapter) -> None:
-        await self._directory.save_adapter_file.remote(self._model, user, path, adapter)
+        await self._ask("save_adapter_file", user, path, adapter)
 
     async def load_adapter_file(self, user: str, path: str):
-        return await self._directory.load_adapter_file.remote(self._model, user, path)
+        return await self._ask("load_adapter_file", user, path)

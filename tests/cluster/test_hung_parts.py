@@ -1,0 +1,92 @@
+"""A part of the cluster that hangs (its process SIGSTOPped: alive, answering nothing) fails what needs it with an
+error naming it once its deadline (``pie_workers.deadlines``) passes, instead of hanging the caller; once it is
+continued (SIGCONT), the same calls work again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+import pytest
+import ray
+from launching import launch, run_to_end, upload
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
+from pie_cluster.controller import start_controller
+from pie_workers.deadlines import HOST_S, MARKET_S
+from ray.util.state import list_actors
+
+GREEDY = """
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    with Context(Model.load("default")) as ctx:
+        ctx.user("anyone there?")
+        return await ctx.generate(Sampler.argmax(), max_tokens=3, stop=[]).collect_tokens()
+"""
+
+PARKED = """
+from inferlet import session
+
+async def main(input):
+    session.send("parked")
+    return await session.receive()
+"""
+
+
+@pytest.fixture(scope="module")
+def small_cluster(ray_session):
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[ModelConfigEntry(pages=64)])
+    controller = start_controller(config, detached=False)
+    yield controller
+    ray.get(controller.shutdown.remote())
+    ray.kill(controller)
+
+
+def pid_of(ray_cluster, **match) -> int:
+    """The process of the one live actor of this session's namespace with these fields (name, class_name, node_id)."""
+    found = [
+        a
+        for a in list_actors(ray_cluster.address, filters=[("state", "=", "ALIVE")], detail=True, limit=10_000)
+        if a["ray_namespace"] == "pie-test" and all(a.get(k) == v for k, v in match.items())
+    ]
+    assert len(found) == 1, found
+    return found[0]["pid"]
+
+
+@contextmanager
+def stopped(pid: int):
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_hung_market_fails_a_launch_with_an_error_naming_it(small_cluster, ray_cluster):
+    launcher = ray.get_actor("pie-launcher")
+    program = upload(launcher, GREEDY)
+    with stopped(pid_of(ray_cluster, name="pie-market")):
+        began = time.monotonic()
+        last = run_to_end(launcher, launch(launcher, program), timeout=MARKET_S + 120)[-1]
+        print(f"hung market -> error event after {time.monotonic() - began:.1f} s")
+    assert last[1] == "error" and f"the market did not answer within {MARKET_S:g} s" in last[2], last
+    assert run_to_end(launcher, launch(launcher, program))[-1][1] == "return"  # continued, it serves again
+
+
+def test_a_hung_inferlet_host_fails_an_abort_and_a_launch_with_errors_naming_it(small_cluster, ray_cluster):
+    launcher = ray.get_actor("pie-launcher")
+    head = ray.get_runtime_context().get_node_id()
+    parked, program = upload(launcher, PARKED), upload(launcher, GREEDY)
+    waiting = launch(launcher, parked, node_id=head)
+    assert ray.get(launcher.events.remote("alice", waiting, 0, 60.0))["events"][0][1:] == ["message", "parked"]
+    with stopped(pid_of(ray_cluster, class_name="InferletHost", node_id=head)):
+        began = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match=f"node {head} did not answer within {HOST_S:g} s"):
+            ray.get(launcher.abort.remote("alice", waiting))
+        print(f"hung host -> abort failed after {time.monotonic() - began:.1f} s")
+        last = run_to_end(launcher, launch(launcher, program, node_id=head), timeout=HOST_S + 120)[-1]
+    assert last[1] == "error" and f"node {head} did not answer within {HOST_S:g} s" in last[2], last
+    assert run_to_end(launcher, waiting)[-1][1] == "error"  # continued, it takes the abort it was sent
+    assert run_to_end(launcher, launch(launcher, program, node_id=head))[-1][1] == "return"
