@@ -18,6 +18,7 @@ import ray
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from inferlet.responses_schema import Continued, ResponsesRequest, Turn, snapshot_name
+from pie_workers.deadlines import LAUNCHER_S, RESPONSE_STORE_S, NoAnswer, answer
 from ray.exceptions import RayActorError
 
 from pie_cluster.launch_request import LaunchRequest
@@ -96,7 +97,7 @@ class ResponsesRoutes:
 
     @router.delete(RESPONSES_PATH + "/{response_id}")
     async def delete_response(self, response_id: str, user: OpenAIUser) -> dict:
-        if await self._store().delete.remote(user, response_id) is None:
+        if await self._ask(self._store().delete.remote(user, response_id)) is None:
             raise self._unknown(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -105,9 +106,12 @@ class ResponsesRoutes:
         record = await self._record(user, response_id)
         if record.status != "in_progress" or record.instance is None:
             raise OpenAIError(400, f"response {response_id} is {record.status}: only one in progress can be cancelled")
-        await self._launcher.abort.remote(user, record.instance)
+        try:
+            await answer(self._launcher.abort.remote(user, record.instance), "the launcher", LAUNCHER_S)
+        except (NoAnswer, RayActorError) as e:
+            raise OpenAIError(503, f"the turn could not be cancelled: {e}") from None
         record.body |= {"status": "cancelled"}
-        await self._store().fail.remote(record)
+        await self._ask(self._store().fail.remote(record))
         return record.body
 
     # -- serving a turn ----------------------------------------------------------------------------------------
@@ -121,7 +125,7 @@ class ResponsesRoutes:
             message = f"previous_response_id {previous.id} is {previous.status}; only a finished one continues"
             raise OpenAIError(400, message, param="previous_response_id")
         if previous.header != body.header():
-            return None, await self._store().history.remote(user, previous.id)
+            return None, await self._ask(self._store().history.remote(user, previous.id))
         name = snapshot_name(previous.id)
         return Continued(snapshot=name, pending=previous.pending, call_names=previous.call_names), []
 
@@ -156,7 +160,7 @@ class ResponsesRoutes:
             record = turn.record
             record.body, record.pending, record.instance = body, report.pending, None
             record.call_names = {item.call_id: item.name for item in report.output if item.type == "function_call"}
-            await self._store().put.remote(record)
+            await self._ask(self._store().put.remote(record))
         turn.done = True
         return body
 
@@ -186,10 +190,7 @@ class ResponsesRoutes:
                 self._store().fail.remote(turn.record)  # not awaited: this may run in a cancelled task
 
     async def _record(self, user: str, response_id: str, param: str | None = None) -> ResponseRecord:
-        try:
-            record = await self._store().get.remote(user, response_id)
-        except RayActorError:
-            raise OpenAIError(503, "the response store is not reachable; is the cluster running?") from None
+        record = await self._ask(self._store().get.remote(user, response_id))
         if record is None:
             raise self._unknown(response_id, param)
         return record
@@ -197,6 +198,13 @@ class ResponsesRoutes:
     @staticmethod
     def _unknown(response_id: str, param: str | None = None) -> OpenAIError:
         return OpenAIError(404, f"no response with id {response_id!r}", param=param, code="response_not_found")
+
+    async def _ask(self, ref):
+        """The store's answer to a call; 503 when it does not answer in time or is gone."""
+        try:
+            return await answer(ref, "the response store", RESPONSE_STORE_S)
+        except (NoAnswer, RayActorError) as e:
+            raise OpenAIError(503, f"the response store is not reachable: {e}") from None
 
     def _store(self):
         """The cluster's response store (looked up on first use: it is the controller's, made after the app)."""

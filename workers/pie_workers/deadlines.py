@@ -13,6 +13,7 @@ LAUNCHER_S = 30.0  # the launcher: a route of the HTTP app, a Ray job, the contr
 MARKET_S = 10.0  # the market: an instance's wallet opened or closed
 DIRECTORY_S = 30.0  # the user directory: a snapshot's lineage, an adapter's weights
 HOST_S = 30.0  # an inferlet host: taking an instance, an abort, a change of services
+RESPONSE_STORE_S = 10.0  # the Responses API's record store: a record read, written or removed
 DEDICATED_START_S = 600.0  # a dedicated host made for one instance: started, its runtime_env installed, ready
 
 
