@@ -2,11 +2,12 @@
 
 ``pie start`` creates it as a detached named actor, so the services outlive the command: the KV-page market, the
 model replicas of every ``[[model]]`` (tensor-parallel groups, one bundle each of the model's placement group, so
-replicas spread over nodes; each reports to the market), the message bus shards, one pooled inferlet host per node,
-and the launcher (named, so the HTTP app and Ray jobs find it). It also computes, per node, how an inferlet there
-reaches each model: over ipc to a replica on the same node when there is one, else over tcp. Models are named to
-replicas by path or as the embedded model, never by a path from the controller's node: each replica resolves its
-model where it runs, and hosts get a model's tokenizer files through Ray.
+replicas spread over nodes; each reports to the market), the message bus shards, one pooled inferlet host per node
+(nodes that join later get theirs), and the launcher (named, so the HTTP app and Ray jobs find it). It also
+computes, per node, how an inferlet there reaches each model: over ipc to a replica on the same node when there is
+one, else over tcp. Models are named to replicas by path or as the embedded model, never by a path from the
+controller's node: each replica resolves its model where it runs, and hosts get a model's tokenizer files through
+Ray. Replicas that die or hang are replaced by the supervisor (``supervisor.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import threading
 from dataclasses import dataclass
 
 import ray
@@ -84,22 +86,13 @@ class Controller:
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
         self.bus = start_bus(shards=config.bus.shards, detached=False, secret=self.secret)
-        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        nodes = sorted(_alive_nodes())
         launcher_cls = ray.remote(Launcher).options(
             name=LAUNCHER, num_cpus=0, max_concurrency=100_000, scheduling_strategy=here
         )
         self.launcher = launcher_cls.remote(config.launcher, sandboxed=config.sandbox.enabled)
         services = self._services(nodes)
-        host_cls = ray.remote(InferletHost)
-        self.hosts = {
-            node: host_cls.options(
-                num_cpus=0,
-                max_restarts=-1,  # a host that dies comes back (the launcher fails the instances it had)
-                max_concurrency=100_000,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(self.launcher, services[node], self.secret, config.sandbox)
-            for node in nodes
-        }
+        self.hosts = {node: self._start_host(node, services[node]) for node in nodes}
         pool = HostPool(
             hosts=self.hosts,
             services=services,
@@ -107,7 +100,44 @@ class Controller:
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
         )
         answered(self.launcher.attach_pool.remote(pool), "the launcher", LAUNCHER_S)
+        self._hosting = threading.Lock()  # hosts added and services published one at a time
+        self._stopping = threading.Event()
         self.supervisor = Supervisor(config.supervision, self.replicas, self._new_replica, self._publish)
+        threading.Thread(target=self._watch_nodes, name="node-watcher", daemon=True).start()
+
+    def _start_host(self, node: str, services: NodeServices):
+        """The pooled inferlet host of ``node``; Ray restarts it if it dies (the launcher fails what it ran)."""
+        return (
+            ray.remote(InferletHost)
+            .options(
+                num_cpus=0,
+                max_restarts=-1,
+                max_concurrency=100_000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            )
+            .remote(self.launcher, services, self.secret, self.config.sandbox)
+        )
+
+    def _watch_nodes(self) -> None:
+        """A node that joins after the start gets a pooled host, and the launcher places launches there."""
+        while not self._stopping.wait(self.config.supervision.probe_every_s):
+            for node in sorted(_alive_nodes() - set(self.hosts)):
+                try:
+                    self._add_host(node)
+                except Exception:  # e.g. the launcher does not answer: tried again on the next round
+                    log.exception("starting an inferlet host on the new node %s failed", node)
+
+    def _add_host(self, node: str) -> None:
+        with self._hosting:
+            services = self._services([*self.hosts, node])
+            host = self._start_host(node, services[node])
+            try:
+                answered(self.launcher.add_host.remote(node, host, services), "the launcher", LAUNCHER_S)
+            except BaseException:  # the next round makes another
+                ray.kill(host)
+                raise
+            self.hosts[node] = host
+            log.info("node %s joined: its inferlet host takes launches", node)
 
     def _services(self, nodes) -> dict[str, NodeServices]:
         """What inferlets on each node reach: the models (through this node's view of the replicas), bus, MCP
@@ -126,10 +156,11 @@ class Controller:
 
     def _publish(self) -> None:
         """A replica was replaced: hosts and the launcher get the new addresses."""
-        services = self._services(list(self.hosts))
-        for node, host in self.hosts.items():
-            host.set_services.remote(services[node])
-        answered(self.launcher.set_services.remote(services), "the launcher", LAUNCHER_S)
+        with self._hosting:
+            services = self._services(list(self.hosts))
+            for node, host in self.hosts.items():
+                host.set_services.remote(services[node])
+            answered(self.launcher.set_services.remote(services), "the launcher", LAUNCHER_S)
 
     @property
     def _deadline(self) -> float:
@@ -230,7 +261,7 @@ class Controller:
                     }
                 )
         alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
-        hosts = {node: self._probe(host.describe.remote()) for node, host in self.hosts.items()}
+        hosts = {node: self._probe(host.describe.remote()) for node, host in list(self.hosts.items())}
         launcher = self._probe(self.launcher.stats.remote())
         market = self._probe(self.market.summary.remote())
         try:
@@ -261,6 +292,7 @@ class Controller:
     def shutdown(self) -> None:
         """Stop everything, whatever has died already (a dead part is simply skipped)."""
         self.supervisor.stop()
+        self._stopping.set()
         with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             ray.get(self.launcher.close.remote(), timeout=self._deadline)  # its program store leaves the disk
         for actor in [self.launcher, *self.hosts.values(), self.market, self.directory, self.responses]:
@@ -310,6 +342,10 @@ def stop_controller() -> bool:
         ray.get(controller.shutdown.remote(), timeout=120)
     ray.kill(controller)
     return True
+
+
+def _alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
 def _host_row(described: object) -> dict:

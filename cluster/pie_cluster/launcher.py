@@ -129,6 +129,12 @@ class Launcher:
         for node, host in pool.hosts.items():
             self._spawn(self._watch_host(node, host))
 
+    async def add_host(self, node: str, host, services: dict[str, NodeServices]) -> None:
+        """A node joined: its pooled host takes launches from now on, watched like the others (``services``: every
+        node's, the new one's included)."""
+        self._pool = dataclasses.replace(self._pool, hosts={**self._pool.hosts, node: host}, services=services)
+        self._spawn(self._watch_host(node, host))
+
     async def set_services(self, services: dict[str, NodeServices]) -> None:
         """Replicas were replaced: what each node's instances reach from now on (dedicated hosts made later, and
         pooled hosts that Ray restarts, get these)."""
@@ -147,12 +153,7 @@ class Launcher:
                 await host.lifetime.remote()
             lost = [i for i in self._instances.values() if i.host is host and not i.queued and i.log.terminal is None]
             self._down.add(node)
-            market = self._pool.services[node].market
-            for instance in lost if market is not None else ():
-                with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
-                    await answer(market.leave.remote(instance.id), "the market", MARKET_S)
-            message = f"the inferlet host on node {node} died; the instance was lost with it"
-            await self.emit([(instance.id, "error", message) for instance in lost])
+            await self._lose(lost, f"the inferlet host on node {node} died; the instance was lost with it")
             while True:  # until Ray has restarted it (a lost node's host never comes back)
                 try:
                     await asyncio.wait_for(host.ready.remote(), timeout=30)
@@ -162,6 +163,15 @@ class Launcher:
                     break
                 except (ray.exceptions.RayError, TimeoutError):
                     await asyncio.sleep(1.0)
+
+    async def _lose(self, lost: list[_Instance], message: str) -> None:
+        """Instances whose host died: their wallets close and they end with ``message``."""
+        for instance in lost:
+            market = self._pool.services[instance.node_id].market
+            if market is not None:
+                with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
+                    await answer(market.leave.remote(instance.id), "the market", MARKET_S)
+        await self.emit([(instance.id, "error", message) for instance in lost])
 
     # -- programs ------------------------------------------------------------------------------------------------
 
@@ -225,7 +235,8 @@ class Launcher:
 
     async def _watch_start(self, instance: _Instance, started) -> None:
         """The id goes back without waiting for the host to take the instance (its events follow soon); a host
-        that could not take it ends the instance with an error event, which it would otherwise never get."""
+        that could not take it ends the instance with an error event, which it would otherwise never get; so does a
+        dedicated host that dies while its instance runs."""
         deadline = DEDICATED_START_S if instance.dedicated else HOST_S
         try:
             await answer(started, f"the inferlet host on node {instance.node_id}", deadline)
@@ -234,6 +245,12 @@ class Launcher:
             cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # Ray's errors carry tracebacks
             message = f"the inferlet host on node {instance.node_id} could not start the instance: {cause}"
             await self.emit([(instance.id, "error", message)])
+            return
+        if instance.dedicated:  # not restarted by Ray: if it dies before its one instance ends, that is lost
+            with contextlib.suppress(ray.exceptions.RayError):
+                await instance.host.lifetime.remote()
+            if instance.log.terminal is None:
+                await self._lose([instance], f"the dedicated inferlet host on node {instance.node_id} died")
 
     def _choose_node(self, node_id: str | None) -> str:
         hosts = self._pool.hosts

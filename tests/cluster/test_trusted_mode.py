@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import ray
@@ -48,4 +49,33 @@ def test_a_runtime_env_goes_to_ray_and_a_host_that_cannot_start_ends_the_instanc
     (event,) = run_to_end(launcher, instance)  # ...and the instance ends saying why it never ran
     assert event[1] == "error" and "could not start the instance" in event[2] and "runtime env" in event[2]
     assert ray.get(launcher.abort.remote("alice", instance)) is False
+    assert ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0
+
+
+def test_a_killed_dedicated_host_ends_its_instance_with_an_error(launcher):
+    """SIGKILL the dedicated host of a parked isolated instance: the instance ends with an error saying so, and its
+    wallet closes (a dedicated host is not restarted: its one instance is lost with it)."""
+    import os
+    import signal
+
+    main = """
+    import os
+    from inferlet import session
+
+    async def main(input):
+        session.send(str(os.getpid()))
+        return await session.receive()
+    """
+    manifest = '[package]\nname = "parked"\nversion = "0.1.0"\n[inferlet]\nisolated = true\n'
+    data = zip_program({"pie.toml": manifest, "main.py": main})
+    program = ray.get(launcher.upload.remote("alice", "parked.zip", data))["program"]
+    instance = launch(launcher, program)
+    (event,) = ray.get(launcher.events.remote("alice", instance, 0, 60.0))["events"]
+    os.kill(int(event[2]), signal.SIGKILL)
+    last = run_to_end(launcher, instance)[-1]
+    assert last[1] == "error" and "dedicated inferlet host" in last[2] and "died" in last[2], last
+    for _ in range(100):
+        if ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0:
+            break
+        time.sleep(0.1)
     assert ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0
