@@ -90,7 +90,7 @@ class Controller:
         launcher_cls = ray.remote(Launcher).options(
             name=LAUNCHER, num_cpus=0, max_concurrency=100_000, scheduling_strategy=here
         )
-        self.launcher = launcher_cls.remote(config.launcher, sandboxed=config.sandbox.enabled)
+        self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision)
         services = self._services(nodes)
         self.hosts = {node: self._start_host(node, services[node]) for node in nodes}
         pool = HostPool(

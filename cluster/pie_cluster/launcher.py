@@ -27,8 +27,9 @@ from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.admission import Admission
-from pie_cluster.config import LauncherConfig
+from pie_cluster.config import LauncherConfig, SupervisionConfig
 from pie_cluster.events import EventLog
+from pie_cluster.host_watch import until_gone
 from pie_cluster.inferlet_host import InferletHost, InstanceLimits, NodeServices
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.market import endowment_for
@@ -105,10 +106,11 @@ class HostPool:
 
 
 class Launcher:
-    def __init__(self, config: LauncherConfig, sandboxed: bool):
+    def __init__(self, config: LauncherConfig, sandboxed: bool, supervision: SupervisionConfig):
         """``sandboxed``: uploaded programs run in the nodes' sandboxed workers (``[sandbox]`` is not off), so a
         manifest may not ask for a Ray runtime_env and an isolated program gets a worker, not a Ray actor, of its
-        own."""
+        own; ``supervision``: how pooled hosts are pinged (a hung one is killed for Ray to restart)."""
+        self._supervision = supervision
         self._pool: HostPool | None = None
         self._sandboxed = sandboxed
         self._programs = ProgramStore(_store_directory(config.program_store_dir), config.program_store_mib << 20)
@@ -146,11 +148,11 @@ class Launcher:
         task.add_done_callback(self._watching.discard)
 
     async def _watch_host(self, node: str, host) -> None:
-        """A pooled host that dies (its process killed, its node lost) takes its instances with it: they end with
-        an error event and their wallets close. Ray restarts the host; launches on the node then work again."""
+        """A pooled host that dies (its process killed, its node lost) or hangs (then it is killed) takes its
+        instances with it: they end with an error event and their wallets close. Ray restarts the host; launches on
+        the node then work again."""
         while True:
-            with contextlib.suppress(ray.exceptions.RayError):
-                await host.lifetime.remote()
+            await until_gone(node, host, self._supervision)
             lost = [i for i in self._instances.values() if i.host is host and not i.queued and i.log.terminal is None]
             self._down.add(node)
             await self._lose(lost, f"the inferlet host on node {node} died; the instance was lost with it")
