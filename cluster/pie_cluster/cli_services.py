@@ -167,13 +167,13 @@ def status(
 ) -> None:
     """Replicas (state, pages used/total, suspended contexts, page price, queue, batches), nodes and their inferlet
     hosts, instances, wallets, bus. A dead or unresponsive part is shown as such."""
-    import ray
+    from pie_workers.deadlines import CONTROLLER_S, answered
 
     from pie_cluster.controller import find_controller
 
     with _one_line_errors("pie status"):
         _join(*_address_to_join(address, load_state()))
-        report = ray.get(find_controller().status.remote())
+        report = answered(find_controller().status.remote(), "the controller", CONTROLLER_S)
     if as_json:
         print(json.dumps(report, indent=2))
         return

@@ -265,7 +265,9 @@ class Controller:
         launcher = self._probe(self.launcher.stats.remote())
         market = self._probe(self.market.summary.remote())
         try:
-            bus = self.bus.stats()
+            bus = self.bus.stats(timeout=self._deadline)
+        except ray.exceptions.GetTimeoutError:
+            bus = "unresponsive"
         except ray.exceptions.RayError:
             bus = "dead"
         return {

@@ -98,3 +98,9 @@ def test_a_hung_inferlet_host_is_killed_and_restarted_and_its_instance_fails(sma
             time.sleep(0.5)
     assert run_to_end(launcher, instance)[-1][1] == "return"
     assert pid_of(ray_cluster, class_name="InferletHost", node_id=head) != hung
+
+
+def test_a_hung_bus_shard_shows_unresponsive_in_status_instead_of_hanging_it(small_cluster, ray_cluster):
+    with stopped(pid_of(ray_cluster, name="pie-bus-0")):
+        assert ray.get(small_cluster.status.remote())["bus"] == {"state": "unresponsive"}
+    assert "subscriptions" in ray.get(small_cluster.status.remote())["bus"]  # continued, it answers again

@@ -12,6 +12,7 @@ import asyncio
 LAUNCHER_S = 30.0  # the launcher: a route of the HTTP app, a Ray job, the controller (beyond a long poll's wait)
 MARKET_S = 10.0  # the market: an instance's wallet opened or closed
 DIRECTORY_S = 30.0  # the user directory: a snapshot's lineage, an adapter's weights
+CONTROLLER_S = 300.0  # the controller: `pie status` (which itself waits up to a probe deadline for each part)
 HOST_S = 30.0  # an inferlet host: taking an instance, an abort, a change of services
 RESPONSE_STORE_S = 10.0  # the Responses API's record store: a record read, written or removed
 DEDICATED_START_S = 600.0  # a dedicated host made for one instance: started, its runtime_env installed, ready

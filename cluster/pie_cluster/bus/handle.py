@@ -27,10 +27,11 @@ class Bus:
         node_id = node_id or ray.get_runtime_context().get_node_id()
         return tuple(info.ipc if info.node_id == node_id else info.tcp for info in self.infos)
 
-    def stats(self, user: str | None = None) -> dict[str, int]:
-        """What the bus holds, summed over shards (only ``user``'s topics and sessions, if given)."""
+    def stats(self, user: str | None = None, timeout: float | None = None) -> dict[str, int]:
+        """What the bus holds, summed over shards (only ``user``'s topics and sessions, if given); Ray's
+        ``GetTimeoutError`` if a shard does not answer within ``timeout`` s."""
         total: dict[str, int] = {}
-        for shard in ray.get([s.stats.remote(user) for s in self.shards]):
+        for shard in ray.get([s.stats.remote(user) for s in self.shards], timeout=timeout):
             for name, count in shard.items():
                 total[name] = total.get(name, 0) + count
         return total
