@@ -6,8 +6,8 @@ runs it. Lifetime and snapshot operations are synchronous round trips to the rep
 
 from __future__ import annotations
 
-import math
 import asyncio
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 

@@ -33,6 +33,7 @@ def run_to_end(launcher, instance_id: str, user: str = "alice", timeout: float =
 def engine_stats(cluster) -> list[dict]:
     return ray.get(cluster.status.remote())["replicas"]
 
+
 # A program that generates until it is stopped (subscribed to a topic, so it holds a bus session too), or with
 # ``{"how": "raise"}`` raises after its first pass.
 LONG = """

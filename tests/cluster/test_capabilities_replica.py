@@ -236,7 +236,9 @@ def test_a_wallet_is_only_ever_the_verified_instances(replica, market):
         assert raw.call(session(mine["capability"]), "account")[1]["balance"] == 50.0
         error, ctx = raw.call(session(mine["capability"]), "create")
         prompt = list(range(5, 40))
-        request = PassRequest(ctx, tokens=prompt, positions=list(range(len(prompt))), slots=[[len(prompt) - 1, SAMPLER]])
+        request = PassRequest(
+            ctx, tokens=prompt, positions=list(range(len(prompt))), slots=[[len(prompt) - 1, SAMPLER]]
+        )
         assert raw.call(session(mine["capability"]), "forward", encode(request))[0] is None
         for _ in range(200):  # its pages are charged at the market's next round
             if raw.call(session(mine["capability"]), "account")[1]["balance"] < 50.0:

@@ -101,7 +101,9 @@ sessions = st.one_of(
 requests = st.tuples(st.integers(0, 2**31), sessions, st.sampled_from(OPS) | values, st.lists(values, max_size=18))
 frames = st.one_of(
     st.lists(requests.map(list), min_size=1, max_size=6).map(msgpack.packb),  # well-formed, wrong contents
-    st.lists(requests.map(list), min_size=1, max_size=3).map(msgpack.packb).flatmap(  # cut short
+    st.lists(requests.map(list), min_size=1, max_size=3)
+    .map(msgpack.packb)
+    .flatmap(  # cut short
         lambda b: st.integers(1, max(1, len(b) - 1)).map(lambda n: b[:n])
     ),
     values.map(msgpack.packb),  # not a list of requests at all

@@ -34,6 +34,7 @@ from sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 
+
 def sampled(input: dict) -> Sampler:
     return Sampler.multinomial(1.0, input["seed"])
 

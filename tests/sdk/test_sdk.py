@@ -271,5 +271,7 @@ def test_a_model_that_fails_to_close_does_not_keep_the_others_contexts(served, t
         Context(Model.load("default")).user("kept until the end")
 
     with pytest.raises(ReplicaError, match="cannot reach the replica"):
-        asyncio.run(run_inferlet(holds_both, {}, {**served.endpoints, "gone": gone}, "alice", **TRUST.instance("alice")))
+        asyncio.run(
+            run_inferlet(holds_both, {}, {**served.endpoints, "gone": gone}, "alice", **TRUST.instance("alice"))
+        )
     assert served.stats()["contexts"] == 0

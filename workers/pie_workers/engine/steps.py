@@ -176,7 +176,13 @@ class Steps:
             self.residency.grant(record, need)
             view = self.table.view(record.id)
         request = one_step(
-            sampled, a.positions[-1] + 1, list(view.page_ids), view.seq_len, [(0, s) for _, s in slots], None, PLAIN_PASS
+            sampled,
+            a.positions[-1] + 1,
+            list(view.page_ids),
+            view.seq_len,
+            [(0, s) for _, s in slots],
+            None,
+            PLAIN_PASS,
         )
         ahead = record.ahead = StepAhead(request, [[0, s] for _, s in a.slots])
         self.steps_ahead += 1
