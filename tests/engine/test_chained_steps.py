@@ -35,14 +35,14 @@ def test_one_pass_of_many_steps_ends_where_single_steps_end(runner):
         for step in range(40):
             [_, walk, seq_len, _] = await e.forward(one_by_one, [], len(PROMPT) + step, chained=[])
             tokens += walk
-        chained_before = e.engine.chained_passes
+        chained_before = e.engine.passes.steps.chained_passes
         at_once, _ = await e.prefilled(PROMPT)
         [slots, walk, seq_len_at_once, _] = await e.forward(at_once, [], len(PROMPT), chained=[], steps=40)
         views = [e.engine.contexts.view(c) for c in (one_by_one, at_once)]
         continuation = [await e.forward(c, [], len(PROMPT) + 40, chained=[]) for c in (one_by_one, at_once)]
         for c in (one_by_one, at_once):
             await e.call("destroy", c)
-        chained, store = e.engine.chained_passes - chained_before, e.engine.store.stats()
+        chained, store = e.engine.passes.steps.chained_passes - chained_before, e.engine.store.stats()
         return tokens, [first, *walk], slots, (seq_len, seq_len_at_once), chained, views, continuation, store
 
     tokens, at_once, slots, (seq_len, seq_len_at_once), chained, views, continuation, store = run(runner, body)
@@ -106,7 +106,7 @@ def test_destroying_the_context_midway_fails_the_pass_and_frees_its_pages(runner
     async def body(e: Engine):
         ctx, _ = await e.prefilled(PROMPT)
         running = e.forward(ctx, [], len(PROMPT), chained=[], steps=30)
-        while e.engine.chained_passes < 5:
+        while e.engine.passes.steps.chained_passes < 5:
             await asyncio.sleep(0)
         await e.call("destroy", ctx)
         with pytest.raises(ValueError, match=f"context {ctx} was destroyed"):

@@ -138,3 +138,13 @@ def test_contexts_of_a_connection_that_vanished_are_released(replica):
             break
         threading.Event().wait(0.05)
     assert got["contexts"] == 0 and got["free"] + got["cached"] == got["total"], got
+
+
+def test_a_context_made_after_its_session_closed_in_the_same_frame_is_released(replica):
+    """``close`` then ``create`` (or ``fork``) of one session in one frame: the close runs first and forgets the
+    session, so the connection's drop finds nothing to close; the context made after it is released at once."""
+    path = replica[0]
+    name = session("closing", "1", "s")
+    send_and_drop(path, msgpack.packb([[0, name, "close", []], [1, name, "create", []], [2, name, "create", []]]))
+    got = stats(replica)
+    assert got["contexts"] == 0 and got["free"] + got["cached"] == got["total"], got

@@ -54,9 +54,9 @@ def test_steps_run_ahead_are_taken_and_end_where_plain_steps_end(runner):
                 [slots, _, seq_len, _] = await e.forward(ctx, [tokens[-1]], len(PROMPT) + step, ahead=ahead)
                 tokens.append(slots[0][1])
             runs[ahead is not None] = ctx, tokens, seq_len, shape(e, ctx)
-        counts = e.engine.steps_ahead, e.engine.steps_ahead_taken
+        counts = e.engine.passes.steps.steps_ahead, e.engine.passes.steps.steps_ahead_taken
         continuation = [await e.forward(c, [runs[a][1][-1]], len(PROMPT) + 40) for a, (c, *_) in runs.items()]
-        taken_by_continuation = e.engine.steps_ahead_taken - counts[1]
+        taken_by_continuation = e.engine.passes.steps.steps_ahead_taken - counts[1]
         for ctx, *_ in runs.values():
             await e.call("destroy", ctx)
         return runs, counts, continuation, taken_by_continuation, e.engine.store.stats()
@@ -141,13 +141,13 @@ def test_anything_else_drops_the_step_ahead(runner, between):
         for ahead in (None, []):
             ctx, first = await e.prefilled(prompt)
             [slots, _, _, _] = await e.forward(ctx, [first], len(prompt), ahead=ahead, hold=1)
-            taken = e.engine.steps_ahead_taken
+            taken = e.engine.passes.steps.steps_ahead_taken
             answer = await between(e, ctx, first, slots[0][1], len(prompt) + 1)
-            taken = e.engine.steps_ahead_taken - taken
+            taken = e.engine.passes.steps.steps_ahead_taken - taken
             [after, _, _, _] = await e.forward(ctx, [answer[0][0][1]], answer[2])  # reads the KV written so far
             runs[ahead is not None] = answer, shape(e, ctx), taken, after
             await e.call("destroy", ctx)
-        return runs, e.engine.steps_ahead, e.engine.store.stats()
+        return runs, e.engine.passes.steps.steps_ahead, e.engine.store.stats()
 
     runs, steps_ahead, store = run(runner, body)
     (plain, plain_shape, _, plain_after), (answer, ahead_shape, taken, after) = runs[False], runs[True]
@@ -166,7 +166,7 @@ def test_no_step_runs_ahead_of_a_stop_id(runner):
         stop = slots[0][1]
         await e.forward(ctx, [first], len(PROMPT), ahead=[stop])
         await e.forward(ctx, [stop], len(PROMPT) + 1, ahead=[stop + 1])
-        return e.engine.steps_ahead
+        return e.engine.passes.steps.steps_ahead
 
     assert run(runner, body) == 1, "only the step that did not sample a stop id ran the next one ahead"
 

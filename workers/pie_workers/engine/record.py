@@ -35,6 +35,7 @@ class Session:
     instance: str  # the inferlet's process, whose wallet pays the rent of its contexts
     key: str  # the inferlet run; scopes its contexts
     expires: float  # when its capability does (``time.time()``): past it, its requests are refused
+    closed: bool = False  # its inferlet ended: a context an operation still in flight makes for it is released
 
 
 class Sessions:

@@ -136,7 +136,7 @@ class ReplicaEngine:
         handler = self._operations.get(op)
         if handler is None:
             raise ValueError(f"unknown replica operation {op!r}")
-        return self._operation(handler(session, *args))
+        return self._operation(handler(session, *args), session)
 
     def _disconnected(self, names: set[str]) -> None:
         """An inferlet process went away without closing these sessions (it died with its host, or its
@@ -148,10 +148,14 @@ class ReplicaEngine:
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
 
-    async def _operation(self, work: Awaitable):
+    async def _operation(self, work: Awaitable, session: Session | None = None):
+        """Run an operation; one that made a context for a session closed meanwhile (a frame of ``close`` then
+        ``create``) has it released at once, as the close would have."""
         try:
             return await work
         finally:
+            if session is not None and session.closed:
+                await self._release(session)
             self.residency.wake()  # pages may have been freed
 
     def _own(self, session: Session, ctx: int) -> EngineContext:
@@ -196,9 +200,8 @@ class ReplicaEngine:
 
     async def op_close(self, session: Session) -> int:
         """The inferlet ended: release every context it still holds (snapshots survive)."""
-        held = [state.id for state in self.records if state.session is session]
-        for ctx in held:
-            await self.op_destroy(session, ctx)
+        session.closed = True
+        held = await self._release(session)
         self.sessions.forget(session.name)
         self.channel.forget(session.name)
         if self.market is not None:
@@ -207,6 +210,13 @@ class ReplicaEngine:
                 await self.market.round(settle_made=True)
             except Exception:  # the contexts are gone either way; the market only misses this round
                 log.exception("market round at the end of %s failed", session.name)
+        return held
+
+    async def _release(self, session: Session) -> int:
+        """Destroy every context ``session`` holds; how many there were."""
+        held = [state.id for state in self.records if state.session is session]
+        for ctx in held:
+            await self.op_destroy(session, ctx)
         return len(held)
 
     async def op_fork(self, session: Session, ctx: int) -> dict:
@@ -379,18 +389,3 @@ class ReplicaEngine:
             "market_rounds": self.market.rounds if self.market else 0,
             "price": self.market.price if self.market else 0.0,
         }
-
-    @property
-    def chained_passes(self) -> int:
-        """Passes that ran on the token their predecessor sampled."""
-        return self.passes.steps.chained_passes
-
-    @property
-    def steps_ahead(self) -> int:
-        """Steps run before they were asked for."""
-        return self.passes.steps.steps_ahead
-
-    @property
-    def steps_ahead_taken(self) -> int:
-        """Steps run ahead that a request then adopted."""
-        return self.passes.steps.steps_ahead_taken
