@@ -69,6 +69,7 @@ def run(
 
     from pie_cluster.arguments import fold_arguments
     from pie_cluster.bus import start_bus
+    from pie_cluster.cpu_share import ModelShape, NodeRoom, automatic_cpus_per_rank, usable_cpus
     from pie_cluster.host import encode_return, endpoints_for, load_program, run_inferlet
     from pie_cluster.local_ray import init_ray
     from pie_cluster.local_trust import LocalTrust
@@ -79,7 +80,9 @@ def run(
     except (ValueError, SyntaxError, ImportError) as e:
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
-    init_ray(num_cpus=max(2, tp))
+    # the rank gets what this machine spares, split among its tp ranks (cpu_share.py), as `pie start` does
+    cpus_per_rank = automatic_cpus_per_rank([NodeRoom(usable_cpus())], [ModelShape(tensor_parallel=tp)])
+    init_ray(num_cpus=max(2, tp * cpus_per_rank))
     import ray
 
     market = get_or_create_market(ray.get_runtime_context().namespace)
@@ -91,7 +94,13 @@ def run(
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
     replica = Replica(
-        model or default_model_path("llama"), tp, settings, engine=BatchLimits(), market=market, secret=trust.secret
+        model or default_model_path("llama"),
+        tp,
+        settings,
+        cpus_per_rank,
+        engine=BatchLimits(),
+        market=market,
+        secret=trust.secret,
     )
     try:
         result = asyncio.run(

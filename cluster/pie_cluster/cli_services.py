@@ -178,11 +178,13 @@ def status(
         print(json.dumps(report, indent=2))
         return
     table = Table(title="replicas")
-    columns = ("model", "#", "node", "TP", "device", "state", "pages used / total", "cached", "suspended", "price")
+    columns = ("model", "#", "node", "TP", "CPUs/rank", "device", "state", "pages used / total", "cached")
+    columns = (*columns, "suspended", "price")
     for column in (*columns, "queued", "batches"):
         table.add_column(column)
     for r in report["replicas"]:
-        head = [r["model"], str(r["replica"]), r["node"][:8], str(r["tensor_parallel"]), r["device"], r["state"]]
+        head = [r["model"], str(r["replica"]), r["node"][:8], str(r["tensor_parallel"])]
+        head += [str(r.get("cpus_per_rank", "-")), r["device"], r["state"]]
         if r["state"] != "serving":
             table.add_row(*head, *["-"] * 6)
             continue

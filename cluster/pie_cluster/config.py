@@ -84,7 +84,7 @@ class ModelConfigEntry(_Strict):
     placement: Literal["spread", "strict_spread", "pack"] = "spread"  # how replicas share nodes (Ray's strategies)
     pages: int = Field(4096, ge=1)
     page_size: int = Field(16, ge=1)
-    cpus_per_rank: int = Field(1, ge=1)
+    cpus_per_rank: int | None = Field(None, ge=1)  # torch threads per rank; None: what the nodes spare (cpu_share)
     resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources each replica's bundle takes
     use_gpu: bool | None = None  # None: GPUs when the cluster has them
     max_batch_tokens: int = Field(2048, ge=1)

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus import start_bus
 from pie_cluster.config import ModelConfigEntry, PieConfig
+from pie_cluster.cpu_share import ModelShape, automatic_cpus_per_rank, node_room
 from pie_cluster.directory import get_or_create_directory
 from pie_cluster.inferlet_host import InferletHost, NodeServices
 from pie_cluster.launcher import HostPool, Launcher
@@ -51,6 +52,7 @@ class _ModelPlacement:
     entry: ModelConfigEntry
     group: PlacementGroup
     use_gpu: bool
+    cpus_per_rank: int  # the entry's, or the automatic share (cpu_share.py)
 
 
 def _model_source(entry: ModelConfigEntry) -> ModelSource:
@@ -68,6 +70,16 @@ def _check_placements(config: PieConfig) -> None:
             )
 
 
+def _automatic_cpus(config: PieConfig) -> int:
+    """The CPUs per rank of the models that leave ``cpus_per_rank`` unset, from what the nodes spare now."""
+    shapes = [
+        ModelShape(e.tensor_parallel, e.replicas, e.placement, e.cpus_per_rank, e.resources) for e in config.model
+    ]
+    if all(e.cpus_per_rank is not None for e in config.model):
+        return 1  # unused
+    return automatic_cpus_per_rank(node_room(), shapes)
+
+
 class Controller:
     def __init__(self, config: PieConfig):
         self.config = config
@@ -75,6 +87,7 @@ class Controller:
         self.placements: list[PlacementGroup] = []
         self._models: dict[str, _ModelPlacement] = {}
         _check_placements(config)
+        self._auto_cpus = _automatic_cpus(config)
         self.secret = secrets.token_bytes(32)  # signs instances' capabilities; only trusted actors are given it
         namespace = ray.get_runtime_context().namespace
         # the control plane stays on the controller's node (the head's, for `pie start`): a zero-CPU actor could
@@ -171,16 +184,18 @@ class Controller:
         use_gpu = entry.use_gpu
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        cpus = entry.cpus_per_rank or self._auto_cpus
+        log.info("model %r: %d CPU(s) per rank (%s)", entry.name, cpus, "set" if entry.cpus_per_rank else "automatic")
         group = replica_placement(
             entry.replicas,
             entry.tensor_parallel,
-            entry.cpus_per_rank,
+            cpus,
             use_gpu,
             entry.placement.upper(),
             entry.resources,
         )
         self.placements.append(group)
-        self._models[entry.name] = _ModelPlacement(entry, group, use_gpu)
+        self._models[entry.name] = _ModelPlacement(entry, group, use_gpu, cpus)
         return [self._new_replica(entry.name, i) for i in range(entry.replicas)]
 
     def _new_replica(self, name: str, index: int) -> Replica:
@@ -191,7 +206,7 @@ class Controller:
             _model_source(entry),
             entry.tensor_parallel,
             RunnerSettings(num_pages=entry.pages, page_size=entry.page_size, backend=entry.backend),
-            entry.cpus_per_rank,
+            model.cpus_per_rank,
             model.use_gpu,
             BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests),
             market=self.market,
@@ -234,6 +249,7 @@ class Controller:
                     "node": info.node_id,
                     "model_dir": info.model_dir,
                     "tensor_parallel": info.tensor_parallel_size,
+                    "cpus_per_rank": self._models[name].cpus_per_rank,
                     "device": info.device,
                 }
                 if (name, i) in self.supervisor.restarting:
