@@ -52,7 +52,9 @@ class RankWorker:
     def __init__(self, rank: int, world_size: int, threads: int):
         import torch
 
-        torch.set_num_threads(threads)
+        # never more threads than cores this process may use: a node may declare more Ray CPUs than it has, and
+        # OpenMP threads beyond the cores spin against each other
+        torch.set_num_threads(max(1, min(threads, len(os.sched_getaffinity(0)))))
         self.rank, self.world_size = rank, world_size
         self.runner: ModelRunner | None = None
         self.engine = None
