@@ -24,6 +24,7 @@ the file (or ``pie start --no-auth``) turns it off explicitly::
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -97,6 +98,14 @@ class ModelConfigEntry(_Strict):
         return self
 
 
+@dataclass(frozen=True)
+class ChannelLimits:
+    """How many events an instance's channel buffers, and how many ended instances' channels a host keeps."""
+
+    event_buffer: int = 4096
+    keep_finished: int = 1024
+
+
 class LauncherConfig(_Strict):
     event_buffer: int = Field(4096, ge=16)  # events kept per instance for late attach (oldest dropped)
     keep_finished: int = Field(1024, ge=0)  # finished instances still listed and attachable
@@ -112,6 +121,9 @@ class LauncherConfig(_Strict):
 
     def admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(self.max_running, self.max_running_per_user, self.max_queued, self.max_queued_per_user)
+
+    def channel_limits(self) -> ChannelLimits:
+        return ChannelLimits(self.event_buffer, self.keep_finished)
 
 
 class BusConfig(_Strict):

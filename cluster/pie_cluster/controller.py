@@ -35,7 +35,8 @@ from pie_cluster.config import ModelConfigEntry, PieConfig
 from pie_cluster.cpu_share import ModelShape, automatic_cpus_per_rank, node_room
 from pie_cluster.directory import get_or_create_directory
 from pie_cluster.inferlet_host import InferletHost, NodeServices
-from pie_cluster.launcher import HostPool, Launcher
+from pie_cluster.instance_record import HostPool
+from pie_cluster.launcher import Launcher
 from pie_cluster.market import get_or_create_market
 from pie_cluster.responses_store import get_or_create_store
 from pie_cluster.supervisor import Supervisor, probe_ranks
@@ -128,7 +129,7 @@ class Controller:
                 max_concurrency=100_000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             )
-            .remote(self.launcher, services, self.secret, self.config.sandbox)
+            .remote(self.launcher, services, self.secret, self.config.sandbox, self.config.launcher.channel_limits())
         )
 
     def _watch_nodes(self) -> None:

@@ -1,23 +1,34 @@
-"""An instance's event stream: what the inferlet printed, sent and returned, buffered for clients that attach late.
+"""An instance's event stream and inbox, held where the instance runs, and how clients follow it.
 
 Kinds follow Pie's client protocol: ``stdout``, ``stderr``, ``message``, ``file`` (bytes), and the terminal
 ``return`` and ``error``. Events are numbered from 0; a client reads "everything from index i on" and resumes
 from the index it got back. The buffer keeps the newest ``capacity`` events (oldest dropped, like Pie's 4096-entry
 ring), but the terminal event is never dropped, so a late client always learns how the instance ended.
-``follow`` is the long-poll loop of every client that reads them through the launcher actor.
+
+Events never pass through a cluster-wide actor: the node host that runs an instance (or the ingress, for the
+cluster's own programs) keeps its ``Channel``, and ``follow`` asks the launcher once where that is, then reads the
+events from there. The launcher only learns how each instance ended.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pie_workers.deadlines import LAUNCHER_S, answer
+import ray.exceptions
+from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
+
+from pie_cluster.config import ChannelLimits
 
 KINDS = ("stdout", "stderr", "message", "file", "return", "error")
 TERMINAL = ("return", "error")
+
+
+class NotFound(LookupError):
+    """No such instance or program for this user (another user's answers the same, so ids cannot be probed)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,83 @@ class EventLog:
         return self.since(index)  # read after the wait: events may arrive while a timed-out wait is cancelled
 
 
+@dataclass
+class Channel:
+    """One instance's events out and its client's messages and files in, kept by whatever runs it."""
+
+    user: str
+    log: EventLog
+    inbox: dict[str, asyncio.Queue] = field(
+        default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
+    )
+    waiting: set[asyncio.Future] = field(default_factory=set)
+
+    def events(self, got: list[Event], since: int) -> dict:
+        """The answer to a poll: the events, where to resume, and whether the terminal one is among them."""
+        return {
+            "events": [e.as_wire() for e in got],
+            "next": got[-1].index + 1 if got else max(since, 0),
+            "done": self.log.done and (not got or got[-1] is self.log.terminal),
+        }
+
+    def put(self, kind: str, value: str | bytes) -> None:
+        if self.log.done:
+            raise ValueError("the instance has ended; it can no longer receive")
+        self.inbox[kind].put_nowait(value)
+
+    async def receive(self, kind: str):
+        """What the client sends next (the instance's ``inferlet.session``); cancelled when the instance ends."""
+        if self.log.done:
+            raise RuntimeError("the instance has ended")
+        waiter = asyncio.ensure_future(self.inbox[kind].get())
+        self.waiting.add(waiter)
+        try:
+            return await waiter
+        finally:
+            self.waiting.discard(waiter)
+
+
+class Channels:
+    """The channels of the instances one process runs; ended ones stay readable until ``keep`` newer ones ended."""
+
+    def __init__(self, limits: ChannelLimits):
+        self._capacity, self._keep = limits.event_buffer, limits.keep_finished
+        self._open: dict[str, Channel] = {}
+        self._ended: OrderedDict[str, Channel] = OrderedDict()
+
+    def open(self, instance_id: str, user: str) -> Channel:
+        channel = self._open[instance_id] = Channel(user, EventLog(self._capacity))
+        return channel
+
+    def find(self, instance_id: str) -> Channel | None:
+        return self._open.get(instance_id) or self._ended.get(instance_id)
+
+    def own(self, user: str, instance_id: str) -> Channel:
+        channel = self.find(instance_id)
+        if channel is None or channel.user != user:
+            raise NotFound(f"no instance {instance_id!r}")
+        return channel
+
+    def append(self, instance_id: str, kind: str, value: str | bytes) -> Event | None:
+        """Add an event; returns it when it was the instance's terminal one (the channel is then closed)."""
+        channel = self._open.get(instance_id)
+        if channel is None:
+            return None
+        channel.log.append(kind, value)
+        if not channel.log.done:
+            return None
+        del self._open[instance_id]
+        for waiter in list(channel.waiting):
+            waiter.cancel()
+        self._ended[instance_id] = channel
+        while len(self._ended) > self._keep:
+            self._ended.popitem(last=False)
+        return channel.log.terminal
+
+    def running(self) -> list[str]:
+        return list(self._open)
+
+
 async def follow(
     launcher,
     user: str,
@@ -80,24 +168,88 @@ async def follow(
     since: int = 0,
     *,
     wait: float = 30.0,
-    first: dict | None = None,
     abort_on_close: bool = False,
+    where: dict | None = None,
+    channel: Channel | None = None,
 ) -> AsyncIterator[list[list]]:
-    """An instance's events, one long poll of the launcher's ``events`` at a time, from ``since`` to the terminal
-    event: each batch as ``[index, kind, value]`` lists, an empty one when a poll waited ``wait`` seconds in vain.
-    ``first`` is a batch already fetched. With ``abort_on_close``, closing this before the terminal event (the
-    client went away) aborts the instance, which frees everything it holds."""
-    batch, ended = first, False
+    """An instance's events from ``since`` to the terminal one, each batch as ``[index, kind, value]`` lists (an
+    empty batch when ``wait`` seconds passed without one). The launcher is asked once where the instance runs
+    (``where``: already asked), and again only if that place stops answering; the events come from there.
+    ``channel``: the instance runs in this process. With ``abort_on_close``, closing this before the terminal event
+    (the client went away) aborts the instance, which frees everything it holds."""
+    ended = False
     try:
-        while True:
-            if batch is None:
-                polled = launcher.events.remote(user, instance, since, wait)
-                batch = await answer(polled, "the launcher", wait + LAUNCHER_S)
-            ended = batch["done"]
-            yield batch["events"]
-            if ended:
-                return
-            since, batch = batch["next"], None
+        if channel is not None:
+            while not ended:
+                polled = channel.events(await channel.log.wait(since, wait), since)
+                ended, since = polled["done"], polled["next"]
+                yield polled["events"]
+            return
+        where = where or await locate(launcher, user, instance, wait)
+        while not ended:
+            polled = await _poll(where["host"], user, instance, since, wait)
+            if polled is not None:
+                ended, since = polled["done"], polled["next"]
+                yield polled["events"]
+            elif where["ending"] is not None:  # its host is gone or forgot it: the launcher knows how it ended
+                ended = True
+                yield [[since, *where["ending"]]]
+            else:  # queued, or its host just died and the launcher has not yet noticed
+                if where["host"] is not None:
+                    await asyncio.sleep(0.5)
+                where = await locate(launcher, user, instance, wait)
+                if where["host"] is None and where["ending"] is None:
+                    yield []
     finally:
         if abort_on_close and not ended:
             launcher.abort.remote(user, instance)
+
+
+async def locate(launcher, user: str, instance: str, wait: float = 0.0) -> dict:
+    """Where the instance runs (``host``: the actor that keeps its channel, None while it is queued) and how it ended,
+    once the launcher knows (``ending``: ``[kind, value]``); waits up to ``wait`` s for a queued one to start.
+    Raises ``NotFound`` (inside Ray's ``RayTaskError``) for another user's or an unknown id."""
+    return await answer(launcher.locate.remote(user, instance, wait), "the launcher", wait + LAUNCHER_S)
+
+
+async def _poll(host, user: str, instance: str, since: int, wait: float) -> dict | None:
+    """One long poll of the host's channel; None if there is no host, or it is dead, hung, or no longer knows it."""
+    if host is None:
+        return None
+    try:
+        return await answer(host.events.remote(user, instance, since, wait), "the inferlet host", wait + LAUNCHER_S)
+    except (ray.exceptions.RayError, NoAnswer):
+        return None
+
+
+# -- blocking forms, for scripts and tests that drive a cluster from a driver ------------------------------------------
+
+
+def poll(launcher, user: str, instance: str, since: int = 0, wait: float = 10.0) -> dict:
+    """One read of the instance's events from where it runs: ``{"events", "next", "done"}`` as a host answers. If
+    its host died or hangs, this waits (up to ``wait`` s beyond a call's deadline) for the launcher to learn how the
+    instance ended."""
+    deadline = time.monotonic() + wait + LAUNCHER_S
+    while True:
+        where = ray.get(launcher.locate.remote(user, instance, wait), timeout=wait + LAUNCHER_S)
+        if where["host"] is not None:
+            try:
+                return ray.get(where["host"].events.remote(user, instance, since, wait), timeout=wait + LAUNCHER_S)
+            except ray.exceptions.RayError:
+                if where["ending"] is None and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    continue
+                if where["ending"] is None:
+                    raise
+        if where["ending"] is not None:
+            return {"events": [[since, *where["ending"]]], "next": since + 1, "done": True}
+        return {"events": [], "next": since, "done": False}
+
+
+def deliver(launcher, user: str, instance: str, value: str | bytes) -> None:
+    """Send the instance a session message (a ``str``) or file (``bytes``), into its inbox where it runs."""
+    where = ray.get(launcher.locate.remote(user, instance, LAUNCHER_S), timeout=2 * LAUNCHER_S)
+    if where["host"] is None:
+        raise RuntimeError(f"instance {instance} is not running")
+    kind = "file" if isinstance(value, bytes) else "message"
+    ray.get(where["host"].send.remote(user, instance, kind, value), timeout=LAUNCHER_S)

@@ -20,7 +20,7 @@ import ray
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
+from pie_workers.deadlines import HOST_S, LAUNCHER_S, NoAnswer, answer
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -31,6 +31,8 @@ from pie_cluster.config import AuthConfig, ServerConfig
 from pie_cluster.events import follow
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest, describe_errors
+from pie_cluster.launcher import BUILTINS
+from pie_cluster.local_instances import LocalInstances
 from pie_cluster.openai_requests import OpenAIError
 from pie_cluster.openai_routes import OPENAI_PATHS, OpenAIRoutes
 from pie_cluster.openai_routes import router as openai_router
@@ -155,6 +157,7 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
     def __init__(self, auth: AuthConfig, namespace: str):
         self._auth, self._namespace = auth, namespace
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
+        self._local = LocalInstances(self._launcher, BUILTINS)
         self._registry = CollectorRegistry()
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)
@@ -169,19 +172,20 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
             raise HTTPException(401, "missing or unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
         return user
 
-    async def _call(self, route: str, method, *args):
-        """One launcher call, its errors mapped to HTTP with the message alone (Ray wraps an actor's exception
-        in a RayTaskError whose text is a whole traceback): unknown ids 404, bad input 400, a launcher that is
-        down or not ready 503."""
-        self._requests.labels(route).inc()
+    async def _call(self, route: str | None, method, *args, part: str = "the launcher", deadline: float = LAUNCHER_S):
+        """One call to the launcher (or an inferlet host: ``part``), its errors mapped to HTTP with the message
+        alone (Ray wraps an actor's exception in a RayTaskError whose text is a whole traceback): unknown ids 404,
+        bad input 400, a part that is down or not ready 503. ``route``: the request to count (None: counted)."""
+        if route is not None:
+            self._requests.labels(route).inc()
         try:
-            return await answer(method.remote(*args), "the launcher", LAUNCHER_S)
+            return await answer(method.remote(*args), part, deadline)
         except RayTaskError as e:
             raise launcher_error(e.cause) from None
         except NoAnswer as e:
             raise HTTPException(503, str(e)) from None
         except RayActorError:
-            raise HTTPException(503, "the launcher is not reachable; is the cluster running?") from None
+            raise HTTPException(503, f"{part} is not reachable; is the cluster running?") from None
 
     @app.get("/healthz")
     async def health(self) -> dict:
@@ -235,14 +239,15 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         user: User,
         since: Annotated[int, Query(ge=0, description="resume after the event with this id")] = 0,
     ) -> StreamingResponse:
-        first = await self._call("events", self._launcher.events, user, instance_id, since, 0.0)  # 404s here
-        return StreamingResponse(self._stream(user, instance_id, since, first), media_type="text/event-stream")
+        where = await self._call("events", self._launcher.locate, user, instance_id, 0.0)  # 404s here
+        return StreamingResponse(self._stream(user, instance_id, since, where), media_type="text/event-stream")
 
-    async def _stream(self, user: str, instance_id: str, since: int, batch: dict | None = None, opening: str = ""):
-        """SSE text: ``opening``, then the events from ``since`` on (``batch``: the first ones, already fetched)."""
+    async def _stream(self, user: str, instance_id: str, since: int, where: dict | None = None, opening: str = ""):
+        """SSE text: ``opening``, then the events from ``since`` on, read from where the instance runs (``where``:
+        the launcher's answer to ``locate``, already asked)."""
         if opening:
             yield opening
-        async with aclosing(follow(self._launcher, user, instance_id, since, wait=10.0, first=batch)) as batches:
+        async with aclosing(follow(self._launcher, user, instance_id, since, wait=10.0, where=where)) as batches:
             async for events in batches:
                 if not events:
                     yield ": keep-alive\n\n"
@@ -251,12 +256,21 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
 
     @app.post("/v1/instances/{instance_id}/messages", status_code=204)
     async def send(self, instance_id: str, body: SessionMessage, user: User) -> None:
-        await self._call("send", self._launcher.send, user, instance_id, body.message)
+        await self._deliver("send", user, instance_id, "message", body.message)
 
     @app.post("/v1/instances/{instance_id}/files", status_code=204)
     async def send_file(self, instance_id: str, request: Request, user: User) -> None:
         data = await _read_capped(request, MAX_PROGRAM_BYTES)
-        await self._call("send_file", self._launcher.send_file, user, instance_id, data)
+        await self._deliver("send_file", user, instance_id, "file", data)
+
+    async def _deliver(self, route: str, user: str, instance_id: str, kind: str, value: str | bytes) -> None:
+        """Into the instance's inbox on the host that runs it (waiting a while for a queued one to start)."""
+        where = await self._call(route, self._launcher.locate, user, instance_id, HOST_S, deadline=2 * LAUNCHER_S)
+        if where["ending"] is not None:
+            raise HTTPException(400, f"instance {instance_id} has ended; it can no longer receive")
+        if where["host"] is None:
+            raise HTTPException(503, "the instance is still waiting for admission; send it again once it runs")
+        await self._call(None, where["host"].send, user, instance_id, kind, value, part="its inferlet host")
 
     @app.delete("/v1/instances/{instance_id}")
     async def abort(self, instance_id: str, user: User) -> dict:

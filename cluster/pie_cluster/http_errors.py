@@ -7,8 +7,8 @@ from fastapi import HTTPException
 from pydantic import ValidationError
 
 from pie_cluster.admission import Overloaded
+from pie_cluster.events import NotFound
 from pie_cluster.launch_request import describe_errors
-from pie_cluster.launcher import NotFound
 
 log = logging.getLogger("pie.http")
 

@@ -4,8 +4,9 @@ Uploaded programs run in their user's sandboxed worker processes (``pie_cluster.
 user code itself while the sandbox is on. The cluster's own programs (the OpenAI serving program) run here as
 asyncio tasks, as everything does when the operator turns the sandbox off. Either way each instance gets a
 capability minted here with the cluster's secret, naming its user and itself, which the replicas and bus shards
-check; and everything it produces goes to the launcher as events, batched per event-loop turn into one actor call.
-With the sandbox off, a program that asks for isolation or its own ``runtime_env`` gets a dedicated host.
+check. Its events and inbox live here (``pie_cluster.events.Channel``): clients read them from this actor, and only
+its ending goes to the launcher (batched per event-loop turn). With the sandbox off, a program that asks for
+isolation or its own ``runtime_env`` gets a dedicated host.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from inferlet.runtime import ModelEndpoint
 from pie_workers.wire import capability
 
 from pie_cluster import stdio
-from pie_cluster.config import SandboxConfig
+from pie_cluster.config import ChannelLimits, SandboxConfig
+from pie_cluster.events import Channels
 from pie_cluster.host import InstanceSetup, serve_instance
 from pie_cluster.model_files import local_endpoints
 from pie_cluster.programs import Program
@@ -30,7 +32,7 @@ CAPABILITY_MARGIN_S = 60.0  # beyond its deadline: the instance's last calls (cl
 
 
 class _ClientSession:
-    """``inferlet.session`` for a hosted instance: events out through the host, inbound through the launcher."""
+    """``inferlet.session`` for a hosted instance: events out and the client's messages in, both on the host."""
 
     def __init__(self, host: InferletHost, instance_id: str):
         self._host, self._id = host, instance_id
@@ -42,10 +44,10 @@ class _ClientSession:
         self._host.emit(self._id, "file", data)
 
     async def receive(self) -> str:
-        return await self._host.launcher.receive.remote(self._id, "message")
+        return await self._host.receive(self._id, "message")
 
     async def receive_file(self) -> bytes:
-        return await self._host.launcher.receive.remote(self._id, "file")
+        return await self._host.receive(self._id, "file")
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,14 @@ class InferletHost:
     """Runs instances: uploaded programs in the sandboxed workers of their user (``pie_cluster.sandbox``), trusted
     ones (the built-in programs, or everything when the sandbox is off) as tasks in this process."""
 
-    def __init__(self, launcher, services: NodeServices, secret: bytes, sandbox: SandboxConfig | None = None):
+    def __init__(
+        self,
+        launcher,
+        services: NodeServices,
+        secret: bytes,
+        sandbox: SandboxConfig | None = None,
+        channels: ChannelLimits | None = None,
+    ):
         self.launcher = launcher
         self.services = services
         self._secret = secret
@@ -80,6 +89,7 @@ class InferletHost:
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
         self._outbox: list[tuple[str, str, str | bytes]] = []
+        self._channels = Channels(channels or ChannelLimits())
         self._sandbox = Sandbox(sandbox, self) if sandbox is not None and sandbox.enabled else None
         stdio.install_router()
         gc.freeze()  # the imports live as long as the host: full collections need not scan them (see RankWorker.start)
@@ -115,6 +125,7 @@ class InferletHost:
     ) -> None:
         """Begin running the instance; returns at once (its events report how it goes). ``trusted``: one of the
         cluster's own programs, run in this process even when the sandbox is on."""
+        self._channels.open(instance_id, username)
         if self._sandbox is None or trusted:
             work = self._run(instance_id, program, input, username, limits)
         else:
@@ -130,6 +141,22 @@ class InferletHost:
         self._abort_reasons[instance_id] = reason
         task.cancel()
         return True
+
+    async def events(self, user: str, instance_id: str, since: int = 0, timeout: float = 10.0) -> dict:
+        """Events numbered ``since`` and later, waiting up to ``timeout`` s for one (a long poll)."""
+        channel = self._channels.own(user, instance_id)
+        return channel.events(await channel.log.wait(since, min(max(timeout, 0.0), 60.0)), since)
+
+    async def send(self, user: str, instance_id: str, kind: str, value: str | bytes) -> None:
+        """The client's message (``kind`` "message") or file ("file") for the instance's ``inferlet.session``."""
+        self._channels.own(user, instance_id).put(kind, value)
+
+    async def receive(self, instance_id: str, kind: str):
+        """What the instance's client sends next (its session, here or in its sandboxed worker)."""
+        channel = self._channels.find(instance_id)
+        if channel is None:
+            raise RuntimeError(f"instance {instance_id} has ended")
+        return await channel.receive(kind)
 
     async def _setup(self, instance_id: str, username: str, limits: InstanceLimits) -> InstanceSetup:
         services = self.services
@@ -192,4 +219,6 @@ class InferletHost:
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
-        self.launcher.emit.remote(batch)
+        endings = [(i, e.kind, e.value) for i, kind, value in batch if (e := self._channels.append(i, kind, value))]
+        if endings:
+            self.launcher.ended.remote(endings)

@@ -1,4 +1,8 @@
-"""The launcher: one named actor that owns programs, instances and their event streams.
+"""The launcher: one named actor that owns programs, admits and places instances, and learns how each one ended.
+
+It is on no instance's per-event path: the host that runs an instance keeps its event stream and inbox
+(``pie_cluster.events``); a client asks ``locate`` once and reads from there, and the host tells the launcher the
+instance's ending. Its calls per instance are constant in the number of events (counted in ``stats``).
 
 Clients (the HTTP app, ``pie submit`` through Ray Jobs) call it with the authenticated user's name; every
 program belongs to the users who uploaded it and every instance to the user who launched it, and another user's
@@ -16,75 +20,37 @@ import dataclasses
 import tempfile
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import ray
 import ray.exceptions
-from pie_workers.deadlines import DEDICATED_START_S, HOST_S, MARKET_S, NoAnswer, answer
+from pie_workers.deadlines import DEDICATED_START_S, HOST_S, LAUNCHER_S, MARKET_S, NoAnswer, answer
 from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.admission import Admission
-from pie_cluster.config import LauncherConfig, SupervisionConfig
-from pie_cluster.events import EventLog
+from pie_cluster.config import ChannelLimits, LauncherConfig, SupervisionConfig
+from pie_cluster.events import TERMINAL, NotFound
 from pie_cluster.host_watch import until_gone
 from pie_cluster.inferlet_host import InferletHost, InstanceLimits, NodeServices
+from pie_cluster.instance_record import HostPool, InstanceRecord
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.market import endowment_for
 from pie_cluster.program_store import ProgramStore
 from pie_cluster.programs import Program, ProgramError
-
-
-class NotFound(LookupError):
-    """No such instance or program for this user."""
-
+from pie_cluster.runners import Runners
 
 OPENAI_PROGRAM = "pie:openai-completions"
 """The built-in program serving the OpenAI-compatible routes, launched by this id like any uploaded program."""
 RESPONSES_PROGRAM = "pie:openai-responses"
 """The built-in program serving ``POST /v1/responses``: one turn of a conversation kept as a snapshot."""
-_BUILTINS = {
+DEDICATED_GRACE_S = 60.0
+"""How long a dedicated host outlives its instance's end, so that its client can read what it has not read yet."""
+BUILTINS = {
     OPENAI_PROGRAM: Path(__file__).parent / "builtin" / "openai_completions.py",
     RESPONSES_PROGRAM: Path(__file__).parent / "builtin" / "openai_responses_api.py",
 }
-
-
-@dataclass
-class _Instance:
-    id: str
-    user: str
-    program: Program
-    input: dict
-    node_id: str
-    host: object | None  # its inferlet host actor (None until a dedicated one is made at its start)
-    dedicated: bool
-    log: EventLog
-    created: float = field(default_factory=time.time)
-    ended: float | None = None
-    inbox: dict[str, asyncio.Queue] = field(
-        default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
-    )
-    waiting: set[asyncio.Future] = field(default_factory=set)
-    start: InstanceLimits | None = None  # what to start it with, kept while it waits for admission
-    queued: bool = False
-
-    def summary(self) -> dict:
-        end = self.ended or time.time()
-        if self.log.terminal is not None:
-            status = {"return": "finished", "error": "failed"}[self.log.terminal.kind]
-        else:
-            status = "queued" if self.queued else "running"
-        return {
-            "id": self.id,
-            "program": self.program.label,
-            "status": status,
-            "node": self.node_id,
-            "input": self.input,
-            "created": self.created,
-            "elapsed_s": round(end - self.created, 3),
-        }
 
 
 def _store_directory(parent: str | None) -> Path:
@@ -93,16 +59,6 @@ def _store_directory(parent: str | None) -> Path:
     if parent is not None:
         Path(parent).mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix="pie-program-store-", dir=parent))  # mode 0700
-
-
-@dataclass
-class HostPool:
-    """What the controller hands the launcher: a pooled host per node and what inferlets on each node reach."""
-
-    hosts: dict[str, object]  # node id -> InferletHost actor
-    services: dict[str, NodeServices]  # node id -> its models (ipc on that node, else tcp), bus, MCP, market
-    secret: bytes  # the cluster's, for the dedicated hosts to mint their instances' capabilities with
-    model_nodes: tuple[str, ...] = ()  # nodes that serve at least one replica: preferred for co-location
 
 
 class Launcher:
@@ -114,17 +70,20 @@ class Launcher:
         self._pool: HostPool | None = None
         self._sandboxed = sandboxed
         self._programs = ProgramStore(_store_directory(config.program_store_dir), config.program_store_mib << 20)
-        self._builtins = {name: Program.from_path(path) for name, path in _BUILTINS.items()}
+        self._builtins = {name: Program.from_path(path) for name, path in BUILTINS.items()}
         self._builtin_ids = {program.id for program in self._builtins.values()}
         self._admission = Admission(config.admission_limits())
-        self._instances: dict[str, _Instance] = {}
+        self._instances: dict[str, InstanceRecord] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
-        self._event_capacity = config.event_buffer
         self._keep_finished = config.keep_finished
+        self._dedicated_channels = ChannelLimits(config.event_buffer, keep_finished=1)
         self._default_deadline_s = config.default_deadline_s
         self._watching: set[asyncio.Task] = set()
         self._down: set[str] = set()  # nodes whose pooled host is dead (restarting, or its node is lost)
         self.launched = 0
+        self.calls: Counter[str] = Counter()  # calls taken from clients and hosts, by method
+        self._runners = Runners(supervision, self._runner_died)
+        self._services_version = 0  # bumped when what inferlets reach changes: runners then ask for it again
 
     async def attach_pool(self, pool: HostPool) -> None:
         self._pool = pool
@@ -135,12 +94,14 @@ class Launcher:
         """A node joined: its pooled host takes launches from now on, watched like the others (``services``: every
         node's, the new one's included)."""
         self._pool = dataclasses.replace(self._pool, hosts={**self._pool.hosts, node: host}, services=services)
+        self._services_version += 1
         self._spawn(self._watch_host(node, host))
 
     async def set_services(self, services: dict[str, NodeServices]) -> None:
         """Replicas were replaced: what each node's instances reach from now on (dedicated hosts made later, and
         pooled hosts that Ray restarts, get these)."""
         self._pool = dataclasses.replace(self._pool, services=services)
+        self._services_version += 1
 
     def _spawn(self, work) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -153,7 +114,7 @@ class Launcher:
         the node then work again."""
         while True:
             await until_gone(node, host, self._supervision)
-            lost = [i for i in self._instances.values() if i.host is host and not i.queued and i.log.terminal is None]
+            lost = [i for i in self._instances.values() if i.host is host and not i.queued and i.ending is None]
             self._down.add(node)
             await self._lose(lost, f"the inferlet host on node {node} died; the instance was lost with it")
             while True:  # until Ray has restarted it (a lost node's host never comes back)
@@ -166,14 +127,15 @@ class Launcher:
                 except (ray.exceptions.RayError, TimeoutError):
                     await asyncio.sleep(1.0)
 
-    async def _lose(self, lost: list[_Instance], message: str) -> None:
+    async def _lose(self, lost: list[InstanceRecord], message: str) -> None:
         """Instances whose host died: their wallets close and they end with ``message``."""
+        market = next(iter(self._pool.services.values())).market  # one market: every node's services name it
         for instance in lost:
-            market = self._pool.services[instance.node_id].market
             if market is not None:
                 with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
                     await answer(market.leave.remote(instance.id), "the market", MARKET_S)
-        await self.emit([(instance.id, "error", message) for instance in lost])
+        for instance in lost:
+            self._finish(instance, "error", message)
 
     # -- programs ------------------------------------------------------------------------------------------------
 
@@ -195,6 +157,7 @@ class Launcher:
         """Start an instance of an uploaded program, or queue it behind the admission limits; returns its id (or
         raises ``Overloaded`` past them). ``request.token_budget`` limits the tokens it may generate and endows it
         with that many tokens' worth of pages on the market (default: the market's default endowment)."""
+        self.calls["launch"] += 1
         if self._pool is None:
             raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
         try:
@@ -211,34 +174,36 @@ class Launcher:
         # host (a Ray actor, made when it starts)
         dedicated = program.isolated and not self._sandboxed
         host = None if dedicated else self._pool.hosts[node]
-        log = EventLog(self._event_capacity)
-        instance = _Instance(instance_id, user, program, dict(request.input), node, host, dedicated, log)
+        instance = InstanceRecord(instance_id, user, program, dict(request.input), node, host, dedicated)
         self._instances[instance_id] = instance
         self._programs.started(user, program.id)
         page_size = min(e.page_size for e in self._pool.services[node].endpoints.values())
         deadline_s = request.deadline_s if request.deadline_s is not None else self._default_deadline_s
         endowment = endowment_for(request.token_budget, page_size)
-        instance.start = InstanceLimits(deadline_s, endowment, request.token_budget)
+        instance.limits = InstanceLimits(deadline_s, endowment, request.token_budget)
         instance.queued = not runs_now
         if runs_now:
             self._start(instance)
         self.launched += 1
         return instance_id
 
-    def _start(self, instance: _Instance) -> None:
-        limits, instance.start, instance.queued = instance.start, None, False
+    def _start(self, instance: InstanceRecord) -> None:
+        instance.queued = False
+        if instance.runner is not None:  # its runner starts it as soon as ``admit`` answers
+            instance.settled.set()
+            return
         if instance.dedicated:
             instance.host = self._dedicated_host(instance.node_id, instance.program)
         trusted = instance.program.id in self._builtin_ids  # the cluster's own programs need no sandbox
         started = instance.host.start.remote(
-            instance.id, instance.program, instance.input, instance.user, limits, trusted
+            instance.id, instance.program, instance.input, instance.user, instance.limits, trusted
         )
         self._spawn(self._watch_start(instance, started))
 
-    async def _watch_start(self, instance: _Instance, started) -> None:
-        """The id goes back without waiting for the host to take the instance (its events follow soon); a host
-        that could not take it ends the instance with an error event, which it would otherwise never get; so does a
-        dedicated host that dies while its instance runs."""
+    async def _watch_start(self, instance: InstanceRecord, started) -> None:
+        """The id goes back without waiting for the host to take the instance; ``locate`` waits for it (then the
+        host holds its channel). A host that could not take it ends the instance with an error, which it would
+        otherwise never get; so does a dedicated host that dies while its instance runs."""
         deadline = DEDICATED_START_S if instance.dedicated else HOST_S
         try:
             await answer(started, f"the inferlet host on node {instance.node_id}", deadline)
@@ -246,12 +211,13 @@ class Launcher:
             lines = str(e).strip().splitlines() or [type(e).__name__]
             cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # Ray's errors carry tracebacks
             message = f"the inferlet host on node {instance.node_id} could not start the instance: {cause}"
-            await self.emit([(instance.id, "error", message)])
+            self._finish(instance, "error", message)
             return
+        instance.settled.set()
         if instance.dedicated:  # not restarted by Ray: if it dies before its one instance ends, that is lost
             with contextlib.suppress(ray.exceptions.RayError):
                 await instance.host.lifetime.remote()
-            if instance.log.terminal is None:
+            if instance.ending is None:
                 await self._lose([instance], f"the dedicated inferlet host on node {instance.node_id} died")
 
     def _choose_node(self, node_id: str | None) -> str:
@@ -268,7 +234,7 @@ class Launcher:
         preferred = [n for n in self._pool.model_nodes if n in up] or up
         load = {n: 0 for n in preferred}
         for inst in self._instances.values():
-            if inst.log.terminal is None and inst.node_id in load:
+            if inst.ending is None and inst.node_id in load:
                 load[inst.node_id] += 1
         return min(preferred, key=lambda n: load[n])
 
@@ -278,31 +244,35 @@ class Launcher:
             options["runtime_env"] = program.runtime_env
         launcher = ray.get_runtime_context().current_actor
         host = ray.remote(InferletHost).options(**options)
-        return host.remote(launcher, self._pool.services[node], self._pool.secret)
+        return host.remote(launcher, self._pool.services[node], self._pool.secret, None, self._dedicated_channels)
 
-    async def events(self, user: str, instance_id: str, since: int = 0, timeout: float = 10.0) -> dict:
-        """Events numbered ``since`` and later, waiting up to ``timeout`` s for one (a long poll)."""
+    async def locate(self, user: str, instance_id: str, wait: float = 0.0) -> dict:
+        """Where the instance's events and inbox are: its host (None while it waits for admission, up to ``wait``
+        seconds), and its ending once known (``[kind, value]``: what a client reads when the host cannot answer).
+        One that an ingress replica runs is read there by the request it serves: others learn only its ending."""
+        self.calls["locate"] += 1
         instance = self._own(user, instance_id)
-        got = await instance.log.wait(since, min(max(timeout, 0.0), 60.0))
+        until = instance.finished if instance.runner is not None else instance.settled
+        if not until.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(until.wait(), min(max(wait, 0.0), 60.0))
+        started = instance.settled.is_set() and not instance.queued
         return {
-            "events": [e.as_wire() for e in got],
-            "next": got[-1].index + 1 if got else max(since, 0),
-            "done": instance.log.done and (not got or got[-1] is instance.log.terminal),
+            "host": instance.host if started else None,
+            "ending": list(instance.ending) if instance.ending is not None else None,
         }
-
-    async def send(self, user: str, instance_id: str, message: str) -> None:
-        self._inbox(user, instance_id, "message").put_nowait(message)
-
-    async def send_file(self, user: str, instance_id: str, data: bytes) -> None:
-        self._inbox(user, instance_id, "file").put_nowait(bytes(data))
 
     async def abort(self, user: str, instance_id: str) -> bool:
         """Stop a running instance (its pages, subscriptions and sessions are released); False if it had ended."""
+        self.calls["abort"] += 1
         instance = self._own(user, instance_id)
-        if instance.log.done:
+        if instance.ending is not None:
             return False
         if instance.queued:  # never started: it ends here, without a host
-            await self.emit([(instance_id, "error", "aborted by its user")])
+            self._finish(instance, "error", "aborted by its user")
+            return True
+        if instance.runner is not None:
+            self._runners.abort(instance.runner, instance_id)
             return True
         aborted = instance.host.abort.remote(instance_id, "aborted by its user")
         return await answer(aborted, f"the inferlet host on node {instance.node_id}", HOST_S)
@@ -323,47 +293,98 @@ class Launcher:
     async def stats(self) -> dict:
         return {
             "launched": self.launched,
+            "calls": dict(self.calls),
             "running": self._admission.running,
             "queued": self._admission.queued,
             "programs": len(self._programs),
             "sandbox": "bubblewrap" if self._sandboxed else "off",
         }
 
+    # -- instances that an ingress replica runs itself ----------------------------------------------------------
+
+    async def admit(self, user: str, program: str, input: dict, node: str, runner: str, handle) -> dict | None:
+        """Admit an instance of one of the cluster's own programs that ``runner`` (an ingress replica on ``node``,
+        actor ``handle``) runs in its own process: no host, no event relay. Returns its id and limits once it may
+        run (waiting a while if queued: then ``queued`` is true and ``admitted`` waits on), or None when this node
+        has no view of the models (the runner launches it on a host instead). Raises ``Overloaded``."""
+        self.calls["admit"] += 1
+        if self._pool is None:
+            raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
+        if program not in self._builtins:
+            raise ValueError(f"{program!r} is not one of the cluster's own programs")
+        if node not in self._pool.services:
+            return None
+        instance_id = uuid.uuid4().hex
+        runs_now = self._admission.admit(user, instance_id)
+        instance = InstanceRecord(instance_id, user, self._builtins[program], dict(input), node, None, False)
+        instance.runner, instance.queued = runner, not runs_now
+        instance.limits = InstanceLimits(self._default_deadline_s)
+        self._instances[instance_id] = instance
+        self._programs.started(user, instance.program.id)
+        self._runners.seen(runner, handle)
+        if runs_now:
+            self._start(instance)
+        self.launched += 1
+        return await self._admission_answer(instance, LAUNCHER_S / 2)
+
+    async def admitted(self, runner: str, instance_id: str, wait: float) -> dict:
+        """For a runner whose ``admit`` came back queued: waits up to ``wait`` s more for the slot."""
+        instance = self._instances.get(instance_id)
+        if instance is None or instance.runner != runner:
+            raise NotFound(f"no instance {instance_id!r}")
+        return await self._admission_answer(instance, wait)
+
+    async def _admission_answer(self, instance: InstanceRecord, wait: float) -> dict:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(instance.settled.wait(), min(max(wait, 0.0), 60.0))
+        return {
+            "id": instance.id,
+            "queued": not instance.settled.is_set(),
+            "ending": list(instance.ending) if instance.ending is not None else None,
+            "deadline_s": instance.limits.deadline_s,
+            "services": self._services_version,
+        }
+
+    async def services_for(self, node: str) -> tuple[NodeServices, bytes, int]:
+        """What instances a runner on ``node`` runs reach, the secret to mint their capabilities with, and the
+        version of both (``admit`` answers the current one: a runner holding another asks again)."""
+        return self._pool.services[node], self._pool.secret, self._services_version
+
+    async def waiting_aborts(self, runner: str, wait: float = 30.0) -> list[str]:
+        """The runner's instances that their users aborted since it last asked (a long poll it keeps open)."""
+        return await self._runners.waiting_aborts(runner, wait)
+
+    async def _runner_died(self, runner: str) -> None:
+        lost = [i for i in self._instances.values() if i.runner == runner and i.ending is None]
+        await self._lose(lost, "the ingress replica that ran it died; the instance was lost with it")
+
     # -- the host side -------------------------------------------------------------------------------------------
 
-    async def emit(self, batch: list[tuple[str, str, str | bytes]]) -> None:
+    async def ended(self, batch: list[tuple[str, str, str | bytes]]) -> None:
+        """Instances' terminal events, from the hosts that ran them (one call per loop turn of a host)."""
+        self.calls["ended"] += 1
         for instance_id, kind, value in batch:
             instance = self._instances.get(instance_id)
-            if instance is None or instance.log.done:
-                continue
-            instance.log.append(kind, value)
-            if instance.log.done:
-                self._ended(instance)
+            if instance is not None:
+                self._finish(instance, kind, value)
 
-    async def receive(self, instance_id: str, kind: str):
-        """An instance waits for what its client sends (called by its host, never by clients)."""
-        instance = self._instances.get(instance_id)
-        if instance is None or instance.log.done:
-            raise RuntimeError(f"instance {instance_id} has ended")
-        waiter = asyncio.ensure_future(instance.inbox[kind].get())
-        instance.waiting.add(waiter)
-        try:
-            return await waiter
-        finally:
-            instance.waiting.discard(waiter)
-
-    def _ended(self, instance: _Instance) -> None:
-        instance.ended = time.time()
+    def _finish(self, instance: InstanceRecord, kind: str, value: str | bytes) -> None:
+        """The instance ended (``kind`` is ``return`` or ``error``): its admission slot goes to the next waiting
+        launch, and it stays listed until ``keep_finished`` newer ones have ended."""
+        if instance.ending is not None or kind not in TERMINAL:
+            return
+        instance.ending, instance.ended = (kind, value), time.time()
+        instance.settled.set()
+        instance.finished.set()
         self._programs.ended(instance.user, instance.program.id)
         if instance.queued:
             self._admission.withdraw(instance.user, instance.id)
         else:
             for waiting in self._admission.ended(instance.user):
                 self._start(self._instances[waiting])
-        for waiter in list(instance.waiting):
-            waiter.cancel()
         if instance.dedicated and instance.host is not None:  # None: it ended while waiting for admission
-            ray.kill(instance.host)
+            # kept a while, so that its client reads the events it has not read yet
+            asyncio.get_running_loop().call_later(DEDICATED_GRACE_S, ray.kill, instance.host)
         self._finished[instance.id] = None
         while len(self._finished) > self._keep_finished:
             old, _ = self._finished.popitem(last=False)
@@ -371,14 +392,8 @@ class Launcher:
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
-    def _own(self, user: str, instance_id: str) -> _Instance:
+    def _own(self, user: str, instance_id: str) -> InstanceRecord:
         instance = self._instances.get(instance_id)
         if instance is None or instance.user != user:
             raise NotFound(f"no instance {instance_id!r}")
         return instance
-
-    def _inbox(self, user: str, instance_id: str, kind: str) -> asyncio.Queue:
-        instance = self._own(user, instance_id)
-        if instance.log.done:
-            raise ValueError(f"instance {instance_id} has ended; it can no longer receive")
-        return instance.inbox[kind]

@@ -3,8 +3,10 @@
 Each request runs as an inferlet instance of the requesting user — the built-in ``pie:openai-completions`` program,
 or the uploaded program a request names in ``inferlet`` — so it goes through the same admission limits, KV-page
 market and engine as any other inferlet, and prompts shared between requests reuse cached pages through the
-replica's prefix trie. An OpenAI ``api_key`` is a Pie bearer token. Errors answer in OpenAI's shape
-(``openai_requests.OpenAIError``). A client that disconnects aborts its instance, so nothing it held stays behind.
+replica's prefix trie. The built-in program runs in the ingress process itself (``local_instances``): the request
+talks to the replica's socket and reads its events from memory, with one launcher call to admit it. An OpenAI
+``api_key`` is a Pie bearer token. Errors answer in OpenAI's shape (``openai_requests.OpenAIError``). A client that
+disconnects aborts its instance, so nothing it held stays behind.
 
 The routes live in a mixin of the ingress deployment (``PieIngress``), on a router the app includes.
 """
@@ -22,10 +24,11 @@ from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
-from pie_cluster.events import follow
+from pie_cluster.events import Channel, follow
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.launcher import OPENAI_PROGRAM
+from pie_cluster.launcher import BUILTINS, OPENAI_PROGRAM
+from pie_cluster.local_instances import LocalInstances
 from pie_cluster.openai_requests import OpenAIError, check_grammars
 from pie_cluster.openai_responses import Reply, error_event, parse_report
 
@@ -51,9 +54,10 @@ def error_status(message: str) -> int:
 
 
 class OpenAIRoutes:
-    """Mixed into ``PieIngress``, which provides ``_launcher``."""
+    """Mixed into ``PieIngress``, which provides ``_launcher`` and ``_local`` (a ``LocalInstances``)."""
 
     _model_names: frozenset[str] = frozenset()
+    _local: LocalInstances
 
     @router.get("/v1/models")
     async def list_models(self, user: OpenAIUser) -> dict:
@@ -72,11 +76,12 @@ class OpenAIRoutes:
         await self._check_model(body.model)
         check_grammars(body)
         launch = LaunchRequest(program=body.inferlet or OPENAI_PROGRAM, input=body.as_input())
-        instance = await self._launch(user, launch, named=body.inferlet is not None)
+        instance, channel = await self._start(user, launch, named=body.inferlet is not None)
         reply = Reply(body.api, body.model, body.include_usage)
         if body.stream:
-            return StreamingResponse(self._streamed(user, instance, reply), media_type="text/event-stream")
-        async with aclosing(self._events(user, instance)) as events:
+            streamed = self._streamed(user, instance, channel, reply)
+            return StreamingResponse(streamed, media_type="text/event-stream")
+        async with aclosing(self._events(user, instance, channel)) as events:
             async for kind, value in events:
                 if kind == "return":
                     return reply.complete(parse_report(value))
@@ -84,8 +89,8 @@ class OpenAIRoutes:
                     raise OpenAIError(error_status(value), value)
         raise OpenAIError(500, "the serving inferlet ended without an answer")
 
-    async def _streamed(self, user: str, instance: str, reply: Reply) -> AsyncIterator[str]:
-        async with aclosing(self._events(user, instance)) as events:
+    async def _streamed(self, user: str, instance: str, channel: Channel | None, reply: Reply) -> AsyncIterator[str]:
+        async with aclosing(self._events(user, instance, channel)) as events:
             async for kind, value in events:
                 if kind == "message":
                     for line in reply.piece(value):
@@ -100,17 +105,30 @@ class OpenAIRoutes:
                 elif kind == "error":
                     yield error_event(value, error_status(value))
 
-    async def _events(self, user: str, instance: str) -> AsyncIterator[tuple[str, str]]:
-        """The instance's events, until its terminal one. Closed before that (the client went away, and the
-        handler or the stream was cancelled), it aborts the instance, which frees everything it holds."""
-        async with aclosing(follow(self._launcher, user, instance, abort_on_close=True)) as batches:
-            async for events in batches:
-                for _, kind, value in events:
-                    yield kind, value
-
-    async def _launch(self, user: str, launch: LaunchRequest, named: bool) -> str:
+    async def _events(self, user: str, instance: str, channel: Channel | None) -> AsyncIterator[tuple[str, str]]:
+        """The instance's events, until its terminal one (``channel``: it runs in this process). Closed before that
+        (the client went away, and the handler or the stream was cancelled), it aborts the instance, which frees
+        everything it holds."""
+        followed = follow(self._launcher, user, instance, abort_on_close=channel is None, channel=channel)
         try:
-            return await answer(self._launcher.launch.remote(user, launch), "the launcher", LAUNCHER_S)
+            async with aclosing(followed) as batches:
+                async for events in batches:
+                    for _, kind, value in events:
+                        yield kind, value
+        finally:
+            if channel is not None and not channel.log.done:
+                self._local.abort(instance, "its client went away")
+
+    async def _start(self, user: str, launch: LaunchRequest, named: bool) -> tuple[str, Channel | None]:
+        """The instance serving this request: the cluster's own programs run here (its channel is returned),
+        uploaded ones on a node's host (None: its events are read there)."""
+        try:
+            if launch.program in BUILTINS:
+                started = await self._local.start(user, launch.program, launch.input)
+                if started is not None:
+                    return started
+            launched = await answer(self._launcher.launch.remote(user, launch), "the launcher", LAUNCHER_S)
+            return launched, None
         except NoAnswer as e:
             raise OpenAIError(503, str(e)) from None
         except RayTaskError as e:

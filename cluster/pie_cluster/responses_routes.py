@@ -21,6 +21,7 @@ from inferlet.responses_schema import Continued, ResponsesRequest, Turn, snapsho
 from pie_workers.deadlines import LAUNCHER_S, RESPONSE_STORE_S, NoAnswer, answer
 from ray.exceptions import RayActorError
 
+from pie_cluster.events import Channel
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import RESPONSES_PROGRAM
 from pie_cluster.openai_requests import OpenAIError, check_grammars
@@ -68,7 +69,7 @@ class ResponsesRoutes:
         continued, history = await self._continued(user, body)
         program_input = Turn(request=body, response_id=response_id, continued=continued, history=history)
         launch = LaunchRequest(program=RESPONSES_PROGRAM, input=program_input.model_dump(mode="json", by_alias=True))
-        instance = await self._launch(user, launch, named=False)
+        instance, channel = await self._start(user, launch, named=False)
         record = None
         if body.store:
             items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
@@ -80,8 +81,8 @@ class ResponsesRoutes:
             record.body = response_object(body, response_id, turn.created_at)
             self._store().put.remote(record)  # not awaited: the store never lets it overwrite the finished record
         if body.stream:
-            return StreamingResponse(self._streamed_turn(turn, instance), media_type="text/event-stream")
-        async with aclosing(self._turn_events(turn, instance)) as events:
+            return StreamingResponse(self._streamed_turn(turn, instance, channel), media_type="text/event-stream")
+        async with aclosing(self._turn_events(turn, instance, channel)) as events:
             async for kind, value in events:
                 if kind == "return":
                     return await self._finish(turn, value)
@@ -129,11 +130,11 @@ class ResponsesRoutes:
         name = snapshot_name(previous.id)
         return Continued(snapshot=name, pending=previous.pending, call_names=previous.call_names), []
 
-    async def _streamed_turn(self, turn: _Turn, instance: str) -> AsyncIterator[str]:
+    async def _streamed_turn(self, turn: _Turn, instance: str, channel: Channel | None) -> AsyncIterator[str]:
         stream = ResponseStream(turn.request, turn.id, turn.created_at)
         for line in stream.opening():
             yield line
-        async with aclosing(self._turn_events(turn, instance)) as events:
+        async with aclosing(self._turn_events(turn, instance, channel)) as events:
             async for kind, value in events:
                 if kind == "message":
                     for line in stream.piece(value):
@@ -176,11 +177,11 @@ class ResponsesRoutes:
             turn.record.body = body
         return body
 
-    async def _turn_events(self, turn: _Turn, instance: str) -> AsyncIterator[tuple[str, str]]:
+    async def _turn_events(self, turn: _Turn, instance: str, channel: Channel | None) -> AsyncIterator[tuple[str, str]]:
         """The instance's events (closing early aborts it); a turn that did not finish leaves its record failed and
         no snapshot behind."""
         try:
-            async with aclosing(self._events(turn.user, instance)) as events:
+            async with aclosing(self._events(turn.user, instance, channel)) as events:
                 async for event in events:
                     yield event
         finally:

@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import ray
+from pie_cluster.events import poll
 from pie_cluster.launch_request import LaunchRequest
 
 
@@ -22,7 +23,7 @@ def run_to_end(launcher, instance_id: str, user: str = "alice", timeout: float =
     """Every event of the instance, following the stream until its terminal event."""
     events, since, deadline = [], 0, time.time() + timeout
     while time.time() < deadline:
-        got = ray.get(launcher.events.remote(user, instance_id, since, 5.0))
+        got = poll(launcher, user, instance_id, since, 5.0)
         events += got["events"]
         since = got["next"]
         if got["done"]:

@@ -14,6 +14,7 @@ import ray
 from launching import launch, run_to_end, upload
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.controller import start_controller
+from pie_cluster.events import poll
 from pie_workers.deadlines import MARKET_S
 from ray.util.state import list_actors
 
@@ -82,7 +83,7 @@ def test_a_hung_inferlet_host_is_killed_and_restarted_and_its_instance_fails(sma
     head = ray.get_runtime_context().get_node_id()
     parked, program = upload(launcher, PARKED), upload(launcher, GREEDY)
     waiting = launch(launcher, parked, node_id=head)
-    assert ray.get(launcher.events.remote("alice", waiting, 0, 60.0))["events"][0][1:] == ["message", "parked"]
+    assert poll(launcher, "alice", waiting, 0, 60.0)["events"][0][1:] == ["message", "parked"]
     hung = pid_of(ray_cluster, class_name="InferletHost", node_id=head)
     with stopped(hung):
         began = time.monotonic()

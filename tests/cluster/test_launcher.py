@@ -13,6 +13,7 @@ import time
 import pytest
 import ray
 from launching import LONG, engine_stats, launch, run_to_end, upload
+from pie_cluster.events import deliver, poll
 from pie_cluster.launcher import NotFound
 from program_zips import isolated_shouter, zip_program
 
@@ -33,12 +34,12 @@ async def main(input):
 
 def test_session_messages_files_and_output_stream_in_order(launcher):
     instance = launch(launcher, upload(launcher, SESSION), {"who": "bob"})
-    first = ray.get(launcher.events.remote("alice", instance, 0, 30.0))
+    first = poll(launcher, "alice", instance, 0, 30.0)
     while len(first["events"]) < 3:  # stdout, stderr, message
-        more = ray.get(launcher.events.remote("alice", instance, first["next"], 30.0))
+        more = poll(launcher, "alice", instance, first["next"], 30.0)
         first = {"events": first["events"] + more["events"], "next": more["next"]}
-    ray.get(launcher.send.remote("alice", instance, "carol"))
-    ray.get(launcher.send_file.remote("alice", instance, b"\x00\x01\x02"))
+    deliver(launcher, "alice", instance, "carol")
+    deliver(launcher, "alice", instance, b"\x00\x01\x02")
     events = run_to_end(launcher, instance)
     kinds = [(k, v) for _, k, v in events]
     assert kinds == [
@@ -145,11 +146,11 @@ def test_other_users_cannot_see_attach_to_message_or_abort_an_instance(launcher)
     run_to_end(launcher, instance)
     assert instance in [i["id"] for i in ray.get(launcher.list.remote("alice"))]
     assert instance not in [i["id"] for i in ray.get(launcher.list.remote("bob"))]
-    for call in (
-        launcher.events.remote("bob", instance, 0, 0.1),
-        launcher.abort.remote("bob", instance),
-        launcher.send.remote("bob", instance, "hi"),
-    ):
+    for call in (launcher.locate.remote("bob", instance, 0.1), launcher.abort.remote("bob", instance)):
+        with pytest.raises(NotFound, match="no instance"):
+            ray.get(call)
+    host = ray.get(launcher.locate.remote("alice", instance))["host"]  # where its events and inbox are kept
+    for call in (host.events.remote("bob", instance, 0, 0.1), host.send.remote("bob", instance, "message", "hi")):
         with pytest.raises(NotFound, match="no instance"):
             ray.get(call)
 

@@ -12,6 +12,7 @@ import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.controller import start_controller
+from pie_cluster.events import poll
 from pie_cluster.launch_request import LaunchRequest
 
 PARKED = b"""
@@ -52,7 +53,7 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
         program = ray.get(launcher.upload.remote("ann", "greedy.py", GREEDY))["program"]
         parked = ray.get(launcher.upload.remote("ann", "parked.py", PARKED))["program"]
         stranded = ray.get(launcher.launch.remote("ann", LaunchRequest(program=parked, node_id=doomed)))
-        assert ray.get(launcher.events.remote("ann", stranded, 0, 60.0))["events"][0][1:] == ["message", "parked"]
+        assert poll(launcher, "ann", stranded, 0, 60.0)["events"][0][1:] == ["message", "parked"]
 
         ray_cluster.remove_node(doomed_node)  # the raylet and every process on the node are killed
         for _ in range(120):
@@ -62,16 +63,16 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
                 break
             time.sleep(0.5)
         assert not lost["alive"] and lost["host"] != "serving", lost
-        last = ray.get(launcher.events.remote("ann", stranded, 0, 60.0))["events"][-1]
+        last = poll(launcher, "ann", stranded, 0, 60.0)["events"][-1]
         assert last[1] == "error" and "died" in last[2], last  # its instance is reported failed
         states = {r["node"]: r["state"] for r in status["replicas"]}
         assert states[doomed] != "serving" and all(states[n] == "serving" for n in before), states
 
         for node in (*sorted(before), None, None, None):  # pinned to a live node, or placed by the launcher
             instance = ray.get(launcher.launch.remote("ann", LaunchRequest(program=program, node_id=node)))
-            events = ray.get(launcher.events.remote("ann", instance, 0, 60.0))
+            events = poll(launcher, "ann", instance, 0, 60.0)
             while not events["done"]:
-                more = ray.get(launcher.events.remote("ann", instance, events["next"], 60.0))
+                more = poll(launcher, "ann", instance, events["next"], 60.0)
                 events = {**more, "events": events["events"] + more["events"]}
             assert events["events"][-1][1] == "return", events["events"][-1]
             assert len(json.loads(events["events"][-1][2])) == 4

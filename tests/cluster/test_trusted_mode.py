@@ -12,6 +12,7 @@ import ray
 from launching import launch, run_to_end
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.controller import start_controller
+from pie_cluster.events import poll
 from program_zips import isolated_shouter, zip_program
 
 
@@ -70,7 +71,7 @@ def test_a_killed_dedicated_host_ends_its_instance_with_an_error(launcher):
     data = zip_program({"pie.toml": manifest, "main.py": main})
     program = ray.get(launcher.upload.remote("alice", "parked.zip", data))["program"]
     instance = launch(launcher, program)
-    (event,) = ray.get(launcher.events.remote("alice", instance, 0, 60.0))["events"]
+    (event,) = poll(launcher, "alice", instance, 0, 60.0)["events"]
     os.kill(int(event[2]), signal.SIGKILL)
     last = run_to_end(launcher, instance)[-1]
     assert last[1] == "error" and "dedicated inferlet host" in last[2] and "died" in last[2], last

@@ -15,6 +15,7 @@ import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.controller import start_controller
+from pie_cluster.events import poll
 from pie_cluster.launch_request import LaunchRequest
 
 N = 1000
@@ -67,7 +68,7 @@ def worker_process(uid: int) -> psutil.Process:
 def first_event(launcher, instance: str, kind: str, timeout: float = 300) -> list:
     since, deadline = 0, time.monotonic() + timeout
     while time.monotonic() < deadline:
-        got = ray.get(launcher.events.remote("load", instance, since, 10.0))
+        got = poll(launcher, "load", instance, since, 10.0)
         for event in got["events"]:
             if event[1] in (kind, "error", "return"):
                 return event

@@ -3,7 +3,7 @@
 A worker holds no Ray handle, so what the host did for an in-process instance through ``run_inferlet`` is done
 here around the worker: the market wallet is opened before the instance starts and closed after its last event
 (its contexts are released by then: the worker closes them, or the replica does when the worker's connection
-drops), and the client's messages are fetched from the launcher on the worker's behalf.
+drops), and the client's messages are handed to the worker from the host's inbox.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Sandbox:
         self._view = None
 
     async def _receive(self, instance_id: str, kind: str):
-        return await self._host.launcher.receive.remote(instance_id, kind)
+        return await self._host.receive(instance_id, kind)
 
     def _ended(self, instance_id: str) -> None:
         if instance_id in self._wallets:

@@ -1,0 +1,180 @@
+"""The cluster's own programs run where their request lands: in the ingress replica's process.
+
+An OpenAI request needs no sandbox (the serving program is ours) and no node host: the ingress asks the launcher to
+admit it (one call; the launcher keeps admission, listing and abort), runs the program here as an asyncio task that
+talks to the replica's socket directly, and streams its events from this process's memory, so no event crosses an
+actor. The launcher hears once how it ended. What the instance reaches (models, market, bus) and the secret that
+mints its capability come from the launcher once per change of the cluster's services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import ray.exceptions
+from inferlet.runtime import ModelEndpoint
+from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
+from pie_workers.wire import capability
+
+from pie_cluster.config import ChannelLimits
+from pie_cluster.events import Channel, Channels
+from pie_cluster.host import InstanceSetup, serve_instance
+from pie_cluster.inferlet_host import CAPABILITY_MARGIN_S, CAPABILITY_TTL_S, NodeServices
+from pie_cluster.model_files import local_endpoints
+from pie_cluster.programs import Main, Program
+
+log = logging.getLogger("pie.http")
+
+
+@dataclass(frozen=True)
+class _Services:
+    version: int
+    services: NodeServices
+    secret: bytes
+    endpoints: dict[str, ModelEndpoint]  # model_dir on this node
+
+
+class _Session:
+    """``inferlet.session`` of an instance run here: its events out, its channel's inbox in."""
+
+    def __init__(self, runner: LocalInstances, instance_id: str, channel: Channel):
+        self._runner, self._id, self._channel = runner, instance_id, channel
+
+    def send(self, text: str) -> None:
+        self._runner.emit(self._id, "message", text)
+
+    def send_file(self, data: bytes) -> None:
+        self._runner.emit(self._id, "file", data)
+
+    async def receive(self) -> str:
+        return await self._channel.receive("message")
+
+    async def receive_file(self) -> bytes:
+        return await self._channel.receive("file")
+
+
+class LocalInstances:
+    def __init__(self, launcher, programs: dict[str, Path]):
+        """``programs``: the cluster's own programs by name (the launcher's ``_BUILTINS``)."""
+        self._launcher = launcher
+        self._programs = {name: Program.from_path(path) for name, path in programs.items()}
+        self._mains: dict[str, Main] = {}
+        self.name = uuid.uuid4().hex  # this runner, to the launcher
+        self._node = ray.get_runtime_context().get_node_id()
+        self._actor = ray.get_runtime_context().current_actor
+        self._services: _Services | None = None
+        self._fetching = asyncio.Lock()
+        self._channels = Channels(ChannelLimits(keep_finished=256))
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._abort_reasons: dict[str, str] = {}
+        self._outbox: list[tuple[str, str, str | bytes]] = []
+        self._listening: asyncio.Task | None = None
+
+    async def start(self, user: str, program: str, input: dict) -> tuple[str, Channel] | None:
+        """Admit and start an instance of ``program`` for ``user``; its id and channel, or None when this node
+        cannot run it (no view of the models here: launch it on a host). Raises what ``admit`` raises."""
+        if self._listening is None:
+            self._listening = asyncio.get_running_loop().create_task(self._listen_for_aborts())
+        admitted = await answer(
+            self._launcher.admit.remote(user, program, input, self._node, self.name, self._actor),
+            "the launcher",
+            LAUNCHER_S,
+        )
+        if admitted is None:
+            return None
+        instance_id = admitted["id"]
+        while admitted["queued"]:
+            ref = self._launcher.admitted.remote(self.name, instance_id, LAUNCHER_S)
+            admitted = await answer(ref, "the launcher", 2 * LAUNCHER_S)
+        channel = self._channels.open(instance_id, user)
+        if admitted["ending"] is not None:  # aborted while it waited
+            channel.log.append(*admitted["ending"])
+            return instance_id, channel
+        work = self._run(instance_id, program, input, user, admitted)
+        self._tasks[instance_id] = asyncio.get_running_loop().create_task(work)
+        return instance_id, channel
+
+    def abort(self, instance_id: str, reason: str) -> None:
+        task = self._tasks.get(instance_id)
+        if task is not None and not task.done():
+            self._abort_reasons[instance_id] = reason
+            task.cancel()
+
+    async def _run(self, instance_id: str, program: str, input: dict, user: str, admitted: dict) -> None:
+        try:
+            try:
+                services = await self._current(admitted["services"])
+            except Exception as e:  # the launcher or the models' files cannot be reached
+                self.emit(instance_id, "error", f"the ingress could not prepare the instance: {e}")
+                return
+            deadline_s = admitted["deadline_s"]
+            ttl = (deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
+            setup = InstanceSetup(
+                instance_id=instance_id,
+                username=user,
+                capability=capability.mint(services.secret, user, instance_id, ttl),
+                endpoints=services.endpoints,
+                bus=services.services.bus,
+                mcp_servers=services.services.mcp_servers,
+                deadline_s=deadline_s,
+            )
+            await serve_instance(
+                self._programs[program],
+                lambda: self._main(program),
+                input,
+                setup,
+                lambda kind, value: self.emit(instance_id, kind, value),
+                _Session(self, instance_id, self._channels.find(instance_id)),
+                aborted=lambda: self._abort_reasons.pop(instance_id, "aborted"),
+                market=services.services.market,
+            )
+        finally:
+            self._tasks.pop(instance_id, None)
+
+    def _main(self, program: str) -> Main:
+        """Loaded once per process: the cluster's programs keep no state in their modules."""
+        if program not in self._mains:
+            self._mains[program] = self._programs[program].load_main()
+        return self._mains[program]
+
+    async def _current(self, version: int) -> _Services:
+        async with self._fetching:
+            if self._services is None or self._services.version != version:
+                ref = self._launcher.services_for.remote(self._node)
+                services, secret, version = await answer(ref, "the launcher", LAUNCHER_S)
+                endpoints = await local_endpoints(services.endpoints, services.model_files)
+                self._services = _Services(version, services, secret, endpoints)
+            return self._services
+
+    def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
+        """Into the instance's channel at the end of this loop turn (consecutive writes to one stream merge); its
+        ending also goes to the launcher, one call per loop turn."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        elif kind in ("stdout", "stderr") and self._outbox[-1][:2] == (instance_id, kind):
+            self._outbox[-1] = (instance_id, kind, self._outbox[-1][2] + value)
+            return
+        self._outbox.append((instance_id, kind, value))
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        endings = [(i, e.kind, e.value) for i, kind, value in batch if (e := self._channels.append(i, kind, value))]
+        if endings:
+            self._launcher.ended.remote(endings)
+
+    async def _listen_for_aborts(self) -> None:
+        """The launcher's aborts of instances run here (``DELETE /v1/instances/{id}``), over one long poll."""
+        while True:
+            try:
+                polled = self._launcher.waiting_aborts.remote(self.name, 30.0)
+                ids = await answer(polled, "the launcher", 30 + LAUNCHER_S)
+            except (ray.exceptions.RayError, NoAnswer):
+                await asyncio.sleep(1.0)
+                continue
+            for instance_id in ids:
+                self.abort(instance_id, "aborted by its user")

@@ -1,0 +1,114 @@
+"""No cluster-wide actor on the per-event path: an instance's events go from where it runs to its client.
+
+Counted by the launcher itself (``stats()["calls"]``, shown by `pie status --json`): an uploaded program's instance
+streamed over HTTP, and an OpenAI request served by the built-in program in the ingress, cost the launcher the same
+calls whether they produce a handful of events or hundreds. An OpenAI request is still an instance of its user:
+listed, and ended by ``DELETE /v1/instances/{id}`` like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from pie_procs import engine_status, started_pie
+
+MODEL = "default"
+ALICE = {"Authorization": "Bearer tok-alice"}
+
+CHATTY = b"""
+import asyncio
+from inferlet import session
+
+async def main(input):
+    for i in range(input["n"]):
+        session.send(str(i))
+        await asyncio.sleep(0)  # one event per loop turn: nothing merges them
+    return "done"
+"""
+
+
+@pytest.fixture(scope="module")
+def pie(ray_cluster, tmp_path_factory):
+    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-event-path"))
+
+
+def launcher_calls(pie) -> int:
+    return sum(engine_status(pie)["launcher"]["calls"].values())
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str, str]]:
+    events, kind = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            kind = line[len("event: ") :]
+        elif line.startswith("data: ") and kind is not None:
+            events.append((kind, json.loads(line[len("data: ") :])))
+    return events
+
+
+def streamed_instance(pie, program: str, n: int) -> list[tuple[str, str]]:
+    body = {"program": program, "input": {"n": n}}
+    with httpx.stream("POST", f"{pie['url']}/v1/instances?stream=true", json=body, headers=ALICE, timeout=120) as got:
+        return sse_events(got)
+
+
+def test_an_instances_events_cost_the_launcher_the_same_calls_for_5_or_400_of_them(pie):
+    upload = httpx.post(f"{pie['url']}/v1/programs?filename=chatty.py", content=CHATTY, headers=ALICE, timeout=60)
+    program = upload.json()["program"]
+    costs, counts = [], []
+    for n in (5, 400):
+        before = launcher_calls(pie)
+        events = streamed_instance(pie, program, n)
+        costs.append(launcher_calls(pie) - before)
+        counts.append(len(events))
+        assert events[-1] == ("return", "done")
+        assert [v for k, v in events if k == "message"] == [str(i) for i in range(n)]
+    assert counts[1] - counts[0] >= 395
+    assert costs[0] == costs[1] <= 4  # launch, locate (the stream asks once where it runs), its ending
+
+
+def chat_stream(pie, max_tokens: int, headers=ALICE) -> list[dict]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": max_tokens}
+    body |= {"stream": True, "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{pie['url']}/v1/chat/completions", json=body, headers=headers, timeout=120) as got:
+        assert got.status_code == 200
+        return [json.loads(line[6:]) for line in got.iter_lines() if line.startswith("data: {")]
+
+
+def test_an_openai_request_costs_the_launcher_its_admission_and_ending_however_long_it_runs(pie):
+    costs = []
+    for max_tokens in (2, 96):
+        before = launcher_calls(pie)
+        chunks = chat_stream(pie, max_tokens)
+        costs.append(launcher_calls(pie) - before)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert costs[0] == costs[1] <= 2  # admit, ended: no launch, no locate, nothing per token
+    listed = httpx.get(f"{pie['url']}/v1/instances", headers=ALICE).json()
+    served = [i for i in listed if i["program"].startswith("openai_completions@")]
+    assert len(served) == 2 and {i["status"] for i in served} == {"finished"}
+
+
+def test_an_openai_request_is_aborted_by_its_instance_id_and_frees_its_pages(pie):
+    bob = {"Authorization": "Bearer tok-bob"}
+    got: list[dict] = []
+    streaming = threading.Thread(target=lambda: got.extend(chat_stream(pie, 100000, bob)))
+    streaming.start()
+    deadline = time.time() + 60
+    running = []
+    while not running and time.time() < deadline:
+        running = [i for i in httpx.get(f"{pie['url']}/v1/instances", headers=bob).json() if i["status"] == "running"]
+        time.sleep(0.2)
+    (instance,) = running
+    assert httpx.delete(f"{pie['url']}/v1/instances/{instance['id']}", headers=ALICE).status_code == 404  # not hers
+    assert httpx.delete(f"{pie['url']}/v1/instances/{instance['id']}", headers=bob).json() == {"aborted": True}
+    streaming.join(60)
+    assert not streaming.is_alive()
+    assert "aborted by its user" in json.dumps(got[-1])  # the stream's last chunk is the error
+    (listed,) = [i for i in httpx.get(f"{pie['url']}/v1/instances", headers=bob).json() if i["id"] == instance["id"]]
+    assert listed["status"] == "failed"
+    (replica,) = engine_status(pie)["replicas"]
+    assert replica["contexts"] == 0 and replica["pages_used"] == 0
