@@ -90,6 +90,7 @@ class Channel:
 
     user: str
     log: EventLog
+    started: float | None = None  # when its program's main began (``time.perf_counter``), where that is measured
     inbox: dict[str, asyncio.Queue] = field(
         default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
     )

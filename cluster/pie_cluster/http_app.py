@@ -28,7 +28,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
 from pie_cluster.config import AuthConfig, ServerConfig
-from pie_cluster.events import follow
+from pie_cluster.events import TERMINAL, follow
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher import BUILTINS
@@ -37,6 +37,7 @@ from pie_cluster.openai_requests import OpenAIError
 from pie_cluster.openai_routes import OPENAI_PATHS, OpenAIRoutes
 from pie_cluster.openai_routes import router as openai_router
 from pie_cluster.programs import MAX_PROGRAM_BYTES
+from pie_cluster.request_metrics import RequestClock, RequestMetrics
 from pie_cluster.responses_routes import RESPONSES_PATH, ResponsesRoutes
 from pie_cluster.responses_routes import router as responses_router
 
@@ -162,6 +163,7 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)
         self._running = Gauge("pie_instances_running", "instances running cluster-wide", registry=self._registry)
+        self._request_metrics = RequestMetrics(self._registry)
 
     def user_for(self, authorization: str | None) -> str:
         if not self._auth.enabled:
@@ -220,11 +222,13 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         user: User,
         stream: Annotated[bool, Query(description="answer with the instance's event stream (SSE)")] = False,
     ):
+        clock = RequestClock("instances", "-")
         instance = await self._call("launch", self._launcher.launch, user, body)
+        clock.mark_admitted()
         self._launches.inc()
         if stream:
             opening = f"event: launched\ndata: {json.dumps(instance)}\n\n"
-            events = self._stream(user, instance, 0, opening=opening)
+            events = self._stream(user, instance, 0, opening=opening, clock=clock)
             return StreamingResponse(events, media_type="text/event-stream")
         return {"id": instance}
 
@@ -242,17 +246,35 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         where = await self._call("events", self._launcher.locate, user, instance_id, 0.0)  # 404s here
         return StreamingResponse(self._stream(user, instance_id, since, where), media_type="text/event-stream")
 
-    async def _stream(self, user: str, instance_id: str, since: int, where: dict | None = None, opening: str = ""):
+    async def _stream(
+        self,
+        user: str,
+        instance_id: str,
+        since: int,
+        where: dict | None = None,
+        opening: str = "",
+        clock: RequestClock | None = None,
+    ):
         """SSE text: ``opening``, then the events from ``since`` on, read from where the instance runs (``where``:
-        the launcher's answer to ``locate``, already asked)."""
+        the launcher's answer to ``locate``, already asked). ``clock``: the launch's, for the histograms (its
+        "first token" is the first event)."""
         if opening:
             yield opening
-        async with aclosing(follow(self._launcher, user, instance_id, since, wait=10.0, where=where)) as batches:
-            async for events in batches:
-                if not events:
-                    yield ": keep-alive\n\n"
-                for index, kind, value in events:
-                    yield f"id: {index}\nevent: {kind}\ndata: {json.dumps(_wire_value(kind, value))}\n\n"
+        followed = follow(self._launcher, user, instance_id, since, wait=10.0, where=where)
+        try:
+            async with aclosing(followed) as batches:
+                async for events in batches:
+                    if not events:
+                        yield ": keep-alive\n\n"
+                    for index, kind, value in events:
+                        if clock is not None:
+                            clock.mark_token()
+                            if kind in TERMINAL:
+                                clock.mark_ended()
+                        yield f"id: {index}\nevent: {kind}\ndata: {json.dumps(_wire_value(kind, value))}\n\n"
+        finally:
+            if clock is not None:
+                self._request_metrics.observe(clock)
 
     @app.post("/v1/instances/{instance_id}/messages", status_code=204)
     async def send(self, instance_id: str, body: SessionMessage, user: User) -> None:

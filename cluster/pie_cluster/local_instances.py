@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,7 +126,7 @@ class LocalInstances:
             )
             await serve_instance(
                 self._programs[program],
-                lambda: self._main(program),
+                lambda: self._main(program, instance_id),
                 input,
                 setup,
                 lambda kind, value: self.emit(instance_id, kind, value),
@@ -136,11 +137,18 @@ class LocalInstances:
         finally:
             self._tasks.pop(instance_id, None)
 
-    def _main(self, program: str) -> Main:
-        """Loaded once per process: the cluster's programs keep no state in their modules."""
+    def _main(self, program: str, instance_id: str) -> Main:
+        """The program's main (loaded once per process: the cluster's programs keep no state in their modules),
+        marking on the instance's channel when it begins."""
         if program not in self._mains:
             self._mains[program] = self._programs[program].load_main()
-        return self._mains[program]
+        main, channel = self._mains[program], self._channels.find(instance_id)
+
+        async def begun(input: dict):
+            channel.started = time.perf_counter()
+            return await main(input)
+
+        return begun
 
     async def _current(self, version: int) -> _Services:
         async with self._fetching:

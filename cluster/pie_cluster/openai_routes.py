@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, HTTPException
@@ -24,13 +25,14 @@ from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
-from pie_cluster.events import Channel, follow
+from pie_cluster.events import TERMINAL, Channel, follow
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import BUILTINS, OPENAI_PROGRAM
 from pie_cluster.local_instances import LocalInstances
 from pie_cluster.openai_requests import OpenAIError, check_grammars
 from pie_cluster.openai_responses import Reply, error_event, parse_report
+from pie_cluster.request_metrics import RequestClock, RequestMetrics
 
 router = APIRouter(tags=["OpenAI-compatible"])
 OPENAI_PATHS = ("/v1/models", "/v1/chat/completions", "/v1/completions")
@@ -53,11 +55,23 @@ def error_status(message: str) -> int:
     return 400 if message.startswith(("ValueError", "TypeError", "TokenBudgetExhausted")) else 500
 
 
+@dataclass
+class Served:
+    """The instance serving one request: whose, its id, its channel when it runs in this process, its clock."""
+
+    user: str
+    instance: str
+    channel: Channel | None
+    clock: RequestClock
+
+
 class OpenAIRoutes:
-    """Mixed into ``PieIngress``, which provides ``_launcher`` and ``_local`` (a ``LocalInstances``)."""
+    """Mixed into ``PieIngress``, which provides ``_launcher``, ``_local`` (a ``LocalInstances``) and
+    ``_request_metrics``."""
 
     _model_names: frozenset[str] = frozenset()
     _local: LocalInstances
+    _request_metrics: RequestMetrics
 
     @router.get("/v1/models")
     async def list_models(self, user: OpenAIUser) -> dict:
@@ -76,12 +90,11 @@ class OpenAIRoutes:
         await self._check_model(body.model)
         check_grammars(body)
         launch = LaunchRequest(program=body.inferlet or OPENAI_PROGRAM, input=body.as_input())
-        instance, channel = await self._start(user, launch, named=body.inferlet is not None)
+        served = await self._start(user, launch, RequestClock(body.api, body.model), named=body.inferlet is not None)
         reply = Reply(body.api, body.model, body.include_usage)
         if body.stream:
-            streamed = self._streamed(user, instance, channel, reply)
-            return StreamingResponse(streamed, media_type="text/event-stream")
-        async with aclosing(self._events(user, instance, channel)) as events:
+            return StreamingResponse(self._streamed(served, reply), media_type="text/event-stream")
+        async with aclosing(self._events(served)) as events:
             async for kind, value in events:
                 if kind == "return":
                     return reply.complete(parse_report(value))
@@ -89,8 +102,8 @@ class OpenAIRoutes:
                     raise OpenAIError(error_status(value), value)
         raise OpenAIError(500, "the serving inferlet ended without an answer")
 
-    async def _streamed(self, user: str, instance: str, channel: Channel | None, reply: Reply) -> AsyncIterator[str]:
-        async with aclosing(self._events(user, instance, channel)) as events:
+    async def _streamed(self, served: Served, reply: Reply) -> AsyncIterator[str]:
+        async with aclosing(self._events(served)) as events:
             async for kind, value in events:
                 if kind == "message":
                     for line in reply.piece(value):
@@ -105,30 +118,40 @@ class OpenAIRoutes:
                 elif kind == "error":
                     yield error_event(value, error_status(value))
 
-    async def _events(self, user: str, instance: str, channel: Channel | None) -> AsyncIterator[tuple[str, str]]:
-        """The instance's events, until its terminal one (``channel``: it runs in this process). Closed before that
-        (the client went away, and the handler or the stream was cancelled), it aborts the instance, which frees
-        everything it holds."""
-        followed = follow(self._launcher, user, instance, abort_on_close=channel is None, channel=channel)
+    async def _events(self, served: Served) -> AsyncIterator[tuple[str, str]]:
+        """The instance's events, until its terminal one. Closed before that (the client went away, and the
+        handler or the stream was cancelled), it aborts the instance, which frees everything it holds. Its clock
+        goes to the ingress's histograms at the end."""
+        channel, clock = served.channel, served.clock
+        followed = follow(self._launcher, served.user, served.instance, abort_on_close=channel is None, channel=channel)
         try:
             async with aclosing(followed) as batches:
                 async for events in batches:
                     for _, kind, value in events:
+                        if kind == "message":
+                            clock.mark_token()
+                        elif kind in TERMINAL:
+                            clock.mark_ended()
                         yield kind, value
         finally:
-            if channel is not None and not channel.log.done:
-                self._local.abort(instance, "its client went away")
+            if channel is not None:
+                clock.started = channel.started
+                if not channel.log.done:
+                    self._local.abort(served.instance, "its client went away")
+            self._request_metrics.observe(clock)
 
-    async def _start(self, user: str, launch: LaunchRequest, named: bool) -> tuple[str, Channel | None]:
-        """The instance serving this request: the cluster's own programs run here (its channel is returned),
-        uploaded ones on a node's host (None: its events are read there)."""
+    async def _start(self, user: str, launch: LaunchRequest, clock: RequestClock, named: bool) -> Served:
+        """The instance serving this request: the cluster's own programs run here (with their channel), uploaded
+        ones on a node's host (its events are read there)."""
         try:
             if launch.program in BUILTINS:
                 started = await self._local.start(user, launch.program, launch.input)
                 if started is not None:
-                    return started
+                    clock.mark_admitted()
+                    return Served(user, *started, clock)
             launched = await answer(self._launcher.launch.remote(user, launch), "the launcher", LAUNCHER_S)
-            return launched, None
+            clock.mark_admitted()
+            return Served(user, launched, None, clock)
         except NoAnswer as e:
             raise OpenAIError(503, str(e)) from None
         except RayTaskError as e:

@@ -21,11 +21,11 @@ from inferlet.responses_schema import Continued, ResponsesRequest, Turn, snapsho
 from pie_workers.deadlines import LAUNCHER_S, RESPONSE_STORE_S, NoAnswer, answer
 from ray.exceptions import RayActorError
 
-from pie_cluster.events import Channel
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import RESPONSES_PROGRAM
 from pie_cluster.openai_requests import OpenAIError, check_grammars
-from pie_cluster.openai_routes import OpenAIUser, error_status
+from pie_cluster.openai_routes import OpenAIUser, Served, error_status
+from pie_cluster.request_metrics import RequestClock
 from pie_cluster.responses_api import (
     ResponseStream,
     failed,
@@ -69,20 +69,20 @@ class ResponsesRoutes:
         continued, history = await self._continued(user, body)
         program_input = Turn(request=body, response_id=response_id, continued=continued, history=history)
         launch = LaunchRequest(program=RESPONSES_PROGRAM, input=program_input.model_dump(mode="json", by_alias=True))
-        instance, channel = await self._start(user, launch, named=False)
+        served = await self._start(user, launch, RequestClock("responses", body.model), named=False)
         record = None
         if body.store:
             items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
             record = ResponseRecord(
-                response_id, user, body.model, {}, body.previous_response_id, body.header(), items, instance
+                response_id, user, body.model, {}, body.previous_response_id, body.header(), items, served.instance
             )
         turn = _Turn(user, body, response_id, record)
         if record is not None:
             record.body = response_object(body, response_id, turn.created_at)
             self._store().put.remote(record)  # not awaited: the store never lets it overwrite the finished record
         if body.stream:
-            return StreamingResponse(self._streamed_turn(turn, instance, channel), media_type="text/event-stream")
-        async with aclosing(self._turn_events(turn, instance, channel)) as events:
+            return StreamingResponse(self._streamed_turn(turn, served), media_type="text/event-stream")
+        async with aclosing(self._turn_events(turn, served)) as events:
             async for kind, value in events:
                 if kind == "return":
                     return await self._finish(turn, value)
@@ -130,11 +130,11 @@ class ResponsesRoutes:
         name = snapshot_name(previous.id)
         return Continued(snapshot=name, pending=previous.pending, call_names=previous.call_names), []
 
-    async def _streamed_turn(self, turn: _Turn, instance: str, channel: Channel | None) -> AsyncIterator[str]:
+    async def _streamed_turn(self, turn: _Turn, served: Served) -> AsyncIterator[str]:
         stream = ResponseStream(turn.request, turn.id, turn.created_at)
         for line in stream.opening():
             yield line
-        async with aclosing(self._turn_events(turn, instance, channel)) as events:
+        async with aclosing(self._turn_events(turn, served)) as events:
             async for kind, value in events:
                 if kind == "message":
                     for line in stream.piece(value):
@@ -177,11 +177,11 @@ class ResponsesRoutes:
             turn.record.body = body
         return body
 
-    async def _turn_events(self, turn: _Turn, instance: str, channel: Channel | None) -> AsyncIterator[tuple[str, str]]:
+    async def _turn_events(self, turn: _Turn, served: Served) -> AsyncIterator[tuple[str, str]]:
         """The instance's events (closing early aborts it); a turn that did not finish leaves its record failed and
         no snapshot behind."""
         try:
-            async with aclosing(self._events(turn.user, instance, channel)) as events:
+            async with aclosing(self._events(served)) as events:
                 async for event in events:
                     yield event
         finally:

@@ -3,7 +3,7 @@
 Counted by the launcher itself (``stats()["calls"]``, shown by `pie status --json`): an uploaded program's instance
 streamed over HTTP, and an OpenAI request served by the built-in program in the ingress, cost the launcher the same
 calls whether they produce a handful of events or hundreds. An OpenAI request is still an instance of its user:
-listed, and ended by ``DELETE /v1/instances/{id}`` like any other.
+listed, and ended by ``DELETE /v1/instances/{id}`` like any other; and the ingress's histograms split its time.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import time
 import httpx
 import pytest
 from pie_procs import engine_status, started_pie
+from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "default"
 ALICE = {"Authorization": "Bearer tok-alice"}
+PARTS = ("queue", "start", "first_token", "stream")
 
 CHATTY = b"""
 import asyncio
@@ -112,3 +114,29 @@ def test_an_openai_request_is_aborted_by_its_instance_id_and_frees_its_pages(pie
     assert listed["status"] == "failed"
     (replica,) = engine_status(pie)["replicas"]
     assert replica["contexts"] == 0 and replica["pages_used"] == 0
+
+
+def sample(pie, name: str, **labels) -> float:
+    """A sample of the ingress's /metrics (0 when absent)."""
+    text = httpx.get(f"{pie['url']}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def test_metrics_split_a_requests_time_into_queue_start_first_token_and_stream(pie):
+    names = [f"pie_request_{p}_seconds_{kind}" for p in PARTS for kind in ("count", "sum")]
+    names.append("pie_request_seconds_sum")
+
+    def readings() -> dict[str, float]:
+        return {name: sample(pie, name, route="chat", model=MODEL) for name in names}
+
+    before = readings()
+    chat_stream(pie, 8)
+    took = {name: value - before[name] for name, value in readings().items()}
+    assert all(took[f"pie_request_{p}_seconds_count"] == 1 for p in PARTS), took
+    assert all(took[f"pie_request_{p}_seconds_sum"] > 0 for p in PARTS), took
+    split = took["pie_request_first_token_seconds_sum"] + took["pie_request_stream_seconds_sum"]
+    assert abs(split - took["pie_request_seconds_sum"]) < 1e-6  # first token and stream split the whole
