@@ -60,6 +60,9 @@ class ServerConfig(_Strict):
     max_ongoing_requests: int = Field(1024, ge=1)  # Serve's default of 5 collapses under concurrent event streams
     ingress_replicas: int = Field(1, ge=1)  # HTTP ingress replicas (each a light actor: the launcher does the work)
     autoscaling: IngressAutoscaling | None = None  # scale the ingress with load instead (overrides ingress_replicas)
+    # how the ingress spreads OpenAI requests over a model's replicas: by shared prompt prefix (cache hits) with a
+    # load cap, or by requests in flight alone (see prefix_routing.py)
+    routing: Literal["prefix", "least_loaded"] = "prefix"
 
     def deployment_options(self) -> dict:
         """Ray Serve options of the ingress deployment."""

@@ -160,6 +160,7 @@ class Controller:
         return {
             node: NodeServices(
                 endpoints=self.endpoints(node),
+                replicas=self.replica_endpoints(node),
                 bus=self.bus.addresses(node),
                 mcp_servers=self.config.mcp_specs(),
                 market=self.market,
@@ -226,16 +227,13 @@ class Controller:
         for name, replicas in self.replicas.items():
             local = [r for r in replicas if r.info.node_id == node_id]
             chosen = local[0] if local else replicas[hash(node_id) % len(replicas)]
-            info = chosen.info
-            out[name] = ModelEndpoint(
-                name=name,
-                address=chosen.addresses["ipc" if local else "tcp"],
-                model_dir=info.model_dir,
-                page_size=info.page_size,
-                vocab_size=info.vocab_size,
-                architecture=info.architecture,
-            )
+            out[name] = _endpoint(name, chosen, node_id)
         return out
+
+    def replica_endpoints(self, node_id: str) -> dict[str, tuple[ModelEndpoint, ...]]:
+        """Every replica of each model as reached from ``node_id`` (ipc on that node, tcp elsewhere), in replica
+        order: what the ingress there spreads its own requests over (``prefix_routing``)."""
+        return {name: tuple(_endpoint(name, r, node_id) for r in replicas) for name, replicas in self.replicas.items()}
 
     def status(self) -> dict:
         """Replicas with their page use, batches and queue; nodes and their inferlet hosts; the launcher's counts.
@@ -272,6 +270,7 @@ class Controller:
                         "queued": s["queued"],
                         "batches": s["batches"],
                         "requests": s["requests"],
+                        "prefix_hit_tokens": s["prefix_hit_tokens"],
                         "contexts": s["contexts"],
                         "suspended": s["suspended"],
                         "price": s["price"],
@@ -361,6 +360,19 @@ def stop_controller() -> bool:
         ray.get(controller.shutdown.remote(), timeout=120)
     ray.kill(controller)
     return True
+
+
+def _endpoint(name: str, replica: Replica, node_id: str) -> ModelEndpoint:
+    """How an inferlet on ``node_id`` reaches ``replica``: over ipc on its node, else over tcp."""
+    info = replica.info
+    return ModelEndpoint(
+        name=name,
+        address=replica.addresses["ipc" if info.node_id == node_id else "tcp"],
+        model_dir=info.model_dir,
+        page_size=info.page_size,
+        vocab_size=info.vocab_size,
+        architecture=info.architecture,
+    )
 
 
 def _alive_nodes() -> set[str]:

@@ -155,10 +155,10 @@ app.include_router(responses_router)
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class PieIngress(OpenAIRoutes, ResponsesRoutes):
-    def __init__(self, auth: AuthConfig, namespace: str):
+    def __init__(self, auth: AuthConfig, namespace: str, routing: str = "prefix"):
         self._auth, self._namespace = auth, namespace
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
-        self._local = LocalInstances(self._launcher, BUILTINS)
+        self._local = LocalInstances(self._launcher, BUILTINS, routing)
         self._registry = CollectorRegistry()
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)
@@ -304,7 +304,7 @@ def serve_http(auth: AuthConfig, namespace: str, server: ServerConfig) -> str:
     """Deploy the app on Ray Serve (proxy on the head node) with ``server``'s replicas; returns its base URL."""
     serve.start(http_options={"host": server.host, "port": server.port, "location": "HeadOnly"})
     deployment = PieIngress.options(**server.deployment_options())
-    serve.run(deployment.bind(auth, namespace), name="pie", route_prefix="/", blocking=False)
+    serve.run(deployment.bind(auth, namespace, server.routing), name="pie", route_prefix="/", blocking=False)
     host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
     return f"http://{host}:{server.port}"
 

@@ -55,6 +55,9 @@ class NodeServices:
     """What an inferlet on one node reaches; fixed while the cluster runs, so a host gets it once."""
 
     endpoints: dict[str, ModelEndpoint]  # model name -> a replica (ipc on this node, else tcp)
+    # model name -> every replica as reached from this node, in replica order; the ingress picks among them per
+    # request for the programs it runs itself (prefix_routing), node hosts use ``endpoints``
+    replicas: dict[str, tuple[ModelEndpoint, ...]] = field(default_factory=dict)
     bus: tuple[str, ...] = ()  # message bus shard addresses from this node
     mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)  # name -> how inferlets reach it
     market: object | None = None  # the KV-page market actor: every instance has a wallet there while it runs

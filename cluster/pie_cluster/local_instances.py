@@ -5,6 +5,11 @@ admit it (one call; the launcher keeps admission, listing and abort), runs the p
 talks to the replica's socket directly, and streams its events from this process's memory, so no event crosses an
 actor. The launcher hears once how it ended. What the instance reaches (models, market, bus) and the secret that
 mints its capability come from the launcher once per change of the cluster's services.
+
+When a model has several replicas, each instance run here is given the one ``prefix_routing`` picks for its prompt
+(the replica that most likely holds its prefix in cache, unless that one is far busier) in place of the node's
+default endpoint. Only these programs are placed so: uploaded programs run on node hosts and reach the node's one
+endpoint per model (``NodeServices.endpoints``), as before.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -27,6 +32,7 @@ from pie_cluster.events import Channel, Channels
 from pie_cluster.host import InstanceSetup, serve_instance
 from pie_cluster.inferlet_host import CAPABILITY_MARGIN_S, CAPABILITY_TTL_S, NodeServices
 from pie_cluster.model_files import local_endpoints
+from pie_cluster.prefix_routing import PrefixRouter, Prompt, Routing
 from pie_cluster.programs import Main, Program
 
 log = logging.getLogger("pie.http")
@@ -38,6 +44,7 @@ class _Services:
     services: NodeServices
     secret: bytes
     endpoints: dict[str, ModelEndpoint]  # model_dir on this node
+    replicas: dict[str, dict[str, ModelEndpoint]]  # model -> address -> replica (model_dir on this node)
 
 
 class _Session:
@@ -60,8 +67,9 @@ class _Session:
 
 
 class LocalInstances:
-    def __init__(self, launcher, programs: dict[str, Path]):
-        """``programs``: the cluster's own programs by name (the launcher's ``_BUILTINS``)."""
+    def __init__(self, launcher, programs: dict[str, Path], routing: Routing = "prefix"):
+        """``programs``: the cluster's own programs by name (the launcher's ``_BUILTINS``); ``routing``: how
+        requests are spread over a model's replicas (``[server] routing``)."""
         self._launcher = launcher
         self._programs = {name: Program.from_path(path) for name, path in programs.items()}
         self._mains: dict[str, Main] = {}
@@ -75,10 +83,14 @@ class LocalInstances:
         self._abort_reasons: dict[str, str] = {}
         self._outbox: list[tuple[str, str, str | bytes]] = []
         self._listening: asyncio.Task | None = None
+        self._router = PrefixRouter(routing)
 
-    async def start(self, user: str, program: str, input: dict) -> tuple[str, Channel] | None:
+    async def start(
+        self, user: str, program: str, input: dict, prompt: Prompt | None = None
+    ) -> tuple[str, Channel] | None:
         """Admit and start an instance of ``program`` for ``user``; its id and channel, or None when this node
-        cannot run it (no view of the models here: launch it on a host). Raises what ``admit`` raises."""
+        cannot run it (no view of the models here: launch it on a host). ``prompt``: its model and prompt text, to
+        place it on one of the model's replicas (None: the node's default one). Raises what ``admit`` raises."""
         if self._listening is None:
             self._listening = asyncio.get_running_loop().create_task(self._listen_for_aborts())
         admitted = await answer(
@@ -96,7 +108,7 @@ class LocalInstances:
         if admitted["ending"] is not None:  # aborted while it waited
             channel.log.append(*admitted["ending"])
             return instance_id, channel
-        work = self._run(instance_id, program, input, user, admitted)
+        work = self._run(instance_id, program, input, user, admitted, prompt)
         self._tasks[instance_id] = asyncio.get_running_loop().create_task(work)
         return instance_id, channel
 
@@ -106,20 +118,28 @@ class LocalInstances:
             self._abort_reasons[instance_id] = reason
             task.cancel()
 
-    async def _run(self, instance_id: str, program: str, input: dict, user: str, admitted: dict) -> None:
+    async def _run(
+        self, instance_id: str, program: str, input: dict, user: str, admitted: dict, prompt: Prompt | None
+    ) -> None:
+        placed: str | None = None  # the replica the router chose, counted in flight there until this ends
         try:
             try:
                 services = await self._current(admitted["services"])
             except Exception as e:  # the launcher or the models' files cannot be reached
                 self.emit(instance_id, "error", f"the ingress could not prepare the instance: {e}")
                 return
+            endpoints = services.endpoints
+            replicas = services.replicas.get(prompt.model, {}) if prompt is not None else {}
+            if len(replicas) > 1:
+                placed = self._router.choose(prompt.model, list(replicas), prompt.text)
+                endpoints = {**endpoints, prompt.model: replicas[placed]}
             deadline_s = admitted["deadline_s"]
             ttl = (deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
             setup = InstanceSetup(
                 instance_id=instance_id,
                 username=user,
                 capability=capability.mint(services.secret, user, instance_id, ttl),
-                endpoints=services.endpoints,
+                endpoints=endpoints,
                 bus=services.services.bus,
                 mcp_servers=services.services.mcp_servers,
                 deadline_s=deadline_s,
@@ -136,6 +156,8 @@ class LocalInstances:
             )
         finally:
             self._tasks.pop(instance_id, None)
+            if placed is not None:
+                self._router.finished(prompt.model, placed)
 
     def _main(self, program: str, instance_id: str) -> Main:
         """The program's main (loaded once per process: the cluster's programs keep no state in their modules),
@@ -156,7 +178,14 @@ class LocalInstances:
                 ref = self._launcher.services_for.remote(self._node)
                 services, secret, version = await answer(ref, "the launcher", LAUNCHER_S)
                 endpoints = await local_endpoints(services.endpoints, services.model_files)
-                self._services = _Services(version, services, secret, endpoints)
+                replicas = {  # the tokenizer files are the model's, whichever replica: the default's local copy
+                    name: {e.address: replace(e, model_dir=endpoints[name].model_dir) for e in options}
+                    for name, options in services.replicas.items()
+                    if name in endpoints
+                }
+                for name, options in replicas.items():
+                    self._router.forget(name, keep=list(options))  # a replaced replica's record goes with it
+                self._services = _Services(version, services, secret, endpoints, replicas)
             return self._services
 
     def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:

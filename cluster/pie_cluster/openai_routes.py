@@ -4,7 +4,8 @@ Each request runs as an inferlet instance of the requesting user — the built-i
 or the uploaded program a request names in ``inferlet`` — so it goes through the same admission limits, KV-page
 market and engine as any other inferlet, and prompts shared between requests reuse cached pages through the
 replica's prefix trie. The built-in program runs in the ingress process itself (``local_instances``): the request
-talks to the replica's socket and reads its events from memory, with one launcher call to admit it. An OpenAI
+talks to the replica's socket and reads its events from memory, with one launcher call to admit it; with several
+replicas of the model it goes to the one ``prefix_routing`` picks for its prompt (``[server] routing``). An OpenAI
 ``api_key`` is a Pie bearer token. Errors answer in OpenAI's shape (``openai_requests.OpenAIError``). A client that
 disconnects aborts its instance, so nothing it held stays behind.
 
@@ -32,6 +33,7 @@ from pie_cluster.launcher import BUILTINS, OPENAI_PROGRAM
 from pie_cluster.local_instances import LocalInstances
 from pie_cluster.openai_requests import OpenAIError, check_grammars
 from pie_cluster.openai_responses import Reply, error_event, parse_report
+from pie_cluster.prefix_routing import Prompt
 from pie_cluster.request_metrics import RequestClock, RequestMetrics
 
 router = APIRouter(tags=["OpenAI-compatible"])
@@ -90,7 +92,8 @@ class OpenAIRoutes:
         await self._check_model(body.model)
         check_grammars(body)
         launch = LaunchRequest(program=body.inferlet or OPENAI_PROGRAM, input=body.as_input())
-        served = await self._start(user, launch, RequestClock(body.api, body.model), named=body.inferlet is not None)
+        clock = RequestClock(body.api, body.model)
+        served = await self._start(user, launch, clock, named=body.inferlet is not None, prompt=_prompt(body))
         reply = Reply(body.api, body.model, body.include_usage)
         if body.stream:
             return StreamingResponse(self._streamed(served, reply), media_type="text/event-stream")
@@ -140,12 +143,14 @@ class OpenAIRoutes:
                     self._local.abort(served.instance, "its client went away")
             self._request_metrics.observe(clock)
 
-    async def _start(self, user: str, launch: LaunchRequest, clock: RequestClock, named: bool) -> Served:
-        """The instance serving this request: the cluster's own programs run here (with their channel), uploaded
-        ones on a node's host (its events are read there)."""
+    async def _start(
+        self, user: str, launch: LaunchRequest, clock: RequestClock, named: bool, prompt: Prompt | None = None
+    ) -> Served:
+        """The instance serving this request: the cluster's own programs run here (with their channel, on the
+        replica picked for ``prompt``), uploaded ones on a node's host (its events are read there)."""
         try:
             if launch.program in BUILTINS:
-                started = await self._local.start(user, launch.program, launch.input)
+                started = await self._local.start(user, launch.program, launch.input, prompt)
                 if started is not None:
                     clock.mark_admitted()
                     return Served(user, *started, clock)
@@ -174,3 +179,10 @@ class OpenAIRoutes:
         except (RayTaskError, RayActorError, NoAnswer):
             raise OpenAIError(503, "the cluster's models are not reachable; is the cluster running?") from None
         return self._model_names
+
+
+def _prompt(body: ChatCompletionRequest | CompletionRequest) -> Prompt:
+    """The request's prompt as the router keys it: the messages in order, or the prompts."""
+    if isinstance(body, ChatCompletionRequest):
+        return Prompt.of(body.model, [m.model_dump(mode="json", exclude_none=True) for m in body.messages])
+    return Prompt.of(body.model, body.prompts)

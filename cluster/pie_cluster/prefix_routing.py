@@ -27,6 +27,7 @@ prefix part. With one replica nothing is hashed or counted.
 from __future__ import annotations
 
 import itertools
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,20 @@ def block_hashes(text: str, block_chars: int = BLOCK_CHARS, limit: int = MAX_REQ
         chained = hash((chained, text[start : start + block_chars]))
         hashes.append(chained)
     return hashes
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What places a request: its model, and its prompt rendered as text in the order the model reads it."""
+
+    model: str
+    text: str
+
+    @classmethod
+    def of(cls, model: str, parts: Sequence[object]) -> Prompt:
+        """From the request's prompt-bearing parts in order (messages, a prompt, instructions and items): one JSON
+        line each, so requests that share their first parts share a text prefix."""
+        return cls(model, "\n".join(json.dumps(p, sort_keys=True, separators=(",", ":")) for p in parts))
 
 
 class PrefixRouter:

@@ -25,6 +25,7 @@ from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import RESPONSES_PROGRAM
 from pie_cluster.openai_requests import OpenAIError, check_grammars
 from pie_cluster.openai_routes import OpenAIUser, Served, error_status
+from pie_cluster.prefix_routing import Prompt
 from pie_cluster.request_metrics import RequestClock
 from pie_cluster.responses_api import (
     ResponseStream,
@@ -69,10 +70,13 @@ class ResponsesRoutes:
         continued, history = await self._continued(user, body)
         program_input = Turn(request=body, response_id=response_id, continued=continued, history=history)
         launch = LaunchRequest(program=RESPONSES_PROGRAM, input=program_input.model_dump(mode="json", by_alias=True))
-        served = await self._start(user, launch, RequestClock("responses", body.model), named=False)
+        # placed by instructions, history and items (a continued context by its instructions alone: the stored
+        # context's text is not here)
+        items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
+        prompt = Prompt.of(body.model, [body.instructions or "", *history, *items])
+        served = await self._start(user, launch, RequestClock("responses", body.model), named=False, prompt=prompt)
         record = None
         if body.store:
-            items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
             record = ResponseRecord(
                 response_id, user, body.model, {}, body.previous_response_id, body.header(), items, served.instance
             )

@@ -54,6 +54,7 @@ class Passes:
         self.page_size = records.table.page_size
         self.steps = Steps(records.table, scheduler, residency)
         self._slow_passes: set[asyncio.Task] = set()
+        self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix trie instead of computed (engine stats)
 
     # -- a pass's course -----------------------------------------------------------------------------------------
 
@@ -299,6 +300,7 @@ class Passes:
         if usable <= 0:
             return tokens, positions, slots
         reused = self.contexts.reuse_prefix(ctx, tokens[:usable], positions[:usable], salt)
+        self.prefix_hit_tokens += reused
         return tokens[reused:], positions[reused:], [(row - reused, s) for row, s in slots]
 
     def _reply(self, state: EngineContext, out: RequestOutput, draft_budget: int) -> PassReply:

@@ -383,6 +383,7 @@ class ReplicaEngine:
             "waiting": self.residency.waiting,
             "batches": self.scheduler.batches_fired,
             "requests": self.scheduler.requests_served,
+            "prefix_hit_tokens": self.passes.prefix_hit_tokens,
             "chained": steps.chained_passes,
             "ahead": steps.steps_ahead,
             "ahead_taken": steps.steps_ahead_taken,
