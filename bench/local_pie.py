@@ -33,9 +33,12 @@ def local_pie(
     max_batch_tokens: int = 2048,
     sandbox: str = "bubblewrap",
     model_dir: Path | None = None,
+    replicas: int = 1,
+    routing: str = "prefix",
 ) -> Iterator[LocalPie]:
     """``sandbox``: how uploaded programs run (``off``: in the trusted host, the baseline the sandbox is measured
-    against); ``model_dir``: a Hugging Face directory to serve (None: the embedded tiny model)."""
+    against); ``model_dir``: a Hugging Face directory to serve (None: the embedded tiny model); ``replicas`` of it,
+    over which the ingress spreads OpenAI requests by ``routing`` (``[server] routing``)."""
     ray.init(  # address="local": a Ray of its own, even where another one runs on this machine
         address="local",
         num_cpus=4,
@@ -51,11 +54,14 @@ def local_pie(
             pages=pages,
             cpus_per_rank=cpus_per_rank,
             max_batch_tokens=max_batch_tokens,
+            replicas=replicas,
             path=str(model_dir) if model_dir is not None else None,
         )
         config = PieConfig(auth=AuthConfig(enabled=False), model=[entry], sandbox=SandboxConfig(mode=sandbox))
         controller = start_controller(config, detached=False)
-        url = serve_http(config.auth, NAMESPACE, config.server.model_copy(update={"port": free_port()}))
+        url = serve_http(
+            config.auth, NAMESPACE, config.server.model_copy(update={"port": free_port(), "routing": routing})
+        )
         wait_healthy(url)
         yield LocalPie(url, ray.get_actor(LAUNCHER))
     finally:
