@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pie_cluster.prefix_routing import BLOCK_CHARS, LOAD_FACTOR, LOAD_SLACK, PrefixRouter, block_hashes
+from pie_cluster.prefix_routing import BLOCK_CHARS, LOAD_FACTOR, LOAD_SLACK, PrefixRouter, Prompt, block_hashes
 
 A, B = "tcp://a", "tcp://b"
 SYSTEM_1 = "You are a careful assistant for a shipping company. " * 20
@@ -96,3 +96,13 @@ def test_one_replica_costs_nothing_and_models_are_kept_apart():
     assert router.remembered("other", A) == 0 and router.remembered("other", B) == 0
     router.forget("m", keep=[B])
     assert router.remembered("m", A) == 0 and router.in_flight("m", A) == 0
+
+
+def test_requests_with_the_same_first_messages_share_a_text_prefix():
+    system = {"role": "system", "content": SYSTEM_1}
+    one = Prompt.of("m", [system, {"role": "user", "content": "first question"}])
+    two = Prompt.of("m", [system, {"role": "user", "content": "second one"}])
+    shared = len(SYSTEM_1) // BLOCK_CHARS
+    assert block_hashes(one.text)[:shared] == block_hashes(two.text)[:shared]
+    other = Prompt.of("m", [{"role": "system", "content": SYSTEM_2}, {"role": "user", "content": "first question"}])
+    assert block_hashes(other.text)[0] != block_hashes(one.text)[0]
