@@ -294,6 +294,7 @@ class Launcher:
         return {
             "launched": self.launched,
             "calls": dict(self.calls),
+            "ingress_replicas": self._runners.admitted(),
             "running": self._admission.running,
             "queued": self._admission.queued,
             "programs": len(self._programs),

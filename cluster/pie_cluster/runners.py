@@ -26,6 +26,7 @@ class Runner:
     handle: object  # its Ray actor (the Serve replica), pinged to learn that it died
     aborts: asyncio.Queue = field(default_factory=asyncio.Queue)  # ids of its instances that their users aborted
     watch: asyncio.Task | None = None
+    admitted: int = 0  # instances it has run
 
 
 class Runners:
@@ -39,6 +40,11 @@ class Runners:
         if name not in self._runners:
             runner = self._runners[name] = Runner(handle)
             runner.watch = asyncio.get_running_loop().create_task(self._watch(name, runner))
+        self._runners[name].admitted += 1
+
+    def admitted(self) -> dict[str, int]:
+        """Instances each live runner has run (``pie status``: how the ingress replicas share the requests)."""
+        return {name: runner.admitted for name, runner in self._runners.items()}
 
     def abort(self, name: str, instance_id: str) -> None:
         self._runners[name].aborts.put_nowait(instance_id)

@@ -183,7 +183,7 @@ class _ChoiceRun:
             self.choice.finish_reason = "stop"  # a stop token (or a finished grammar) ended it
         self.choice.completion_tokens = gen.tokens_generated
         if not keep:
-            ctx.release()
+            await ctx.release_async()
         self._release(self._stop.rest(), [])
         if request.uses_tools:
             self._parse_tool_calls()
@@ -275,11 +275,11 @@ async def _forked(model: Model, request: Request, tokens: list[int], echo: str, 
     each choice forks from it (sharing those pages); the last token runs with each choice's first step."""
     if not tokens:
         raise ValueError("the prompt is empty: there is nothing to generate from")
-    base = Context(model)
+    base = await Context.create(model)
     if request.n == 1:
         return [_ChoiceRun(model, request, first_index, base, echo).run(tokens)]
     base.append(tokens[:-1])
     await base.flush()
-    runs = [_ChoiceRun(model, request, first_index + i, base.fork(), echo).run(tokens[-1:]) for i in range(request.n)]
-    base.release()
-    return runs
+    forks = [await base.fork_async() for _ in range(request.n)]
+    await base.release_async()
+    return [_ChoiceRun(model, request, first_index + i, fork, echo).run(tokens[-1:]) for i, fork in enumerate(forks)]

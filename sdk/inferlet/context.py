@@ -37,11 +37,23 @@ class Context:
     def __exit__(self, *exc) -> None:
         self.release()
 
+    @classmethod
+    async def create(cls, model: Model) -> Context:
+        """``Context(model)`` without blocking the event loop while the replica answers: where many inferlets share
+        one loop (the cluster's serving programs), a blocking call would hold all of them for that round trip."""
+        return cls(model, _id=await model.channel.call("create"))
+
     def release(self) -> None:
         """Free this context's pages now (idempotent)."""
         if not self._released:
             self._released = True
             self._model.channel.call_sync("destroy", self._id)
+
+    async def release_async(self) -> None:
+        """``release`` without blocking the event loop (see ``create``)."""
+        if not self._released:
+            self._released = True
+            await self._model.channel.call("destroy", self._id)
 
     def check_live(self) -> None:
         """Raise ValueError if the context was released."""
@@ -66,10 +78,17 @@ class Context:
         """A copy-on-write clone: shares every committed page, copies the partly filled one, copies the buffer;
         it starts with this context's bid."""
         self.check_live()
-        made = decode(ContextReply, self._model.channel.call_sync("fork", self._id))
+        return self._child(decode(ContextReply, self._model.channel.call_sync("fork", self._id)))
+
+    def _child(self, made: ContextReply) -> Context:
         child = Context(self._model, _id=made.ctx, _seq_len=made.seq_len, _buffer=self._buffer)
         child._bid, child._explicit_bid = (0.0, False) if self._idle else (self._bid, self._explicit_bid)
         return child
+
+    async def fork_async(self) -> Context:
+        """``fork`` without blocking the event loop (see ``create``)."""
+        self.check_live()
+        return self._child(decode(ContextReply, await self._model.channel.call("fork", self._id)))
 
     def save(self, name: str) -> None:
         """Snapshot the KV cache under ``name``, per user and model across the cluster. It lives until deleted or

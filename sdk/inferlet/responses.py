@@ -40,7 +40,7 @@ async def _opened(model: Model, turn: Turn) -> tuple[Context, list[int], ChatCom
     continued = turn.continued
     if continued is None:
         chat = request.as_chat([*turn.history, *request.items], {})
-        return Context(model), completions.chat_prompt(model, chat), chat
+        return await Context.create(model), completions.chat_prompt(model, chat), chat
     ctx = await asyncio.to_thread(Context.open, model, continued.snapshot)  # off the event loop: see serve
     if ctx is None:
         raise LookupError(f"the conversation of previous_response_id {request.previous_response_id} is gone")
@@ -98,7 +98,7 @@ async def serve(input: dict) -> dict:
             pending = ctx.buffer()
             await _save(ctx, snapshot_name(turn.response_id))
     finally:
-        ctx.release()
+        await ctx.release_async()
     usage = TurnUsage(input_tokens=cached + len(tokens), cached_tokens=cached, output_tokens=choice.completion_tokens)
     report = TurnReport(
         output=_output(choice), usage=usage, incomplete=choice.finish_reason == "length", pending=pending

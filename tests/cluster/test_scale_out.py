@@ -6,10 +6,8 @@ node that serves the models). A cluster where every request still landed on one 
 node, would serve no more than a cluster of one, so this module checks where the work went, never how fast it went
 (bench/control_plane.py and docs/scaling.md measure that).
 
-Which ingress replica served a request is read from the replicas' own ``/metrics``: each replica keeps a registry of
-its own, so its ``pie_request_seconds_count`` counts only the requests it served, and its ``pie_launches_created``
-(the time its counter was created, when the replica started) tells the replicas apart. Serve's proxy sends each
-scrape to some replica; scraping until every replica has answered gives every replica's count.
+Which ingress replica served a request is read from the launcher, which admits every OpenAI request for the replica
+that runs it and counts them per replica (``pie status``: ``launcher.ingress_replicas``).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import textwrap
 
 import httpx
 import pytest
-from pie_procs import PIE, free_port
+from pie_procs import PIE, engine_status, free_port
 
 INGRESS_REPLICAS = 2
 CHATS = 48
@@ -53,9 +51,6 @@ def pie(ray_cluster, tmp_path_factory):
     )
     config.chmod(0o600)
     env = {**os.environ, "PIE_HOME": str(home), "RAY_ADDRESS": ray_cluster.address}
-    # Serve's Python proxy: its HAProxy ingress fails to start on this test cluster (two raylets on one machine),
-    # and which proxy spreads the requests is not what this module checks
-    env["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
     started = subprocess.run(
         [*PIE, "start", "--config", str(config), "--address", ray_cluster.address],
         env=env,
@@ -64,26 +59,9 @@ def pie(ray_cluster, tmp_path_factory):
         timeout=300,
     )
     assert started.returncode == 0, started.stderr
-    yield json.loads((home / "cluster.json").read_text())["url"]
+    yield {"url": json.loads((home / "cluster.json").read_text())["url"], "env": env}
     stopped = subprocess.run([*PIE, "stop", "--address", ray_cluster.address], env=env, capture_output=True, text=True)
     assert stopped.returncode == 0, stopped.stderr
-
-
-def served_per_replica(url: str, scrapes: int = 80) -> dict[str, float]:
-    """Each ingress replica (by the creation time of its counters) and the chat requests it has served."""
-    counts: dict[str, float] = {}
-    for _ in range(scrapes):
-        text = httpx.get(f"{url}/metrics", timeout=30).text
-        lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-        replica = lines["pie_launches_created"]
-        counts[replica] = sum(
-            float(value)
-            for name, value in lines.items()
-            if name.startswith("pie_request_seconds_count{") and 'route="chat"' in name
-        )
-        if len(counts) == INGRESS_REPLICAS:
-            break
-    return counts
 
 
 async def chat_concurrently(url: str, n: int) -> list[httpx.Response]:
@@ -93,17 +71,21 @@ async def chat_concurrently(url: str, n: int) -> list[httpx.Response]:
 
 
 def test_openai_requests_are_served_by_every_ingress_replica(pie):
-    answers = asyncio.run(chat_concurrently(pie, CHATS))
-    assert [a.status_code for a in answers] == [200] * CHATS, [a.text for a in answers if a.status_code != 200]
-    counts = served_per_replica(pie)
-    assert len(counts) == INGRESS_REPLICAS, counts  # every replica answered a scrape
-    assert sum(counts.values()) == CHATS, counts  # each request counted once, by the replica that served it
-    assert all(n > 0 for n in counts.values()), counts  # and none of them idle
+    """Bursts of concurrent requests until both replicas have served some (Serve may route a first burst to one
+    replica while the other is still joining its routing table); the launcher counts what each replica admitted."""
+    sent, counts = 0, {}
+    while len(counts) < INGRESS_REPLICAS and sent < 5 * CHATS:
+        answers = asyncio.run(chat_concurrently(pie["url"], CHATS))
+        assert [a.status_code for a in answers] == [200] * CHATS, [a.text for a in answers if a.status_code != 200]
+        sent += CHATS
+        counts = engine_status(pie)["launcher"]["ingress_replicas"]
+    assert len(counts) == INGRESS_REPLICAS and all(n > 0 for n in counts.values()), counts
+    assert sum(counts.values()) == sent, counts  # each request admitted once, by the replica serving it
 
 
 def test_uploaded_programs_are_placed_on_every_nodes_host(pie, ray_session):
     nodes = {n["NodeID"] for n in ray_session.nodes() if n["Alive"]}
-    with httpx.Client(base_url=pie, headers=TOKEN, timeout=60) as client:
+    with httpx.Client(base_url=pie["url"], headers=TOKEN, timeout=60) as client:
         uploaded = client.post("/v1/programs", params={"filename": "wait.py"}, content=WAIT)
         program = uploaded.json()["program"]
         # each waits for a message, so it is still running when the next is placed: least busy alternates
