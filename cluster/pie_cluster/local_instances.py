@@ -131,7 +131,7 @@ class LocalInstances:
             endpoints = services.endpoints
             replicas = services.replicas.get(prompt.model, {}) if prompt is not None else {}
             if len(replicas) > 1:
-                placed = self._router.choose(prompt.model, list(replicas), prompt.text)
+                placed = self._router.choose(prompt.model, list(replicas), prompt.text, prompt.tag, prompt.follows)
                 endpoints = {**endpoints, prompt.model: replicas[placed]}
             deadline_s = admitted["deadline_s"]
             ttl = (deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S

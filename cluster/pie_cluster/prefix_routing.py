@@ -20,8 +20,10 @@ one KV page of 16 tokens) is what the replica's page-sized trie can reuse anyway
 
 The rule (``routing = "prefix"``): the replica with the longest matched prefix, unless its requests in flight
 exceed ``LOAD_FACTOR`` × the least loaded replica's + ``LOAD_SLACK``, in which case the least loaded; ties (and no
-match at all) go to the least loaded, then to the one picked longest ago. ``routing = "least_loaded"`` skips the
-prefix part. With one replica nothing is hashed or counted.
+match at all) go to the least loaded, then to the one picked longest ago. A request that continues an earlier one
+(a Responses turn with ``previous_response_id``, whose stored context's text the ingress does not have) goes where
+that one went, within the same load limit: its snapshot's pages are there. ``routing = "least_loaded"`` skips the
+prefix and continuation parts. With one replica nothing is hashed or counted.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ MAX_BLOCKS = 8192  # per replica and model: ~1 MB of hashes, the prefixes of ~10
 MAX_REQUEST_BLOCKS = 1024  # a request's first 64k characters decide; the rest is never shared anyway (or rarely)
 LOAD_FACTOR = 2  # affinity holds while in flight <= LOAD_FACTOR * least + LOAD_SLACK
 LOAD_SLACK = 4
+MAX_PINS = 16384  # requests remembered for their continuations (Responses turns), per ingress process
 
 
 @dataclass
@@ -65,12 +68,15 @@ class Prompt:
 
     model: str
     text: str
+    tag: str | None = None  # names this request for a later one that continues it (a response id)
+    follows: str | None = None  # the tag of the request this one continues
 
     @classmethod
-    def of(cls, model: str, parts: Sequence[object]) -> Prompt:
+    def of(cls, model: str, parts: Sequence[object], tag: str | None = None, follows: str | None = None) -> Prompt:
         """From the request's prompt-bearing parts in order (messages, a prompt, instructions and items): one JSON
         line each, so requests that share their first parts share a text prefix."""
-        return cls(model, "\n".join(json.dumps(p, sort_keys=True, separators=(",", ":")) for p in parts))
+        text = "\n".join(json.dumps(p, sort_keys=True, separators=(",", ":")) for p in parts)
+        return cls(model, text, tag, follows)
 
 
 class PrefixRouter:
@@ -80,27 +86,36 @@ class PrefixRouter:
         self.routing, self.block_chars, self.max_blocks = routing, block_chars, max_blocks
         self._replicas: dict[tuple[str, str], _Replica] = {}  # (model, replica key) -> its record
         self._picks = itertools.count(1)
+        self._pins: OrderedDict[tuple[str, str], str] = OrderedDict()  # (model, tag) -> where it went, oldest first
 
-    def choose(self, model: str, keys: Sequence[str], text: str) -> str:
+    def choose(
+        self, model: str, keys: Sequence[str], text: str, tag: str | None = None, follows: str | None = None
+    ) -> str:
         """The replica (one of ``keys``, e.g. their addresses) to send a request for ``model`` with prompt ``text``
-        to; counts it in flight there until ``finished``."""
+        to; counts it in flight there until ``finished``. ``tag``/``follows``: see ``Prompt``."""
         if len(keys) == 1:
             return keys[0]
         replicas = [self._replicas.setdefault((model, k), _Replica()) for k in keys]
         least = min(r.in_flight for r in replicas)
-        hashes = block_hashes(text, self.block_chars) if self.routing == "prefix" else []
+        prefix = self.routing == "prefix"
+        hashes = block_hashes(text, self.block_chars) if prefix else []
         matched = [self._matched(r, hashes) for r in replicas]
+        pinned = self._pins.get((model, follows)) if prefix and follows is not None else None
 
         def rank(i: int) -> tuple:
             r = replicas[i]
             affine = r.in_flight <= LOAD_FACTOR * least + LOAD_SLACK
-            return (-matched[i] if affine else 0, r.in_flight, r.last_picked)
+            return (not (affine and keys[i] == pinned), -matched[i] if affine else 0, r.in_flight, r.last_picked)
 
         best = min(range(len(keys)), key=rank)
         chosen = replicas[best]
         chosen.in_flight += 1
         chosen.last_picked = next(self._picks)
         self._remember(chosen, hashes)
+        if prefix and tag is not None:
+            self._pins[model, tag] = keys[best]
+            if len(self._pins) > MAX_PINS:
+                self._pins.popitem(last=False)
         return keys[best]
 
     def finished(self, model: str, key: str) -> None:

@@ -70,10 +70,11 @@ class ResponsesRoutes:
         continued, history = await self._continued(user, body)
         program_input = Turn(request=body, response_id=response_id, continued=continued, history=history)
         launch = LaunchRequest(program=RESPONSES_PROGRAM, input=program_input.model_dump(mode="json", by_alias=True))
-        # placed by instructions, history and items (a continued context by its instructions alone: the stored
-        # context's text is not here)
+        # placed by instructions, history and items, and a continued context where the response it continues went
+        # (its text is not here)
         items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
-        prompt = Prompt.of(body.model, [body.instructions or "", *history, *items])
+        parts = [body.instructions or "", *history, *items]
+        prompt = Prompt.of(body.model, parts, tag=response_id, follows=body.previous_response_id)
         served = await self._start(user, launch, RequestClock("responses", body.model), named=False, prompt=prompt)
         record = None
         if body.store:

@@ -65,3 +65,8 @@ def test_responses_are_placed_too(pie, api):
         assert got.status in ("completed", "incomplete")
     after = hits(pie)
     assert sum(after.values()) > sum(before.values())  # the second found the first's instructions cached
+    first = api.responses.create(model=MODEL, input="Start a story.", max_output_tokens=4)
+    for _ in range(3):  # each turn goes where the one it continues went, whose snapshot is there
+        then = api.responses.create(model=MODEL, input="Go on.", previous_response_id=first.id, max_output_tokens=4)
+        assert then.status in ("completed", "incomplete") and then.usage.input_tokens_details.cached_tokens > 0
+        first = then

@@ -106,3 +106,19 @@ def test_requests_with_the_same_first_messages_share_a_text_prefix():
     assert block_hashes(one.text)[:shared] == block_hashes(two.text)[:shared]
     other = Prompt.of("m", [{"role": "system", "content": SYSTEM_2}, {"role": "user", "content": "first question"}])
     assert block_hashes(other.text)[0] != block_hashes(one.text)[0]
+
+
+def test_a_continuation_follows_the_request_it_continues_within_the_load_limit():
+    router = PrefixRouter()
+    first = router.choose("m", [A, B], "", tag="resp_1")
+    other = B if first == A else A
+    router.choose("m", [A, B], "", tag="filler")  # to the other
+    router.finished("m", first)
+    router.choose("m", [A, B], "", tag="filler2")  # to first again, the less loaded: it was picked last
+    assert router.in_flight("m", first) == 1 and router.in_flight("m", other) == 1
+    # equally busy, and first picked more recently: without the continuation, the other would take it
+    assert router.choose("m", [other, first], "new items", follows="resp_1") == first
+    while router.in_flight("m", first) <= LOAD_SLACK + 2:  # far busier than the other: load wins
+        router._replicas["m", first].in_flight += 1
+    assert router.choose("m", [A, B], "more items", follows="resp_1") == other
+    assert PrefixRouter("least_loaded").choose("m", [A, B], "", follows="resp_1") == A  # no pins there
