@@ -32,22 +32,24 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-29999")
 
 
-def started_pie(ray_cluster, home: Path, extra_config: str = "") -> Iterator[dict]:
+def started_pie(ray_cluster, home: Path, extra_config: str = "", server: str = "", model: str = "") -> Iterator[dict]:
     """Start the services with two users (tokens ``tok-alice``, ``tok-bob``) and the tiny model as "default";
     yields the base URL, the environment, the home directory and what `pie start` printed on stderr, and stops them
-    afterwards."""
+    afterwards. ``server`` and ``model``: more lines for the ``[server]`` and ``[[model]]`` tables."""
     port = free_port()
     config = home / "config.toml"
     config.write_text(
         textwrap.dedent(f"""
         [server]
         port = {port}
+        {server}
         [auth]
         tokens = {{ "tok-alice" = "alice", "tok-bob" = "bob" }}
         [[model]]
         pages = 256
         cpus_per_rank = 1
         max_batch_tokens = 512
+        {model}
         """)
         + textwrap.dedent(extra_config)
     )

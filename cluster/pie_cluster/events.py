@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import ray.exceptions
@@ -122,12 +122,31 @@ class Channel:
 
 
 class Channels:
-    """The channels of the instances one process runs; ended ones stay readable until ``keep`` newer ones ended."""
+    """The channels of the instances one process runs; ended ones stay readable until ``keep`` newer ones ended.
+    Events are batched per event-loop turn (``emit``), and the endings of a turn go to ``ended`` in one call (the
+    launcher's, which learns nothing else of an instance's events)."""
 
-    def __init__(self, limits: ChannelLimits):
+    def __init__(self, limits: ChannelLimits, ended: Callable[[list[tuple[str, str, str | bytes]]], object]):
         self._capacity, self._keep = limits.event_buffer, limits.keep_finished
         self._open: dict[str, Channel] = {}
         self._ended: OrderedDict[str, Channel] = OrderedDict()
+        self._report_endings = ended
+        self._outbox: list[tuple[str, str, str | bytes]] = []
+
+    def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
+        """Queue an event for this loop turn's batch; consecutive writes to one stream merge into one event."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        elif kind in ("stdout", "stderr") and self._outbox[-1][:2] == (instance_id, kind):
+            self._outbox[-1] = (instance_id, kind, self._outbox[-1][2] + value)
+            return
+        self._outbox.append((instance_id, kind, value))
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        endings = [(i, e.kind, e.value) for i, kind, value in batch if (e := self.append(i, kind, value))]
+        if endings:
+            self._report_endings(endings)
 
     def open(self, instance_id: str, user: str) -> Channel:
         channel = self._open[instance_id] = Channel(user, EventLog(self._capacity))

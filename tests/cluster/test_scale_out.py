@@ -13,14 +13,10 @@ that runs it and counts them per replica (``pie status``: ``launcher.ingress_rep
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import textwrap
 
 import httpx
 import pytest
-from pie_procs import PIE, engine_status, free_port
+from pie_procs import engine_status, started_pie
 
 INGRESS_REPLICAS = 2
 CHATS = 48
@@ -30,38 +26,10 @@ WAIT = b"from inferlet import session\n\nasync def main(input):\n    return awai
 
 @pytest.fixture(scope="module")
 def pie(ray_cluster, tmp_path_factory):
-    """Two ingress replicas, a model replica on each of the two nodes (so both nodes' hosts are where launches go),
-    auth with the usual test tokens."""
-    home = tmp_path_factory.mktemp("pie-scale-out")
-    config = home / "config.toml"
-    config.write_text(
-        textwrap.dedent(f"""
-        [server]
-        port = {free_port()}
-        ingress_replicas = {INGRESS_REPLICAS}
-        [auth]
-        tokens = {{ "tok-alice" = "alice" }}
-        [[model]]
-        pages = 128
-        cpus_per_rank = 1
-        max_batch_tokens = 512
-        replicas = 2
-        placement = "strict_spread"
-        """)
-    )
-    config.chmod(0o600)
-    env = {**os.environ, "PIE_HOME": str(home), "RAY_ADDRESS": ray_cluster.address}
-    started = subprocess.run(
-        [*PIE, "start", "--config", str(config), "--address", ray_cluster.address],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert started.returncode == 0, started.stderr
-    yield {"url": json.loads((home / "cluster.json").read_text())["url"], "env": env}
-    stopped = subprocess.run([*PIE, "stop", "--address", ray_cluster.address], env=env, capture_output=True, text=True)
-    assert stopped.returncode == 0, stopped.stderr
+    """Two ingress replicas, a model replica on each of the two nodes (so both nodes' hosts are where launches go)."""
+    server = f"ingress_replicas = {INGRESS_REPLICAS}"
+    model = 'replicas = 2\n        placement = "strict_spread"'
+    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-scale-out"), server=server, model=model)
 
 
 async def chat_concurrently(url: str, n: int) -> list[httpx.Response]:

@@ -1,9 +1,9 @@
 """The trusted host's sandboxed side: its worker pool, its relays, and each sandboxed instance's wallet.
 
 A worker holds no Ray handle, so what the host did for an in-process instance through ``run_inferlet`` is done
-here around the worker: the market wallet is opened before the instance starts and closed after its last event
-(its contexts are released by then: the worker closes them, or the replica does when the worker's connection
-drops), and the client's messages are handed to the worker from the host's inbox.
+here around the worker: the market wallet is opened before the instance starts and closed before its ending event
+goes out (its contexts are released by then: the worker closes them, or the replica does when the worker's
+connection drops), and the client's messages are handed to the worker from the host's inbox.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Sandbox:
         self._host = host
         self.directory = _private_directory()
         self._relays = Relays(self.directory)
-        self.pool = WorkerPool(config, self.directory, HostSide(host.emit, self._receive, self._ended))
+        self.pool = WorkerPool(config, self.directory, HostSide(self._emit, self._receive, self._ended))
         self._view: SandboxView | None = None  # None: to be built (again) from the services at the next launch
         self._building = asyncio.Lock()
         self._wallets: set[str] = set()
@@ -62,15 +62,33 @@ class Sandbox:
         """A replica was replaced: the next launch builds the view anew (and the pool retires the workers)."""
         self._view = None
 
+    def _emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
+        """Events go out as they come, an ending once the instance's wallet is closed: a client that sees how it
+        ended then also sees the market settled."""
+        if kind in ("return", "error") and instance_id in self._wallets:
+            self._wallets.discard(instance_id)
+            self._spawn(self._leave_then_emit(instance_id, kind, value))
+        else:
+            self._host.emit(instance_id, kind, value)
+
+    async def _leave_then_emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
+        try:
+            await self._leave(instance_id)
+        finally:
+            self._host.emit(instance_id, kind, value)
+
     async def _receive(self, instance_id: str, kind: str):
         return await self._host.receive(instance_id, kind)
 
     def _ended(self, instance_id: str) -> None:
-        if instance_id in self._wallets:
+        if instance_id in self._wallets:  # it ended without an ending event (it never started)
             self._wallets.discard(instance_id)
-            task = asyncio.get_running_loop().create_task(self._leave(instance_id))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._leave(instance_id))
+
+    def _spawn(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _leave(self, instance_id: str) -> None:
         with contextlib.suppress(ray.exceptions.RayError, NoAnswer):  # a wallet the market lost or cannot close now
