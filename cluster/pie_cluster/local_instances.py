@@ -68,7 +68,7 @@ class _Session:
 
 class LocalInstances:
     def __init__(self, launcher, programs: dict[str, Path], routing: Routing = "prefix"):
-        """``programs``: the cluster's own programs by name (the launcher's ``_BUILTINS``); ``routing``: how
+        """``programs``: the cluster's own programs by name (the launcher's ``BUILTINS``); ``routing``: how
         requests are spread over a model's replicas (``[server] routing``)."""
         self._launcher = launcher
         self._programs = {name: Program.from_path(path) for name, path in programs.items()}
