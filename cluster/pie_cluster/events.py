@@ -177,9 +177,6 @@ class Channels:
             self._ended.popitem(last=False)
         return channel.log.terminal
 
-    def running(self) -> list[str]:
-        return list(self._open)
-
 
 async def follow(
     launcher,
