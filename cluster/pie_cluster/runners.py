@@ -47,7 +47,9 @@ class Runners:
         return {name: runner.admitted for name, runner in self._runners.items()}
 
     def abort(self, name: str, instance_id: str) -> None:
-        self._runners[name].aborts.put_nowait(instance_id)
+        runner = self._runners.get(name)
+        if runner is not None:  # a runner found dead has had its instances ended already
+            runner.aborts.put_nowait(instance_id)
 
     async def waiting_aborts(self, name: str, wait: float) -> list[str]:
         """The ids its users aborted since the last call, waiting up to ``wait`` s for one (a long poll)."""
