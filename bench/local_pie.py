@@ -29,16 +29,18 @@ class LocalPie:
 @contextlib.contextmanager
 def local_pie(
     pages: int = 4096,
-    cpus_per_rank: int = 2,
+    cpus_per_rank: int | None = 2,
     max_batch_tokens: int = 2048,
     sandbox: str = "bubblewrap",
     model_dir: Path | None = None,
     replicas: int = 1,
     routing: str = "prefix",
+    backend: str = "auto",
 ) -> Iterator[LocalPie]:
     """``sandbox``: how uploaded programs run (``off``: in the trusted host, the baseline the sandbox is measured
-    against); ``model_dir``: a Hugging Face directory to serve (None: the embedded tiny model); ``replicas`` of it,
-    over which the ingress spreads OpenAI requests by ``routing`` (``[server] routing``)."""
+    against); ``cpus_per_rank`` None: the automatic share, as a config that leaves it unset; ``backend``: the
+    model's kernels (``[[model]] backend``); ``model_dir``: a Hugging Face directory to serve (None: the embedded
+    tiny model); ``replicas`` of it, over which the ingress spreads OpenAI requests by ``routing``."""
     ray.init(  # address="local": a Ray of its own, even where another one runs on this machine
         address="local",
         num_cpus=4,
@@ -55,6 +57,7 @@ def local_pie(
             cpus_per_rank=cpus_per_rank,
             max_batch_tokens=max_batch_tokens,
             replicas=replicas,
+            backend=backend,
             path=str(model_dir) if model_dir is not None else None,
         )
         config = PieConfig(auth=AuthConfig(enabled=False), model=[entry], sandbox=SandboxConfig(mode=sandbox))

@@ -49,8 +49,9 @@ def run(
     tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
     pages: Annotated[int, typer.Option(help="KV pool size in pages")] = 4096,
     backend: Annotated[
-        str, typer.Option(help="model backend: torch, or vllm (vLLM's paged attention, fused ops and packed matmuls)")
-    ] = "torch",
+        str,
+        typer.Option(help="model backend: torch, vllm (vLLM's kernels), or auto (vllm where installed, on a CPU)"),
+    ] = "auto",
     stdout: Annotated[bool, typer.Option("--stdout", help="relay what the inferlet prints")] = False,
     user: Annotated[str, typer.Option(help="username the inferlet runs as")] = "local",
     token_budget: Annotated[

@@ -184,7 +184,7 @@ def status(
         table.add_column(column)
     for r in report["replicas"]:
         head = [r["model"], str(r["replica"]), r["node"][:8], str(r["tensor_parallel"])]
-        head += [str(r.get("cpus_per_rank", "-")), r["device"], r["state"]]
+        head += [str(r.get("cpus_per_rank", "-")), f"{r['device']} ({r['backend']})", r["state"]]
         if r["state"] != "serving":
             table.add_row(*head, *["-"] * 6)
             continue

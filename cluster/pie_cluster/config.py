@@ -93,7 +93,7 @@ class ModelConfigEntry(_Strict):
     use_gpu: bool | None = None  # None: GPUs when the cluster has them
     max_batch_tokens: int = Field(2048, ge=1)
     max_batch_requests: int = Field(256, ge=1)
-    backend: Literal["torch", "vllm"] = "torch"  # torch, or vLLM's kernels (paged attention, fused ops, packed matmuls)
+    backend: Literal["auto", "torch", "vllm"] = "auto"  # vLLM's kernels where installed on a CPU, else torch
 
     @model_validator(mode="after")
     def _backend_takes_the_page_size(self) -> ModelConfigEntry:

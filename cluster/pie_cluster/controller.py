@@ -250,6 +250,7 @@ class Controller:
                     "tensor_parallel": info.tensor_parallel_size,
                     "cpus_per_rank": self._models[name].cpus_per_rank,
                     "device": info.device,
+                    "backend": info.backend,
                 }
                 if (name, i) in self.supervisor.restarting:
                     replicas.append({**row, "state": "restarting"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import copy
 import functools
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -325,3 +326,15 @@ def test_chart_values_reach_the_cluster_and_config():
 def test_chart_refuses_values_pie_could_not_start_with(args, error):
     result = _helm(*args)
     assert result.returncode != 0 and error in result.stderr, result.stderr
+
+
+def test_auto_picks_vllms_kernels_on_a_cpu_where_they_take_the_page_size_and_keeps_a_named_backend():
+    from pie_workers.backends import resolve_backend
+
+    installed = importlib.util.find_spec("vllm") is not None
+    assert resolve_backend("auto", 16, "cpu") == ("vllm" if installed else "torch")
+    assert resolve_backend("auto", 24, "cpu") == "torch"  # vLLM's CPU kernels take 16 or multiples of 32
+    assert resolve_backend("auto", 16, "cuda") == "torch"
+    assert resolve_backend("torch", 16, "cpu") == "torch"
+    config = PieConfig.model_validate({"model": [{"name": "a"}, {"name": "b", "page_size": 24}]})
+    assert [m.backend for m in config.model] == ["auto", "auto"]  # auto never refuses a page size

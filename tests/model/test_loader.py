@@ -122,7 +122,7 @@ def test_missing_shard_names_file(tiny_llama, tmp_path):
 
 
 def test_pool_sized_by_memory_fraction(tiny_llama):
-    runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=None, memory_fraction=0.01))
+    runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=None, memory_fraction=0.01, backend="torch"))
     per_page = page_bytes(runner.cfg, 16, runner.cfg.num_kv_heads, torch.float32)
     assert runner.num_pages > 100
     assert runner.kv.k.numel() * 4 * 2 == runner.num_pages * per_page
@@ -133,7 +133,7 @@ def test_bfloat16_runner_tracks_float32(tiny_llama):
     tokens = [random.Random(5).randrange(4096) for _ in range(40)]
     logits = []
     for dtype in ("float32", "bfloat16"):
-        runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=8, dtype=dtype))
+        runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=8, dtype=dtype, backend="torch"))
         assert runner.kv.k.dtype == getattr(torch, dtype)
         out = runner.execute(ForwardBatch([request_for(Seq(tokens), PageAllocator(8), 16, slots=[(39, LOGITS)])]))
         logits.append(np.frombuffer(out[0].slots[0].logits, np.float32))

@@ -21,7 +21,7 @@ PAGES = 128
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama):
-    return ModelRunner(tiny_llama, RunnerSettings(num_pages=PAGES))
+    return ModelRunner(tiny_llama, RunnerSettings(num_pages=PAGES, backend="torch"))  # vllm: test_vllm_kernels
 
 
 def prompt_of(n: int, seed: int = 0, vocab: int = 4096) -> list[int]:

@@ -41,6 +41,7 @@ class ReplicaInfo:
     device: str
     dtype: str
     node_id: str
+    backend: str  # the kernels it runs ("auto" resolved on its device)
 
 
 class RankWorker:
@@ -90,6 +91,7 @@ class RankWorker:
             device=str(r.device),
             dtype=str(r.dtype).removeprefix("torch."),
             node_id=ray.get_runtime_context().get_node_id(),
+            backend=r.settings.backend,
         )
 
     async def start_engine(self, limits: BatchLimits, secret: bytes, market=None, directory=None) -> dict[str, str]:

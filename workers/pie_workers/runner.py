@@ -16,7 +16,7 @@ import torch
 
 from pie_workers import sampling
 from pie_workers.adapters import AdapterStore, LoraAdapter, LoraConfig
-from pie_workers.backends import check_backend
+from pie_workers.backends import check_backend, resolve_backend
 from pie_workers.batch_checks import BatchError
 from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, plan_batch
 from pie_workers.config import ModelConfig
@@ -45,7 +45,7 @@ class RunnerSettings:
     device: str | None = None  # default: cuda if available
     adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
     host_pages: int | None = None  # host-memory pages for suspended contexts' KV; default: as many as the pool
-    backend: str = "torch"  # "torch": plain torch; "vllm": vLLM's paged attention, fused ops and packed matmuls
+    backend: str = "auto"  # "torch": plain torch; "vllm": vLLM's kernels; "auto": resolve_backend() picks one
 
     def __post_init__(self) -> None:
         check_backend(self.backend, self.page_size)
@@ -69,8 +69,9 @@ class ModelRunner:
     ):
         self.cfg = ModelConfig.from_dir(model_dir)
         self.model_dir = str(model_dir)
-        self.settings, self.tp = settings, tp
         self.device, self.dtype = _resolve_device_dtype(settings)
+        settings = replace(settings, backend=resolve_backend(settings.backend, settings.page_size, self.device.type))
+        self.settings, self.tp = settings, tp
         with CheckpointReader(model_dir) as reader:
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
