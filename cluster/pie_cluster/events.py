@@ -91,6 +91,7 @@ class Channel:
     user: str
     log: EventLog
     started: float | None = None  # when its program's main began (``time.perf_counter``), where that is measured
+    first_pass: float | None = None  # when a pass first generated for it (the prefill's answer), measured there too
     inbox: dict[str, asyncio.Queue] = field(
         default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
     )

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import ray
 import ray.exceptions
+from inferlet import runtime
 from inferlet.runtime import ModelEndpoint
 from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from pie_workers.wire import capability
@@ -167,7 +168,10 @@ class LocalInstances:
 
         async def begun(input: dict):
             channel.started = time.perf_counter()
-            return await main(input)
+            try:
+                return await main(input)
+            finally:
+                channel.first_pass = runtime.current().first_generated_at
 
         return begun
 

@@ -138,7 +138,7 @@ class OpenAIRoutes:
                         yield kind, value
         finally:
             if channel is not None:
-                clock.started = channel.started
+                clock.started, clock.first_pass = channel.started, channel.first_pass
                 if not channel.log.done:
                     self._local.abort(served.instance, "its client went away")
             self._request_metrics.observe(clock)

@@ -7,6 +7,9 @@ framework's time from the engine's:
   waiting for a slot included);
 * ``pie_request_start_seconds``: from then until the program's ``main`` runs (its services, its market wallet;
   measured for the programs the ingress runs itself);
+* ``pie_request_first_pass_seconds``: from arrival until the replica answered the program's first pass that
+  generated (the prefill; measured for the programs the ingress runs itself): first token less first pass is the
+  way back from the replica to the client;
 * ``pie_request_first_token_seconds``: from arrival until the first generated text leaves (the prefill pass and
   everything before it);
 * ``pie_request_stream_seconds``: from the first token until the last event (decoding);
@@ -32,6 +35,7 @@ class RequestClock:
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
     started: float | None = None  # its program's main began (None: it ran elsewhere, on a node's host)
+    first_pass: float | None = None  # a pass first generated for it (None: it ran elsewhere, or never generated)
     first_token: float | None = None
     ended: float | None = None
 
@@ -54,6 +58,7 @@ class RequestMetrics:
 
         self._queue = histogram("pie_request_queue_seconds", "arrival until the instance may run (admission)")
         self._start = histogram("pie_request_start_seconds", "admission until the program's main runs")
+        self._first_pass = histogram("pie_request_first_pass_seconds", "arrival until the first generating pass")
         self._first_token = histogram("pie_request_first_token_seconds", "arrival until the first generated text")
         self._stream = histogram("pie_request_stream_seconds", "first generated text until the last event")
         self._total = histogram("pie_request_seconds", "arrival until the last event")
@@ -65,6 +70,8 @@ class RequestMetrics:
             self._queue.labels(*labels).observe(clock.admitted - clock.arrived)
             if clock.started is not None:
                 self._start.labels(*labels).observe(clock.started - clock.admitted)
+        if clock.first_pass is not None:
+            self._first_pass.labels(*labels).observe(clock.first_pass - clock.arrived)
         if clock.first_token is not None:
             self._first_token.labels(*labels).observe(clock.first_token - clock.arrived)
             if clock.ended is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,12 +62,15 @@ class Runtime:
     io: SessionIO | None = None  # the launching client's side of inferlet.session; None: no client attached
     token_budget: int | None = None  # tokens the model may generate for this inferlet; None: no limit
     tokens_generated: int = 0
+    first_generated_at: float | None = None  # time.perf_counter() when a pass first generated for it (first pass)
     _closers: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def spend_tokens(self, n: int) -> None:
         """Count ``n`` tokens the model generated for this inferlet; past its budget, the pass that went over
         raises (the inferlet ends with that error unless it catches it, and its pages are released with it)."""
         self.tokens_generated += n
+        if n and self.first_generated_at is None:
+            self.first_generated_at = time.perf_counter()
         if self.token_budget is not None and self.tokens_generated > self.token_budget:
             raise TokenBudgetExhausted(
                 f"token budget exhausted: {self.tokens_generated} tokens generated, the budget is {self.token_budget}"
