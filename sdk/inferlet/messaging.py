@@ -16,7 +16,14 @@ Delivery rules:
   got them (one inferlet's pushes keep their order), and waiting pulls are served longest-waiting first. Queued
   messages wait on the bus until pulled. A pull that is cancelled (its task cancelled, ``asyncio.wait_for`` timed
   out, its inferlet ended) withdraws from the bus, or, if the bus had already answered it, gives the message back to
-  the front of the queue — the only case in which a later message may be received before an earlier one.
+  the front of the queue, where it may be received after a later message (the one other such case is below).
+* Hand-off in one process — a push whose topic has a pull waiting in the same process (one user's inferlets on a
+  node share one) is handed to the longest-waiting of those pulls at once, without a round trip to the bus, as long
+  as the pushing inferlet has sent no earlier push on that topic through the bus (so its own pushes keep their
+  order). Pulls waiting in that process come first, before longer-waiting ones elsewhere. A message the bus had
+  already sent to a pull served this way goes back to the front of the queue like a cancelled pull's: so when a
+  topic has pushers in the puller's process and elsewhere too, a message from elsewhere may be received after one
+  pushed behind it.
 * broadcast/subscribe — ``subscribe`` returns once the bus has registered the subscription, so every broadcast that
   reaches the bus afterwards is delivered to it (nothing is kept for later subscribers). Overflow rule: a
   subscription buffers at most ``SUBSCRIPTION_BUFFER`` unread messages; when another arrives, the *oldest* unread one
@@ -40,17 +47,19 @@ import itertools
 import logging
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable
 
 import msgpack
 import zmq
 
 from inferlet import runtime
+from inferlet._handoff import Handoffs, Pull
+from inferlet._subscription import SUBSCRIPTION_BUFFER, Subscription
+
+__all__ = ["SUBSCRIPTION_BUFFER", "BusError", "Subscription", "broadcast", "pull", "push", "subscribe"]
 
 log = logging.getLogger(__name__)
 
-SUBSCRIPTION_BUFFER = 1024  # unread messages a subscription keeps; the oldest goes first when it overflows
 FRAME_OPS = 1024  # operations waiting to be sent that make the client send at once rather than at the turn's end
 CALL_TIMEOUT_S = 10.0  # how long subscribe waits for the bus to register it
 CLOSE_TIMEOUT_S = 2.0  # how long an ending inferlet waits for each shard to confirm its withdrawal
@@ -62,7 +71,7 @@ class BusError(RuntimeError):
 
 def push(topic: str, message: str) -> None:
     """Queue ``message`` on ``topic``; exactly one ``pull`` will receive it."""
-    _bus().send(_check(topic, message), ["push", topic, message])
+    _bus().push(_check(topic, message), message)
 
 
 async def pull(topic: str) -> str:
@@ -78,53 +87,6 @@ def broadcast(topic: str, message: str) -> None:
 def subscribe(topic: str) -> Subscription:
     """Open a subscription to ``topic``; it receives every broadcast that reaches the bus after this returns."""
     return _bus().subscribe(_check(topic))
-
-
-class Subscription:
-    """Broadcasts on one topic, buffered in the inferlet: at most ``SUBSCRIPTION_BUFFER`` unread, the oldest dropped
-    first and counted in ``dropped``."""
-
-    def __init__(self, topic: str, on_unsubscribe: Callable[[Subscription], None]):
-        self.topic = topic
-        self.dropped = 0
-        self._unread: deque[str] = deque()
-        self._ready = asyncio.Event()  # set while there is something to read, or once the subscription is over
-        self._open = True
-        self._on_unsubscribe = on_unsubscribe
-
-    async def next(self) -> str | None:
-        """The next broadcast, waiting for it; ``None`` once unsubscribed."""
-        while self._open and not self._unread:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._unread.popleft() if self._open else None
-
-    def unsubscribe(self) -> None:
-        """Stop receiving; unread messages are discarded and ``next`` returns ``None`` from now on."""
-        if self._open:
-            self._end()
-            self._on_unsubscribe(self)
-
-    def __aiter__(self) -> Subscription:
-        return self
-
-    async def __anext__(self) -> str:
-        message = await self.next()
-        if message is None:
-            raise StopAsyncIteration
-        return message
-
-    def _deliver(self, message: str) -> None:
-        if len(self._unread) == SUBSCRIPTION_BUFFER:
-            self._unread.popleft()
-            self.dropped += 1
-        self._unread.append(message)
-        self._ready.set()
-
-    def _end(self) -> None:
-        self._open = False
-        self._unread.clear()
-        self._ready.set()
 
 
 class _Connection:
@@ -185,39 +147,94 @@ class _Connection:
         self._sock.close()
 
 
+_HANDOFFS = Handoffs()
+
+
 class _Bus:
     """One inferlet's side of the bus: its connections (one per shard it uses), pending pulls and subscriptions."""
 
     def __init__(self, rt: runtime.Runtime):
         self._addresses = rt.bus
         self._user = rt.username
+        self._loop = asyncio.get_running_loop()
         self._identity = f"{rt.instance_id}/{rt.session}".encode()  # a shard holds it to the capability's instance
         self._capability = rt.capability.encode()
         self._connections: dict[int, _Connection] = {}
         self._ids = itertools.count()
-        self._pulls: dict[int, asyncio.Future] = {}
+        self._pulls: dict[int, Pull] = {}
+        self._pushed_to_bus: set[str] = set()  # topics this inferlet pushed on through the bus: the later pushes follow
         self._subscriptions: dict[int, Subscription] = {}
         self._answered: set[int] = set()
+        self._withdrawals: dict[int, str] = {}  # confirmation token -> topic of a pull served in this process
         self._closed = False
         self._refused: BusError | None = None  # a shard refused the capability: every call fails with this
 
     def send(self, topic: str, op: list) -> None:
         self._connection(topic).send(op)
 
+    def push(self, topic: str, message: str) -> None:
+        """Hand ``message`` to a pull waiting in this process, or else queue it on the bus (the module's rules)."""
+        connection, key = self._connection(topic), self._local_key(topic)
+        if topic not in self._pushed_to_bus:
+            while (waiting := _HANDOFFS.take(key)) is not None:
+                bus, rid = waiting
+                if bus._hand_over(rid, message):
+                    return
+        self._pushed_to_bus.add(topic)
+        if not _HANDOFFS.hold(key, self, message):
+            connection.send(["push", topic, message])
+
     async def pull(self, topic: str) -> str:
         connection = self._connection(topic)
         rid = next(self._ids)
-        answer = asyncio.get_running_loop().create_future()
-        self._pulls[rid] = answer
+        answer = self._loop.create_future()
+        self._pulls[rid] = Pull(topic, answer)
         connection.send(["pull", topic, rid])
+        _HANDOFFS.add(self._local_key(topic), self, rid)
         try:
             return await answer
         except asyncio.CancelledError:
+            _HANDOFFS.forget(self._local_key(topic), self, rid)
             if self._pulls.pop(rid, None) is not None:  # still waiting on the bus: withdraw (an answer already
                 connection.send(["cancel", rid])  # on its way is given back when it arrives)
             elif answer.done() and not answer.cancelled():  # answered in the same turn we were cancelled
                 connection.send(["requeue", topic, answer.result()])
             raise
+
+    def _hand_over(self, rid: int, message: str) -> bool:
+        """Answer pull ``rid`` with a message pushed in this process, withdrawing it from the bus; False if it is
+        being cancelled (its own ``pull`` then cleans up)."""
+        pull = self._pulls.get(rid)
+        if pull is None or pull.answer.done():
+            return False
+        del self._pulls[rid]
+        token = next(self._ids)
+        self._withdrawals[token] = pull.topic
+        _HANDOFFS.withdrawing(self._local_key(pull.topic))
+        self._connection(pull.topic).send(["withdraw", rid, token])  # what the bus sent it meanwhile goes back
+        pull.answer.set_result(message)
+        return True
+
+    def _withdrawn(self, token: int) -> None:
+        """The shard confirmed a withdrawal (or never will: this client is done); the pushes held for it go out,
+        through this client's connection, which is open while its events arrive."""
+        topic = self._withdrawals.pop(token)
+        released = _HANDOFFS.withdrawn(self._local_key(topic))
+        connection = self._connections.get(self._shard(topic))
+        for pusher, message in released:
+            if self._refused is None and connection is not None:
+                connection.send(["push", topic, message])
+            else:  # this client was refused: the pusher's own connection, if it still has one
+                pusher._send_held(topic, message)
+
+    def _send_held(self, topic: str, message: str) -> None:
+        try:
+            self._connection(topic).send(["push", topic, message])
+        except BusError as e:
+            log.warning("a message pushed on %r was lost: %s", topic, e)
+
+    def _local_key(self, topic: str) -> tuple:
+        return (self._loop, self._user, topic)
 
     def subscribe(self, topic: str) -> Subscription:
         connection = self._connection(topic)
@@ -233,8 +250,9 @@ class _Bus:
         if self._closed:
             return
         self._closed = True
-        for answer in self._pulls.values():
-            answer.cancel()
+        for rid, pull in self._pulls.items():
+            _HANDOFFS.forget(self._local_key(pull.topic), self, rid)
+            pull.answer.cancel()
         self._pulls.clear()
         for subscription in self._subscriptions.values():
             subscription._end()
@@ -249,6 +267,8 @@ class _Bus:
                 log.warning("leaving the message bus: %s", e)
             connection.close()
         self._connections.clear()
+        for token in list(self._withdrawals):  # unconfirmed (a shard did not answer): release what they held
+            self._withdrawn(token)
 
     # -- internals --
 
@@ -257,12 +277,15 @@ class _Bus:
             raise self._refused
         if self._closed:
             raise BusError("this inferlet has ended: its message bus connection is closed")
-        shard = zlib.crc32(f"{self._user}\0{topic}".encode()) % len(self._addresses)
+        shard = self._shard(topic)
         connection = self._connections.get(shard)
         if connection is None:
             connection = _Connection(self._addresses[shard], self._identity, self._capability, self._on_events)
             self._connections[shard] = connection
         return connection
+
+    def _shard(self, topic: str) -> int:
+        return zlib.crc32(f"{self._user}\0{topic}".encode()) % len(self._addresses)
 
     def _call(self, connection: _Connection, token: int, timeout: float = CALL_TIMEOUT_S) -> None:
         connection.wait_until(lambda: token in self._answered or self._refused is not None, timeout)
@@ -279,27 +302,34 @@ class _Bus:
             kind = event[0]
             if kind == "pulled":
                 _, rid, topic, message = event
-                answer = self._pulls.pop(rid, None)
-                if answer is not None and not answer.done():
-                    answer.set_result(message)
-                else:  # its pull was cancelled meanwhile: give the message back
+                pull = self._pulls.pop(rid, None)
+                if pull is not None and not pull.answer.done():
+                    _HANDOFFS.forget(self._local_key(topic), self, rid)
+                    pull.answer.set_result(message)
+                else:  # its pull was cancelled, or served in this process, meanwhile: give the message back
                     connection.send(["requeue", topic, message])
             elif kind == "cast":
                 subscription = self._subscriptions.get(event[1])
                 if subscription is not None:
                     subscription._deliver(event[2])
             elif kind == "ok":
-                self._answered.add(event[1])
+                if event[1] in self._withdrawals:
+                    self._withdrawn(event[1])
+                else:
+                    self._answered.add(event[1])
             elif kind == "refused":
                 self._refuse(BusError(f"message bus shard {connection.address} refused this inferlet: {event[1]}"))
 
     def _refuse(self, error: BusError) -> None:
         """The capability was refused (it will be by every shard): pending pulls fail, and so does what follows."""
         self._refused = error
+        for token in list(self._withdrawals):  # never to be confirmed: what they held goes out another way
+            self._withdrawn(token)
         pulls, self._pulls = self._pulls, {}
-        for answer in pulls.values():
-            if not answer.done():
-                answer.set_exception(error)
+        for rid, pull in pulls.items():
+            _HANDOFFS.forget(self._local_key(pull.topic), self, rid)
+            if not pull.answer.done():
+                pull.answer.set_exception(error)
 
 
 MAX_SOCKETS = 1 << 16

@@ -10,6 +10,7 @@ operations, applied in order::
     ["push", topic, message]     ["pull", topic, rid]    ["cancel", rid]
     ["cast", topic, message]     ["sub", topic, sid]     ["unsub", sid]
     ["requeue", topic, message]  a pulled message its puller no longer wanted: back to the front of the queue
+    ["withdraw", rid, token]     cancel, confirmed with ["ok", token] (a pull served in its own process)
     ["close", token]             drop everything the peer holds (its inferlet ended)
 
 Each frame back is the list of every event the peer has coming from one burst: ``["pulled", rid, topic, message]``,
@@ -192,6 +193,9 @@ class BusShard:
                 topics.broadcast((user, topic), message)
             case ["cancel", int(rid)]:
                 topics.cancel(peer, rid)
+            case ["withdraw", int(rid), int(token)]:
+                topics.cancel(peer, rid)
+                self._queue_event(peer, user, ["ok", token])
             case ["sub", str(topic), int(sid)]:
                 topics.subscribe(peer, user, sid, (user, topic))
                 self._queue_event(peer, user, ["ok", sid])
