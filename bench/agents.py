@@ -3,7 +3,7 @@
 Usage: python bench/agents.py [--ks 1,8,32,128] [--turns 8] [--tokens 16] [--tool-delay 0.1] [--roles 4]
                               [--workloads react,swarm]
                               [--systems inferlets,openai,responses,vllm,vllm-responses] [--rounds 3]
-                              [--cell-timeout 600] [--out docs/bench]
+                              [--cell-timeout 600] [--settle 3] [--out docs/bench]
 
 The Pie paper's method (``shared/reference/agentic-bench.md``): every system does the same work — fixed generated
 tokens per turn (greedy, end-of-turn ignored), the same observation text, the same simulated tool delay, the same
@@ -24,7 +24,8 @@ the same two over **vLLM's own OpenAI server** (its CPU build, prefix caching on
 tool result is a user turn too). Prints wall seconds and turns/s per (workload, K, system) and the ratios between
 them, and plots wall time against K to ``OUT/agents.png`` (tables in ``OUT/agents.md``). After a warm-up, each
 (workload, K, system) cell runs ``--rounds`` times and reports its median, the ratios being those of the medians;
-vLLM's server runs beside our cluster, so each round runs a K's systems back to back. A cell that fails (an
+vLLM's server runs beside our cluster, so each round runs a K's systems back to back, each after ``--settle``
+idle seconds (a server keeps a core busy for a second or two after its last request). A cell that fails (an
 exception, a dropped connection, a round past ``--cell-timeout``) shows why in its place and the bench goes on; a
 vLLM server found dead is started again for the next cell that needs it.
 """
@@ -33,12 +34,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import time
 from collections.abc import Coroutine
 from contextlib import ExitStack, closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import openai
@@ -63,6 +65,8 @@ OBSERVATION = (
 
 AGENT_PROGRAM = '''
 import asyncio
+import json
+import time
 
 from inferlet import Context, Generator, Model, Sampler, messaging
 
@@ -81,24 +85,27 @@ async def react(model, a):
             with ctx.idle():  # the tool runs next to the model; the context bids nothing meanwhile
                 await asyncio.sleep(a["tool_delay"])
             ctx.user(a["observation"])
-    return "done"
+    return []
 
 
 async def swarm_role(model, a):
     role, roles, turns, prefix = a["role"], a["roles"], a["turns"], a["topic"]
     hops = list(range(role, turns, roles))
+    handoffs = []  # ms from a push to its pull's return (one node: the clocks agree)
     with Context(model) as ctx:
         ctx.system(a["system"])
         text = a["task"]
         for hop in hops:
             if hop:
-                text = await messaging.pull(f"{prefix}-{hop}")
+                handed = json.loads(await messaging.pull(f"{prefix}-{hop}"))
+                handoffs.append((time.time() - handed["at"]) * 1000)
+                text = handed["text"]
             ctx.user(text)
             text = await turn(ctx, a["tokens"]).collect_text()
             ctx.seal()
             if hop + 1 < turns:
-                messaging.push(f"{prefix}-{hop + 1}", text)
-    return text
+                messaging.push(f"{prefix}-{hop + 1}", json.dumps({"at": time.time(), "text": text}))
+    return handoffs
 
 
 async def main(a):
@@ -137,7 +144,8 @@ def inferlet_inputs(workload: str, k: int, args, run: str) -> list[dict]:
     ]
 
 
-async def run_inferlets(launcher, program: str, inputs: list[dict]) -> None:
+async def run_inferlets(launcher, program: str, inputs: list[dict], handoffs: list[float]) -> None:
+    """Run one inferlet per input to its end; the swarm's bus hand-off times (ms) go to ``handoffs``."""
     ids = await asyncio.gather(
         *(launcher.launch.remote("bench", LaunchRequest(program=program, input=i)) for i in inputs)
     )
@@ -147,6 +155,8 @@ async def run_inferlets(launcher, program: str, inputs: list[dict]) -> None:
             for _, kind, value in events:
                 if kind == "error":
                     raise RuntimeError(f"agent inferlet failed: {value}")
+                if kind == "return":
+                    handoffs.extend(json.loads(value))
 
     await asyncio.gather(*(ended(i) for i in ids))
 
@@ -281,6 +291,7 @@ class Bench:
     program: str
     vllm: VllmServer
     vllm_warmed: int = 0  # the vLLM server start that had its warm-up
+    handoffs: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (workload, K) -> ms, all rounds
 
     def systems(self) -> list[str]:
         runs = [s for s in SYSTEMS if s in self.args.systems]
@@ -289,7 +300,8 @@ class Bench:
     def work(self, system: str, workload: str, k: int, run: str) -> Coroutine:
         """One round of ``system``; ``run`` names it, so no two rounds share a swarm topic."""
         if system == "inferlets":
-            return run_inferlets(self.pie.launcher, self.program, inferlet_inputs(workload, k, self.args, run))
+            inputs, handoffs = inferlet_inputs(workload, k, self.args, run), self.handoffs.setdefault((workload, k), [])
+            return run_inferlets(self.pie.launcher, self.program, inputs, handoffs)
         url = self.vllm.url() if system.startswith("vllm") else f"{self.pie.url}/v1"
         if system.startswith("vllm") and self.vllm_warmed < self.vllm.starts:  # a restarted server starts cold
             self.vllm_warmed = self.vllm.starts
@@ -331,11 +343,12 @@ def run_round(bench: Bench, cells: Cells, key: tuple[str, int, str], run: str, c
     if cell.failed:
         return
     workload, k, system = key
+    time.sleep(bench.args.settle)  # what ran before (vLLM's server spins ~2 s after its requests) quiets down
     try:
         cell.seconds.append(timed(bench.work(system, workload, k, run), bench.args.cell_timeout))
     except Exception as error:
         cell.failed = reason(error)
-        console.log(f"{workload} K={k} {system} failed: {cell.failed}", markup=False)
+        console.log(f"{workload} K={k} {system} failed: {error!r}", markup=False, soft_wrap=True)
 
 
 def summary(cells: Cells, workload: str, k: int) -> str:
@@ -344,10 +357,11 @@ def summary(cells: Cells, workload: str, k: int) -> str:
     return f"{workload} K={k} (median): " + ", ".join(shown)
 
 
-def measure(args, console: Console) -> tuple[Cells, str]:
+def measure(args, console: Console) -> tuple[Cells, list[str]]:
     """Every system, K by K, ``rounds`` times: our cluster and (installed and asked for) vLLM's server run side by
     side, and each round runs a K's systems back to back, so they share the load of this shared machine and a slow
-    spell lands in one round of each rather than in all of one system's. Returns the cells and a note on vLLM."""
+    spell lands in one round of each rather than in all of one system's. Returns the cells and notes (vLLM's server,
+    the swarm's bus hand-offs)."""
     asked = {"vllm", "vllm-responses"} & set(args.systems)
     vllm = VllmServer(vllm_peer.available() if asked else "not asked for")
     cells: Cells = {}
@@ -361,7 +375,18 @@ def measure(args, console: Console) -> tuple[Cells, str]:
                     for system in bench.systems():
                         run_round(bench, cells, (workload, k, system), f"{workload}{k}r{n}", console)
                 console.log(summary(cells, workload, k), markup=False)
-    return cells, vllm.note()
+    return cells, [vllm.note(), *handoff_notes(bench, args)]
+
+
+def handoff_notes(bench: Bench, args) -> list[str]:
+    """The swarm's hand-offs between inferlets over the bus, from push to pull, over every round of each K."""
+    notes = []
+    for k in args.ks:
+        got = sorted(bench.handoffs.get(("swarm", k), []))
+        if got:
+            p50, p90 = got[len(got) // 2], got[int(len(got) * 0.9)]
+            notes.append(f"swarm K={k}: bus hand-off p50 {p50:.2f} ms, p90 {p90:.2f} ms ({len(got)} hand-offs)")
+    return notes
 
 
 def main() -> None:
@@ -376,6 +401,7 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=16384, help="KV pages of our replica")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per cell; the tables report their median")
     ap.add_argument("--cell-timeout", type=float, default=600, help="seconds one round of one cell may take")
+    ap.add_argument("--settle", type=float, default=3.0, help="idle seconds before each round of each cell")
     add_out_option(ap)
     args = ap.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
@@ -385,9 +411,8 @@ def main() -> None:
     logging.getLogger("ray").setLevel(logging.WARNING)
     console = Console(width=120)
 
-    cells, vllm_note = measure(args, console)
-    notes = [
-        vllm_note,
+    cells, notes = measure(args, console)
+    notes += [
         "responses: each turn sends only its new input with previous_response_id (store on); openai and vllm: "
         "chat completions re-sending the whole conversation",
     ]

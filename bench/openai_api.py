@@ -147,7 +147,7 @@ def request_per_inferlet_ms(base_url: str, n: int) -> list[float]:
     return times[2:]
 
 
-HOPS = ("queue", "start", "first_token", "")  # the ingress's histograms: pie_request_<hop>_seconds
+HOPS = ("queue", "start", "first_pass", "first_token", "")  # the ingress's histograms: pie_request_<hop>_seconds
 
 
 def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
@@ -192,7 +192,8 @@ def hop_split(url: str, n: int) -> dict[str, float]:
         "HTTP in and out, Serve's proxy": statistics.mean(times) - mean[""],
         "admission (the launcher)": mean["queue"],
         "start (services, wallet)": mean["start"],
-        "program to first token (template, prefill, event)": mean["first_token"] - mean["queue"] - mean["start"],
+        "program to its first pass back (template, prefill)": mean["first_pass"] - mean["queue"] - mean["start"],
+        "first pass to first token out (the event path)": mean["first_token"] - mean["first_pass"],
         "last event to response": mean[""] - mean["first_token"],
     }
 
@@ -254,6 +255,7 @@ def main() -> None:
     ap.add_argument("--model", choices=("tiny", "bigger"), default="tiny", help="bigger: random-weight Llama h1024 l8")
     ap.add_argument("--requests", type=int, default=64, help="requests per configuration")
     ap.add_argument("--skip-vllm", action="store_true", help="measure our cluster only")
+    ap.add_argument("--backend", default="auto", help="our model's backend ([[model]] backend)")
     ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
     ap.add_argument("--overhead", type=int, default=30, help="sequential one-token requests per design")
     add_out_option(ap)
@@ -265,7 +267,7 @@ def main() -> None:
     console = Console(width=120)
 
     model_dir = random_llama() if args.model == "bigger" else default_model_path()
-    with local_pie(model_dir=model_dir) as pie:
+    with local_pie(model_dir=model_dir, backend=args.backend) as pie:
         ours = measure(f"{pie.url}/v1", args, console, "pie")
         per_inferlet = request_per_inferlet_ms(f"{pie.url}/v1", args.overhead)
         hops = hop_split(pie.url, args.overhead)
