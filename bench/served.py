@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import ray
 import vllm_peer
 from local_pie import local_pie
+from pie_cluster.controller import find_controller
 from pie_cluster.events import follow
 from pie_cluster.launch_request import LaunchRequest
 from pie_workers.tiny_model import default_model_path
@@ -83,7 +84,7 @@ def ours(setup: Setup, model_dir, prompts: list[list[int]], args) -> tuple[float
         program = ray.get(pie.launcher.upload.remote("bench", "generate.py", PROGRAM))["program"]
         asyncio.run(generate_all(pie.launcher, program, prompts[:4], 8))  # warm-up
         best = min(asyncio.run(generate_all(pie.launcher, program, prompts, args.tokens)) for _ in range(args.repeats))
-        (replica,) = ray.get(ray.get_actor("pie-controller").status.remote())["replicas"]
+        (replica,) = ray.get(find_controller().status.remote())["replicas"]
     return len(prompts) * args.tokens / best, f"{replica['cpus_per_rank']} CPU(s)/rank, {replica['backend']}"
 
 
