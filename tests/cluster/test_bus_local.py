@@ -35,8 +35,9 @@ def elsewhere(user: str, identity: dict, job: str, n: int) -> list[str]:
     return asyncio.run(run_inferlet(main, {}, {}, user, **identity, bus=find_bus(BUS).addresses()))
 
 
-def here(bus, user: str, main, input: dict = {}):  # noqa: B006 (never mutated)
-    return run_inferlet(main, input, {}, user, **TRUST.instance(user), bus=bus.addresses())
+def here(bus, user: str, main):
+    """``main`` as an inferlet in this process, as a host runs one."""
+    return run_inferlet(main, {}, {}, user, **TRUST.instance(user), bus=bus.addresses())
 
 
 def test_a_pull_waiting_in_the_pushers_process_is_served_before_a_longer_waiting_one_elsewhere(bus, user):
