@@ -25,6 +25,7 @@ from pie_cluster.events import Channels
 from pie_cluster.host import InstanceSetup, serve_instance
 from pie_cluster.model_files import local_endpoints
 from pie_cluster.programs import Program
+from pie_cluster.replica_relay import ReplicaRelays, failing_over
 from pie_cluster.sandbox.hosting import Sandbox
 
 CAPABILITY_TTL_S = 7 * 24 * 3600.0  # an instance without a deadline proves who it is for this long
@@ -93,6 +94,7 @@ class InferletHost:
         self._abort_reasons: dict[str, str] = {}
         self._channels = Channels(channels or ChannelLimits(), ended=lambda endings: launcher.ended.remote(endings))
         self._sandbox = Sandbox(sandbox, self) if sandbox is not None and sandbox.enabled else None
+        self._relays = ReplicaRelays(self._replica_addresses)
         stdio.install_router()
         gc.freeze()  # the imports live as long as the host: full collections need not scan them (see RankWorker.start)
 
@@ -163,7 +165,11 @@ class InferletHost:
     async def _setup(self, instance_id: str, username: str, limits: InstanceLimits) -> InstanceSetup:
         services = self.services
         if self._endpoints is None:
-            self._endpoints = await local_endpoints(services.endpoints, services.model_files)
+            endpoints = await local_endpoints(services.endpoints, services.model_files)
+            self._endpoints = {
+                name: failing_over(e, self._replica_addresses(name), await self._relays.address_for(name))
+                for name, e in endpoints.items()
+            }
         ttl = (limits.deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
         return InstanceSetup(
             instance_id=instance_id,
@@ -212,3 +218,9 @@ class InferletHost:
 
     def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
         self._channels.emit(instance_id, kind, value)
+
+    def _replica_addresses(self, model: str) -> list[str]:
+        """The model's replicas as reached from this node, this node's own first (where inferlets fail over to)."""
+        services = self.services
+        mine = [services.endpoints[model].address] if model in services.endpoints else []
+        return list(dict.fromkeys([*mine, *(r.address for r in services.replicas.get(model, ()))]))

@@ -9,7 +9,8 @@ mints its capability come from the launcher once per change of the cluster's ser
 When a model has several replicas, each instance run here is given the one ``prefix_routing`` picks for its prompt
 (the replica that most likely holds its prefix in cache, unless that one is far busier) in place of the node's
 default endpoint. Only these programs are placed so: uploaded programs run on node hosts and reach the node's one
-endpoint per model (``NodeServices.endpoints``), as before.
+endpoint per model (``NodeServices.endpoints``), as before. Each endpoint names the model's other replicas, then
+this process's relay to whichever serves, to fail over to (``inferlet._failover``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pie_cluster.inferlet_host import CAPABILITY_MARGIN_S, CAPABILITY_TTL_S, Nod
 from pie_cluster.model_files import local_endpoints
 from pie_cluster.prefix_routing import PrefixRouter, Prompt, Routing
 from pie_cluster.programs import Main, Program
+from pie_cluster.replica_relay import ReplicaRelays, failing_over
 
 log = logging.getLogger("pie.http")
 
@@ -46,6 +48,22 @@ class _Services:
     secret: bytes
     endpoints: dict[str, ModelEndpoint]  # model_dir on this node
     replicas: dict[str, dict[str, ModelEndpoint]]  # model -> address -> replica (model_dir on this node)
+
+
+def _failing_over(
+    endpoints: dict[str, ModelEndpoint], replicas: dict[str, tuple[ModelEndpoint, ...]], relays: dict[str, str]
+) -> tuple[dict[str, ModelEndpoint], dict[str, dict[str, ModelEndpoint]]]:
+    """The node's endpoints, and every replica's by address (with the tokenizer files of the node's copy: they are
+    the model's, whichever replica), each naming the model's other replicas and the relay to fail over to."""
+    addresses = {name: [e.address for e in options] for name, options in replicas.items()}
+    by_address = {
+        name: {
+            e.address: failing_over(replace(e, model_dir=endpoints[name].model_dir), addresses[name], relay)
+            for e in replicas.get(name, ())
+        }
+        for name, relay in relays.items()
+    }
+    return {name: failing_over(e, addresses.get(name, ()), relays[name]) for name, e in endpoints.items()}, by_address
 
 
 class _Session:
@@ -84,6 +102,7 @@ class LocalInstances:
         self._abort_reasons: dict[str, str] = {}
         self._listening: asyncio.Task | None = None
         self._router = PrefixRouter(routing)
+        self._relays = ReplicaRelays(self._replica_addresses)
 
     async def start(
         self, user: str, program: str, input: dict, prompt: Prompt | None = None
@@ -181,11 +200,8 @@ class LocalInstances:
                 ref = self._launcher.services_for.remote(self._node)
                 services, secret, version = await answer(ref, "the launcher", LAUNCHER_S)
                 endpoints = await local_endpoints(services.endpoints, services.model_files)
-                replicas = {  # the tokenizer files are the model's, whichever replica: the default's local copy
-                    name: {e.address: replace(e, model_dir=endpoints[name].model_dir) for e in options}
-                    for name, options in services.replicas.items()
-                    if name in endpoints
-                }
+                relays = {name: await self._relays.address_for(name) for name in endpoints}
+                endpoints, replicas = _failing_over(endpoints, services.replicas, relays)
                 for name, options in replicas.items():
                     self._router.forget(name, keep=list(options))  # a replaced replica's record goes with it
                 self._services = _Services(version, services, secret, endpoints, replicas)
@@ -193,6 +209,13 @@ class LocalInstances:
 
     def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
         self._channels.emit(instance_id, kind, value)
+
+    def _replica_addresses(self, model: str) -> list[str]:
+        """The model's replicas as this process knows them now, its default first (what its relay tries)."""
+        known = self._services
+        if known is None or model not in known.endpoints:
+            return []
+        return list(dict.fromkeys([known.endpoints[model].address, *known.replicas.get(model, {})]))
 
     async def _listen_for_aborts(self) -> None:
         """The launcher's aborts of instances run here (``DELETE /v1/instances/{id}``), over one long poll."""

@@ -1,6 +1,7 @@
 """The inferlet SDK: write ``async def main(input)`` against these and run it with ``pie run``."""
 
 from inferlet import chat, mcp, messaging, reasoning, runtime, scheduling, session, spec, tools
+from inferlet._failover import ContextLost
 from inferlet.adapter import Adapter
 from inferlet.constraints import AnyJson, Constraint, Ebnf, GrammarConstraint, JsonSchema, Regex, Schema
 from inferlet.context import Context
@@ -17,6 +18,7 @@ __all__ = [
     "AnyJson",
     "Constraint",
     "Context",
+    "ContextLost",
     "Distribution",
     "Ebnf",
     "Entropy",

@@ -29,6 +29,10 @@ class ReplicaError(RuntimeError):
     """The replica failed for a reason that is not the caller's input."""
 
 
+class ReplicaLost(ReplicaError):
+    """The replica could not be reached, or its connection broke: it died, or it is being replaced."""
+
+
 class _AsyncLink(asyncio.Protocol):
     """One connection per (event loop, replica address); batches every request of a loop iteration into a frame.
     Requests made while it connects wait in the outbox; a lost connection fails what is pending, and the next call
@@ -54,12 +58,12 @@ class _AsyncLink(asyncio.Protocol):
             else:
                 await self._loop.create_connection(lambda: self, *where)
         except OSError as e:
-            self._fail(ReplicaError(f"cannot reach the replica at {self.address}: {e}"))
+            self._fail(ReplicaLost(f"cannot reach the replica at {self.address}: {e}"))
 
     def call(self, session: str, op: str, args: list) -> asyncio.Future:
         fut = self._loop.create_future()
         if self.closed:
-            fut.set_exception(ReplicaError(f"the connection to the replica at {self.address} is closed"))
+            fut.set_exception(ReplicaLost(f"the connection to the replica at {self.address} is closed"))
             return fut
         rid = next(self._ids)
         self._pending[rid] = fut
@@ -94,7 +98,7 @@ class _AsyncLink(asyncio.Protocol):
                     return
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(ReplicaError(f"lost the connection to the replica at {self.address}"))
+        self._fail(ReplicaLost(f"lost the connection to the replica at {self.address}"))
 
     def _fail(self, error: Exception) -> None:
         self.closed, self._transport, self._outbox = True, None, []
@@ -127,7 +131,7 @@ class _SyncLink:
                     self._sock.close()
                     raise
         except OSError as e:
-            raise ReplicaError(f"cannot reach the replica at {address}: {e}") from None
+            raise ReplicaLost(f"cannot reach the replica at {address}: {e}") from None
         self._address = address
         self._unpacker = msgpack.Unpacker()
         self._ids = itertools.count()
@@ -141,7 +145,7 @@ class _SyncLink:
         except OSError as e:
             self.closed = True
             self._sock.close()
-            raise ReplicaError(f"lost the connection to the replica at {self._address}: {e}") from None
+            raise ReplicaLost(f"lost the connection to the replica at {self._address}: {e}") from None
         if error is None:
             return value
         if error == _REFUSED:  # the replica closes the connection after this

@@ -52,24 +52,24 @@ class Adapter:
         ``sigma`` scales the perturbation a zo seed applies."""
         if isinstance(target_modules, str):
             target_modules = [target_modules]
-        description = model.channel.call_sync("adapter_create", name, rank, alpha, list(target_modules), sigma)
+        description = model.link.call_sync("adapter_create", name, rank, alpha, list(target_modules), sigma)
         return Adapter(model, description, name)
 
     @staticmethod
     def open(model: Model, name: str) -> Adapter | None:
         """The user's adapter ``name``, or None if there is none."""
-        description = model.channel.call_sync("adapter_open", name)
+        description = model.link.call_sync("adapter_open", name)
         return None if description is None else Adapter(model, description, name)
 
     def fork(self, new_name: str) -> Adapter:
         """A copy of this adapter's current weights under ``new_name``."""
-        return Adapter(self._model, self._model.channel.call_sync("adapter_fork", self._live_id(), new_name), new_name)
+        return Adapter(self._model, self._model.link.call_sync("adapter_fork", self._live_id(), new_name), new_name)
 
     def destroy(self) -> None:
         """Drop the adapter from the replica (idempotent); its saved files stay."""
         if not self._destroyed:
             self._destroyed = True
-            self._model.channel.call_sync("adapter_destroy", self._id)
+            self._model.link.call_sync("adapter_destroy", self._id)
 
     def __enter__(self) -> Adapter:
         return self
@@ -81,11 +81,11 @@ class Adapter:
 
     def save(self, path: str | None = None) -> None:
         """Write the adapter in PEFT's layout to ``path`` (default: its name) in your adapter directory."""
-        self._model.channel.call_sync("adapter_save", self._live_id(), path)
+        self._model.link.call_sync("adapter_save", self._live_id(), path)
 
     def load(self, path: str) -> None:
         """Replace the weights — and rank, alpha and target modules — with the PEFT adapter at ``path``."""
-        self._describe(self._model.channel.call_sync("adapter_load", self._live_id(), path))
+        self._describe(self._model.link.call_sync("adapter_load", self._live_id(), path))
 
     # -- inspection ------------------------------------------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 Filling methods (``system``, ``user``, ``cue``, ...) only extend the buffer; ``flush`` or the next generation step
 runs it. Lifetime and snapshot operations are synchronous round trips to the replica; forward passes are awaited.
+Where the model has failover addresses, each context keeps its ``Lineage``, so that it is recomputed on another
+replica if its own dies (``inferlet._failover``); its ``id`` then changes.
 """
 
 from __future__ import annotations
@@ -9,22 +11,39 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from pie_workers.wire.messages import ContextReply, PassReply, PassRequest, decode, encode
 
+from inferlet._channel import ReplicaLost
+from inferlet._failover import ContextLost
+from inferlet._lineage import SALTED, Lineage
 from inferlet.forward import Forward
 from inferlet.model import Model
 from inferlet.sampler import Sampler
 
+NOT_MIRRORED = "no other replica was named to move it to"
+
 
 class Context:
-    def __init__(self, model: Model, *, _id: int | None = None, _seq_len: int = 0, _buffer: list[int] | None = None):
+    def __init__(
+        self,
+        model: Model,
+        *,
+        _id: int | None = None,
+        _seq_len: int = 0,
+        _buffer: list[int] | None = None,
+        _lineage: Lineage | None = None,
+    ):
         self._model = model
-        self._id = model.channel.call_sync("create") if _id is None else _id
+        self._link = link = model.link
+        self._id = link.call_sync("create") if _id is None else _id
         self._seq_len = _seq_len
         self._buffer: list[int] = list(_buffer or [])
         self._released = False
+        self._lost: str | None = None  # why it is gone with its replica (``inferlet._failover``)
+        self.lineage = _lineage or (Lineage() if link.mirrors else Lineage(lost=NOT_MIRRORED))
+        link.contexts[self] = None
         self._bid = 0.0  # credits per page offered to keep this context resident
         self._explicit_bid = False  # set by set_bid: a Generator's default bid no longer applies
         self._idle = False
@@ -41,65 +60,91 @@ class Context:
     async def create(cls, model: Model) -> Context:
         """``Context(model)`` without blocking the event loop while the replica answers: where many inferlets share
         one loop (the cluster's serving programs), a blocking call would hold all of them for that round trip."""
-        return cls(model, _id=await model.channel.call("create"))
+        return cls(model, _id=await model.link.call("create"))
 
     def release(self) -> None:
         """Free this context's pages now (idempotent)."""
-        if not self._released:
-            self._released = True
-            self._model.channel.call_sync("destroy", self._id)
+        if self._forget():
+            with suppress(ReplicaLost):  # it died with its replica, and no move brings it back
+                self._link.channel.call_sync("destroy", self._id)
 
     async def release_async(self) -> None:
         """``release`` without blocking the event loop (see ``create``)."""
-        if not self._released:
-            self._released = True
-            await self._model.channel.call("destroy", self._id)
+        if self._forget():
+            with suppress(ReplicaLost):
+                await self._link.channel.call("destroy", self._id)
+
+    def _forget(self) -> bool:
+        """Mark the context released; whether its replica still holds it (none does while it moves)."""
+        if self._released:
+            return False
+        self._released = True
+        self._link.contexts.pop(self, None)
+        return self._lost is None and not self._link.moving
 
     def check_live(self) -> None:
-        """Raise ValueError if the context was released."""
+        """Raise ValueError if the context was released, ``ContextLost`` if it was lost with its replica."""
         if self._released:
             raise ValueError(f"context {self._id} was released; it can no longer be used")
+        if self._lost is not None:
+            raise ContextLost(f"context {self._id} is lost: {self._lost}")
+
+    def _ref(self) -> int:
+        """Its id on the replica it is on now (read when a call is sent, so a call sent again after a move names
+        the context there)."""
+        self.check_live()
+        return self._id
+
+    def moved(self, ctx: int) -> None:
+        """It was recomputed on another replica, as context ``ctx`` there."""
+        self._id = ctx
+
+    def lose(self, why: str) -> None:
+        """It went with its replica and could not be recomputed: every later use raises ``ContextLost``."""
+        self._lost = why
+        self._link.contexts.pop(self, None)
 
     @staticmethod
     def open(model: Model, name: str) -> Context | None:
         """A copy of the snapshot ``name`` (the snapshot stays), or None if there is none."""
-        return Context._made(model, model.channel.call_sync("open", name))
+        return Context._made(model, model.link.call_sync("open", name, 0 if model.link.mirrors else -1))
 
     @staticmethod
     def take(model: Model, name: str) -> Context | None:
         """The snapshot ``name`` itself (it is removed), or None if there is none."""
-        return Context._made(model, model.channel.call_sync("take", name))
+        return Context._made(model, model.link.call_sync("take", name, 0 if model.link.mirrors else -1))
 
     @staticmethod
     def delete(model: Model, name: str) -> None:
-        model.channel.call_sync("delete", name)
+        model.link.call_sync("delete", name)
 
     def fork(self) -> Context:
         """A copy-on-write clone: shares every committed page, copies the partly filled one, copies the buffer;
         it starts with this context's bid."""
         self.check_live()
-        return self._child(decode(ContextReply, self._model.channel.call_sync("fork", self._id)))
+        return self._child(decode(ContextReply, self._link.call_sync("fork", self._ref, self.lineage.known())))
 
     def _child(self, made: ContextReply) -> Context:
-        child = Context(self._model, _id=made.ctx, _seq_len=made.seq_len, _buffer=self._buffer)
+        lineage = self.lineage.child(made.seq_len, made.tail, made.tail_positions)
+        child = Context(self._model, _id=made.ctx, _seq_len=made.seq_len, _buffer=self._buffer, _lineage=lineage)
         child._bid, child._explicit_bid = (0.0, False) if self._idle else (self._bid, self._explicit_bid)
         return child
 
     async def fork_async(self) -> Context:
         """``fork`` without blocking the event loop (see ``create``)."""
         self.check_live()
-        return self._child(decode(ContextReply, await self._model.channel.call("fork", self._id)))
+        return self._child(decode(ContextReply, await self._link.call("fork", self._ref, self.lineage.known())))
 
     def save(self, name: str) -> None:
         """Snapshot the KV cache under ``name``, per user and model across the cluster. It lives until deleted or
         taken, beyond this inferlet and the replica that saved it (any replica recomputes it from its token lineage),
         except one written under a custom mask, an adapter or a zo seed, which opens only on the saving replica."""
         self.check_live()
-        self._model.channel.call_sync("save", self._id, name)
+        self._link.call_sync("save", self._ref, name)
 
     def snapshot(self) -> str:
         self.check_live()
-        return self._model.channel.call_sync("snapshot", self._id)
+        return self._link.call_sync("snapshot", self._ref)
 
     # -- filling -------------------------------------------------------------------------------------------------
 
@@ -158,12 +203,16 @@ class Context:
     def truncate(self, n: int) -> None:
         """Drop the last ``n`` tokens of the KV cache (only tokens not yet committed: the rollback primitive)."""
         self.check_live()
-        self._seq_len = self._model.channel.call_sync("truncate", self._id, int(n))
+        self._truncated(self._link.call_sync("truncate", self._ref, int(n)))
 
     async def truncate_async(self, n: int) -> None:
         """``truncate``, awaited: the other inferlets of this process run meanwhile."""
         self.check_live()
-        self._seq_len = await self._model.channel.call("truncate", self._id, int(n))
+        await self._link.call("truncate", self._ref, int(n), noted=self._truncated)
+
+    def _truncated(self, seq_len: int) -> None:
+        self._seq_len = seq_len
+        self.lineage.cut(seq_len)
 
     def take_buffer(self) -> list[int]:
         """The buffered tokens, leaving the buffer empty: a pass of one's own is about to run them."""
@@ -207,10 +256,10 @@ class Context:
         """Give this context's pages up now, to whoever needs them (they wait in host memory when the replica has
         room, else they are recomputed); its next operation brings it back. A no-op if it is suspended already."""
         self.check_live()
-        self._model.channel.call_sync("suspend", self._id)
+        self._link.call_sync("suspend", self._ref)
 
     def _send_bid(self, bid: float) -> None:
-        self._model.channel.call_sync("set_bid", self._id, bid)
+        self._link.call_sync("set_bid", self._ref, bid)
         self._bid = bid
 
     @property
@@ -239,7 +288,20 @@ class Context:
     def send(self, request: PassRequest) -> asyncio.Future:
         """Queue a pass over this context on the channel (``Forward.send``); ``received`` reads its answer."""
         self.check_live()
-        return self._model.channel.call("forward", encode(request))
+        salted = request.attention_masks is not None or request.adapter is not None or request.zo_seed is not None
+        if salted and not self.lineage.lost:
+            self.lineage.lose(SALTED)
+
+        def encoded() -> dict:  # read when sent: after a move, the context's id and lineage there
+            request.ctx, request.known = self._ref(), self.lineage.known()
+            return encode(request)
+
+        return self._link.call("forward", encoded, noted=self._passed)
+
+    def _passed(self, answer: dict | None) -> None:
+        """Follow a pass's answer in the lineage the moment it arrives (before a move could need it)."""
+        if answer is not None and not self.lineage.lost:
+            self.lineage.passed(decode(PassReply, answer))
 
     def received(self, answer: dict | None) -> PassReply | None:
         """A pass's answer off the wire (None: a chained pass that stopped before running); the context's length
@@ -256,7 +318,13 @@ class Context:
         if answer is None:
             return None
         made = decode(ContextReply, answer)
-        return Context(model, _id=made.ctx, _seq_len=made.seq_len)
+        if not model.link.mirrors:
+            lineage = None
+        elif made.recomputable:
+            lineage = Lineage(made.tail, made.tail_positions)
+        else:
+            lineage = Lineage(lost=SALTED)
+        return Context(model, _id=made.ctx, _seq_len=made.seq_len, _lineage=lineage)
 
     def generate(self, sampler: Sampler, **options):
         from inferlet.generator import Generator

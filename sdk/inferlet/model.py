@@ -1,8 +1,8 @@
-"""``Model``: a handle on a served model — its tokenizer, its chat template, and the channel to its replica."""
+"""``Model``: a handle on a served model — its tokenizer, its chat template, and the link to its replica."""
 
 from __future__ import annotations
 
-from inferlet._channel import Channel
+from inferlet._failover import ReplicaLink
 from inferlet.instruct import Instruct
 from inferlet.runtime import ModelEndpoint, Runtime, current
 from inferlet.tokenizer import Tokenizer
@@ -15,7 +15,8 @@ class Model:
         self.page_size = endpoint.page_size
         self._tokenizer = Tokenizer.from_dir(endpoint.model_dir)
         self.instruct = Instruct.from_dir(endpoint.model_dir)
-        self.channel = Channel(endpoint.address, f"{runtime.capability}/{runtime.session.replace('/', '_')}")
+        session = f"{runtime.capability}/{runtime.session.replace('/', '_')}"
+        self.link = ReplicaLink(endpoint.name, endpoint.address, endpoint.failover, session)
         self.market_readings = None  # ``inferlet.scheduling``'s cache of the replica's market readings
 
     @staticmethod
@@ -37,7 +38,4 @@ class Model:
     def close(self) -> None:
         """Release every context this inferlet holds on the replica (snapshots survive), then hang up. The runtime
         does this when the inferlet ends."""
-        try:
-            self.channel.call_sync("close")
-        finally:
-            self.channel.close()
+        self.link.close()

@@ -30,6 +30,9 @@ class ModelEndpoint:
     page_size: int
     vocab_size: int
     architecture: str
+    # where to go if this replica dies, in order: the model's other replicas, then the host's relay to whichever
+    # replica serves (its replacement); empty: nowhere, and contexts keep no lineage (``inferlet._failover``)
+    failover: tuple[str, ...] = ()
 
 
 class SessionIO(Protocol):

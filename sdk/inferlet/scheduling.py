@@ -65,7 +65,7 @@ def readings(model: Model) -> dict | None:
     rounds, page_cost, price, latency), or None when that replica runs without a market."""
     cache = _Readings.of(model)
     if cache.stale():
-        cache.store(model.channel.call_sync("account"))
+        cache.store(model.link.call_sync("account"))
     return cache.latest
 
 
@@ -75,7 +75,7 @@ async def step_readings(model: Model) -> dict | None:
     old)."""
     cache = _Readings.of(model)
     if cache.latest is None and cache.stale():
-        cache.store(await model.channel.call("account"))
+        cache.store(await model.link.call("account"))
     elif cache.stale() and cache.refreshing is None:
         cache.refreshing = asyncio.ensure_future(cache.refresh(model))
     return cache.latest
@@ -106,7 +106,7 @@ class _Readings:
 
     async def refresh(self, model: Model) -> None:
         try:
-            self.store(await model.channel.call("account"))
+            self.store(await model.link.call("account"))
         except Exception:  # the inferlet is ending (its channel closed): the cached readings stay
             pass
         finally:

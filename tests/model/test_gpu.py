@@ -52,6 +52,19 @@ def test_bf16_logits_agree_with_transformers_on_the_gpu(tiny_llama, backend):
     assert np.abs(got - expected).max() < 0.1
 
 
+def test_the_default_backend_on_a_gpu_is_the_tested_torch_pool(tiny_llama):
+    """``backend = "auto"`` (the default) must pick the backend the GPU tests cover, and decode as it does."""
+    from paged import greedy_generate
+
+    auto = ModelRunner(tiny_llama, RunnerSettings(num_pages=64, device="cuda"))
+    assert auto.settings.backend == "torch"
+    torch_runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=64, device="cuda", backend="torch"))
+    prompt = [random.Random(7).randrange(auto.cfg.vocab_size) for _ in range(21)]
+    assert greedy_generate(auto, prompt, 12, PageAllocator(64)) == greedy_generate(
+        torch_runner, prompt, 12, PageAllocator(64)
+    )
+
+
 def test_suspended_pages_wait_in_pinned_host_memory_and_come_back_intact(tiny_llama):
     runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=8, device="cuda", host_pages=4))
     assert runner.kv.host_k.is_pinned() and runner.kv.host_v.is_pinned()

@@ -226,8 +226,11 @@ class Replica:
         return ray.get(self.leader.execute.remote(batch))
 
     def shutdown(self) -> None:
-        ray.get(self.leader.stop.remote())
-        ray.get(self._following)
+        """Stop the engine and the ranks, and give their resources back (also when a rank died: Ray frees a dead
+        actor's CPUs, but not the placement group's bundle)."""
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.leader.stop.remote())
+            ray.get(self._following)
         for r in self.ranks:
             ray.kill(r)
         if self._own_placement:

@@ -60,7 +60,9 @@ class InstanceSpec:
             name: ServerSpec(command=tuple(s["command"]) if s["command"] else None, url=s["url"], env=s["env"])
             for name, s in setup["mcp_servers"].items()
         }
-        endpoints = {name: ModelEndpoint(**e) for name, e in setup["endpoints"].items()}
+        endpoints = {
+            name: ModelEndpoint(**{**e, "failover": tuple(e["failover"])}) for name, e in setup["endpoints"].items()
+        }
         setup = InstanceSetup(**{**setup, "endpoints": endpoints, "bus": tuple(setup["bus"]), "mcp_servers": mcp})
         return cls(setup, ProgramRef(**data["program"]), data["input"])
 

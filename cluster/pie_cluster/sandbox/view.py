@@ -10,7 +10,6 @@ bound in from a copy that holds no weights.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from inferlet.runtime import ModelEndpoint
 
 from pie_cluster.model_files import write_files
+from pie_cluster.replica_relay import splice
 from pie_cluster.sandbox.bwrap import MODELS, SOCKETS
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx")
@@ -58,23 +58,11 @@ class Relays:
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int) -> None:
     try:
-        upstream_reader, upstream_writer = await asyncio.open_connection(host, port)
+        upstream = await asyncio.open_connection(host, port)
     except OSError:
         writer.close()
         return
-
-    async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        try:
-            while data := await src.read(1 << 16):
-                dst.write(data)
-                await dst.drain()
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                dst.close()
-
-    await asyncio.gather(copy(reader, upstream_writer), copy(upstream_reader, writer))
+    await splice(reader, writer, *upstream)
 
 
 async def build_view(endpoints: dict[str, ModelEndpoint], bus: tuple[str, ...], relays: Relays) -> SandboxView:
@@ -84,7 +72,8 @@ async def build_view(endpoints: dict[str, ModelEndpoint], bus: tuple[str, ...], 
         copy = await asyncio.to_thread(_tokenizer_copy, endpoint.model_dir)
         inside = view.models.setdefault(copy, f"{MODELS}/{len(view.models)}")  # models with the same files share it
         address = await _socket_inside(endpoint.address, view, relays)
-        view.endpoints[name] = replace(endpoint, address=address, model_dir=inside)
+        failover = tuple([await _socket_inside(a, view, relays) for a in endpoint.failover])
+        view.endpoints[name] = replace(endpoint, address=address, model_dir=inside, failover=failover)
     view.bus = tuple([await _socket_inside(address, view, relays) for address in bus])
     return view
 

@@ -244,6 +244,10 @@ class ContextTable:
         """(token, position) of every token of the context, and how many of them are committed."""
         return self._get(ctx).text()
 
+    def text_from(self, ctx: int, start: int) -> tuple[list[int], list[int]]:
+        """Tokens and positions of the context from index ``start`` on."""
+        return self._get(ctx).text_from(self.store, start)
+
     def snapshot_text(self, owner: str, name: str) -> tuple[list[tuple[int, int]], int] | None:
         """Like ``text`` for a snapshot; None if it is absent or its KV could not be recomputed."""
         snap = self._snapshots.get((owner, name))

@@ -45,6 +45,17 @@ def as_bytes(salt: bytes | str) -> bytes:
     return salt.encode() if isinstance(salt, str) else bytes(salt)
 
 
+def lineage_text(tokens: list, positions: list, vocab: int) -> list[tuple[int, int]]:
+    """(token, position) pairs from an inferlet's mirror of a context, refused with a message naming the problem
+    unless they are token ids of this model at positions >= 0, as many of each."""
+    if not isinstance(tokens, list) or not isinstance(positions, list) or len(tokens) != len(positions):
+        raise ValueError("a lineage is two lists of the same length: token ids and their positions")
+    for t, p in zip(tokens, positions, strict=True):
+        if type(t) is not int or not 0 <= t < vocab or type(p) is not int or p < 0:
+            raise ValueError(f"a lineage holds token ids below {vocab} at positions >= 0, got token {t!r} at {p!r}")
+    return list(zip(tokens, positions, strict=True))
+
+
 @dataclass(slots=True, eq=False)
 class Holding:
     """A committed chain tail plus exclusively owned working pages: the state of a context or of a snapshot.
@@ -123,6 +134,20 @@ class Holding:
         text = [(t, p) for n in self.chain_nodes() for t, p in zip(n.tokens, n.positions, strict=True)]
         committed = len(text)
         return text + [(t, p) for t, p, _ in self.lineage], committed
+
+    def text_from(self, store: PageStore, start: int) -> tuple[list[int], list[int]]:
+        """Tokens and positions from index ``start`` on, reading back only the committed pages that hold them (a
+        decode step's answer carries its one new token without walking a long context's chain)."""
+        committed = len(store.chain(self.tail)) * store.page_size
+        working = self.lineage[max(0, start - committed) :]
+        tokens, positions = [t for t, _, _ in working], [p for _, p, _ in working]
+        node, end = self.tail, committed
+        while node is not None and end > start:
+            begin = end - len(node.tokens)
+            cut = max(0, start - begin)
+            tokens[:0], positions[:0] = node.tokens[cut:], node.positions[cut:]
+            node, end = node.parent, begin
+        return tokens, positions
 
     def recomputable(self) -> bool:
         """Whether nothing in the holding was written under a salt (mask, adapter, zo seed)."""

@@ -194,14 +194,14 @@ class Passes:
         token this one sampled."""
         if not a.chained:
             ahead = functools.partial(self.steps.run_ahead, state, a, request.slots) if a.run_ahead else None
-            return self.end(state, answer, reply, ahead=ahead)
+            return self.end(state, answer, reply, ahead=ahead, known=a.known)
         sampled = state.sampled
         walk = reply.walk = walk if walk is not None else []
         if sampled is not None:
             walk.append(sampled)
         if a.steps > 1 and sampled is not None and sampled not in a.stop_ids:
             return self._chain(self.steps.chain(state, a, answer, request.slots, bind, walk))
-        self.end(state, answer, reply)
+        self.end(state, answer, reply, known=a.known)
 
     def _chain(self, run: ChainedSteps) -> None:
         """Send a chained pass's next step, or the rest of the pass the general way (``start``) when it needs to."""
@@ -219,7 +219,7 @@ class Passes:
                 return self._chain(run)
         except Exception as e:
             return self.fail(run.record, run.answer, e, run.walk)
-        self.end(run.record, run.answer, reply)
+        self.end(run.record, run.answer, reply, known=run.a.known)
         return None
 
     def fail(self, state: EngineContext, answer: Answer, error: Exception, walk: list[int] | None) -> None:
@@ -236,11 +236,14 @@ class Passes:
         reply: PassReply | None = None,
         error: Exception | None = None,
         ahead: Callable[[], bool] | None = None,
+        known: int = -1,
     ) -> None:
         """Answer the pass and hand the context's turn on (to its next request, when one waits), or keep it for
-        the next step run ``ahead``."""
+        the next step run ``ahead``. ``known`` >= 0: the answer carries the context's tokens from there on."""
         gate = state.gate
         try:
+            if reply is not None and known >= 0:
+                reply.tail, reply.tail_positions = self.residency.tail(state, known)
             answer(error, None if reply is None else encode(reply))
         finally:
             if ahead is None or gate.waiting() or not _started(ahead):

@@ -284,6 +284,14 @@ class Residency:
         suspended = record.suspended
         return len(suspended.text) if suspended else self.contexts.view(record.id).seq_len
 
+    def tail(self, record: EngineContext, start: int) -> tuple[list[int], list[int]]:
+        """The context's tokens and positions from index ``start`` on, whether it is resident or suspended: what
+        an inferlet mirroring its lineage has not seen yet."""
+        if (suspended := record.suspended) is None:
+            return self.contexts.text_from(record.id, start)
+        text = suspended.text[start:]
+        return [t for t, _ in text], [p for _, p in text]
+
     async def _recompute(self, record: EngineContext, tokens: list[int], positions: list[int], hold: int) -> None:
         """Rebuild a restored context's KV for these tokens by passes, in chunks a batch takes, into the pages
         already reserved; pages touching the last ``hold`` tokens stay uncommitted, as they were."""

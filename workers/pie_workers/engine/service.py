@@ -26,6 +26,7 @@ from pie_workers.engine.adapter_registry import AdapterRegistry
 from pie_workers.engine.channel import Answer, ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
 from pie_workers.engine.directory_link import DirectoryLink
+from pie_workers.engine.holding import lineage_text
 from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.page_store import OutOfPages, PageStore
 from pie_workers.engine.passes import Passes
@@ -77,6 +78,7 @@ class ReplicaEngine:
             "destroy": self.op_destroy,
             "close": self.op_close,
             "fork": self.op_fork,
+            "restore": self.op_restore,
             "save": self.op_save,
             "snapshot": self.op_snapshot,
             "open": self.op_open,
@@ -219,9 +221,9 @@ class ReplicaEngine:
             await self.op_destroy(session, ctx)
         return len(held)
 
-    async def op_fork(self, session: Session, ctx: int) -> dict:
+    async def op_fork(self, session: Session, ctx: int, known: int = -1) -> dict:
         """A child sharing the context's pages. When memory is short the child is born suspended (it holds no
-        pages and is recomputed on its first pass), so a fork never waits."""
+        pages and is recomputed on its first pass), so a fork never waits. ``known``: see ``_made``."""
         async with self._turn(session, ctx) as parent:
             suspended, text = parent.suspended, None
             if suspended is None and self.residency.try_now(parent, self.contexts.view(ctx).working_pages):
@@ -237,7 +239,34 @@ class ReplicaEngine:
         child_state.salt = parent.salt  # what it shares was written under the parent's salt
         child_state.bid = parent.bid
         await self._run_copies(copies)
-        return encode(ContextReply(child, self.residency.seq_len(child_state)))
+        return self._made(child_state, known)
+
+    async def op_restore(
+        self, session: Session, tokens: list, positions: list, sampled: int | None = None, bid: float = 0.0
+    ) -> dict:
+        """A context rebuilt from the lineage its inferlet mirrored, after the replica that held it died: born
+        suspended and recomputed on its first pass. ``sampled``: the token its last pass sampled, which a pass
+        chained on that one takes as input; ``bid``: the bid it made there."""
+        text = lineage_text(tokens, positions, self.runner.cfg.vocab_size)
+        if sampled is not None and not (type(sampled) is int and 0 <= sampled < self.runner.cfg.vocab_size):
+            raise ValueError(f"restore: sampled must be a token id or None, got {sampled!r}")
+        state = self.records.create(session)
+        if text:
+            self.residency.add_suspended(state, text, 0)
+        state.sampled = sampled
+        await self.op_set_bid(session, state.id, bid)
+        return encode(ContextReply(state.id, len(text)))
+
+    def _made(self, state: EngineContext, known: int, recomputable: bool = True) -> dict:
+        """The answer for a context just made; ``known`` >= 0 (an inferlet that mirrors lineage, which has this
+        many of its tokens already): with its tokens from there on, or word that no mirror could rebuild it."""
+        reply = ContextReply(state.id, self.residency.seq_len(state))
+        if not isinstance(known, int) or known < -1:
+            raise ValueError(f"known must be a token count >= 0, or -1 for none, got {known!r}")
+        if known >= 0 and recomputable:
+            reply.tail, reply.tail_positions = self.residency.tail(state, known)
+        reply.recomputable = recomputable
+        return encode(reply)
 
     async def op_save(self, session: Session, ctx: int, name: str) -> None:
         async with self._turn(session, ctx) as state:
@@ -264,13 +293,13 @@ class ReplicaEngine:
             self.contexts.delete(session.username, name)
             raise ContextError(f"snapshot {name!r} already exists for user {session.username!r}")
 
-    async def op_open(self, session: Session, name: str) -> dict | None:
+    async def op_open(self, session: Session, name: str, known: int = -1) -> dict | None:
         """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short, or when
         the snapshot was saved on another replica (recomputed from the lineage the directory keeps)."""
         try:
             pages = self.contexts.view_snapshot(session.username, name).working_pages
         except ContextError:
-            return await self._from_elsewhere(session, name, self.directory and self.directory.lookup)
+            return await self._from_elsewhere(session, name, self.directory and self.directory.lookup, known)
         text = None
         if self.residency.try_now(None, pages):
             ctx, copies = self.contexts.open(session.username, name, session.key)
@@ -283,18 +312,17 @@ class ReplicaEngine:
         if text is not None:
             self.residency.add_suspended(state, *text)
         await self._run_copies(copies)
-        return encode(ContextReply(ctx, self.residency.seq_len(state)))
+        return self._made(state, known, text is not None or self.contexts.recomputable(ctx))
 
-    async def op_take(self, session: Session, name: str) -> dict | None:
+    async def op_take(self, session: Session, name: str, known: int = -1) -> dict | None:
         ctx = self.contexts.take(session.username, name, session.key)
         if ctx is None:
-            return await self._from_elsewhere(session, name, self.directory and self.directory.remove)
+            return await self._from_elsewhere(session, name, self.directory and self.directory.remove, known)
         if self.directory is not None:
             await self.directory.remove(session.username, name)
-        self._adopt(session, ctx)
-        return encode(ContextReply(ctx, self.contexts.view(ctx).seq_len))
+        return self._made(self._adopt(session, ctx), known, self.contexts.recomputable(ctx))
 
-    async def _from_elsewhere(self, session: Session, name: str, ask) -> dict | None:
+    async def _from_elsewhere(self, session: Session, name: str, ask, known: int) -> dict | None:
         """A snapshot this replica does not hold, from its lineage in the directory (``ask``: look it up, or
         take it); a context that is recomputed on its first pass. None if the name is unknown."""
         lineage = await ask(session.username, name) if ask else None
@@ -308,7 +336,7 @@ class ReplicaEngine:
             )
         state = self.records.create(session)
         self.residency.add_suspended(state, [tuple(t) for t in text], committed)
-        return encode(ContextReply(state.id, self.residency.seq_len(state)))
+        return self._made(state, known)
 
     async def op_delete(self, session: Session, name: str) -> None:
         try:

@@ -50,6 +50,10 @@ class PassRequest:
     ``adapter_create``/``adapter_open``) applies to every row; ``zo_seed`` perturbs it for this pass. With a
     ``draft_budget``, up to that many n-gram drafts for the next step come back. A ``bid`` (a Generator's default)
     is the context's bid from this pass on, as ``set_bid`` would make it.
+
+    ``known``: how many of the context's tokens the inferlet has mirrored (-1: it keeps no mirror). Its answer then
+    carries the context's tokens from there on (``Lineage``), so that the inferlet can have the context recomputed
+    on another replica if this one dies.
     """
 
     ctx: int
@@ -70,6 +74,7 @@ class PassRequest:
     steps: int = 1
     stop_ids: list[int] = field(default_factory=list)
     run_ahead: bool = False
+    known: int = -1
 
     @property
     def chained(self) -> bool:
@@ -92,6 +97,8 @@ class PassRequest:
                 raise ValueError("a chained pass of several steps takes no attention masks or drafts")
         if self.chained and self.tokens:
             raise ValueError("a chained pass takes its input from the previous pass: send no tokens")
+        if not isinstance(self.known, int) or isinstance(self.known, bool) or self.known < -1:
+            raise ValueError(f"known must be a token count >= 0, or -1 for none, got {self.known!r}")
 
     def plain(self) -> bool:
         """A pass a step run ahead can stand for, and run after: one step of tokens alone (no masks, drafts,
@@ -124,14 +131,21 @@ class PassReply:
     walk: list[int] = field(default_factory=list)  # a verified draft run's accepted drafts and bonus token, or a
     # chained pass's every step's token; empty for any other pass
     next_drafts: list[int] = field(default_factory=list)  # n-gram drafts for the next step (``draft_budget``)
+    tail: list[int] = field(default_factory=list)  # the context's last tokens, from the request's ``known`` on
+    tail_positions: list[int] = field(default_factory=list)  # their positions
 
 
 @dataclass(slots=True)
 class ContextReply:
-    """A context made by ``fork``, ``open`` or ``take``."""
+    """A context made by ``fork``, ``open``, ``take`` or ``restore``; for an inferlet that mirrors lineage, its
+    tokens from the ``known`` it asked with on (``recomputable`` False: it holds KV written under a custom mask, an
+    adapter or a zo seed, so no mirror could rebuild it)."""
 
     ctx: int
     seq_len: int
+    tail: list[int] = field(default_factory=list)
+    tail_positions: list[int] = field(default_factory=list)
+    recomputable: bool = True
 
 
 @dataclass(slots=True)

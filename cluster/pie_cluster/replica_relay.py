@@ -1,0 +1,99 @@
+"""The last place an inferlet fails over to: a Unix socket per model, on each node, that reaches whichever of the
+model's replicas serves now (``inferlet._failover``).
+
+An inferlet's endpoint names the model's other replicas to move to when its own dies; when all of them are gone (a
+model of one replica), only the replacement is left, and it listens on new sockets that an inferlet started before
+it, in a sandbox whose sockets were bound in at its start, cannot reach. So the host listens on a socket of its own
+per model and, for each connection, pipes it to the first replica of the model that accepts one, in the order of
+the host's current services (updated when a replica is replaced), waiting up to ``WAIT_S`` for one to come up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
+
+from inferlet.runtime import ModelEndpoint
+
+WAIT_S = 120.0  # how long a connection waits for a replica of its model to accept it
+RETRY_S = 0.25  # between rounds of trying the model's replicas
+CONNECT_S = 2.0  # one attempt to connect to one replica
+
+
+def failing_over(endpoint: ModelEndpoint, replicas: Iterable[str], relay: str) -> ModelEndpoint:
+    """``endpoint`` naming where its inferlets go if its replica dies: the model's other ``replicas`` (addresses),
+    then ``relay``."""
+    return replace(endpoint, failover=(*[a for a in replicas if a != endpoint.address], relay))
+
+
+class ReplicaRelays:
+    """One relay socket per model, made on first use; ``candidates(model)``: the addresses to try, in order."""
+
+    def __init__(self, candidates: Callable[[str], list[str]]):
+        self._candidates = candidates
+        self._directory = Path(tempfile.mkdtemp(prefix="pie-replica-relays-"))
+        atexit.register(shutil.rmtree, self._directory, True)
+        self._servers: dict[str, tuple[str, asyncio.AbstractServer]] = {}
+
+    async def address_for(self, model: str) -> str:
+        """``ipc://<socket>`` that reaches a replica of ``model`` serving now."""
+        if model not in self._servers:
+            path = str(self._directory / f"{hashlib.sha256(model.encode()).hexdigest()[:16]}.sock")
+            server = await asyncio.start_unix_server(lambda r, w: self._relay(model, r, w), path=path)
+            Path(path).chmod(0o666)  # a sandboxed worker's uid connects; what it may do there its capability decides
+            self._servers[model] = (path, server)
+        return f"ipc://{self._servers[model][0]}"
+
+    async def _relay(self, model: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_S
+        while loop.time() < deadline:
+            for address in self._candidates(model):
+                with contextlib.suppress(OSError, asyncio.TimeoutError):
+                    upstream = await asyncio.wait_for(_connect(address), CONNECT_S)
+                    await splice(reader, writer, *upstream)
+                    return
+            await asyncio.sleep(RETRY_S)
+        writer.close()
+
+    def close(self) -> None:
+        for _, server in self._servers.values():
+            server.close()
+        self._servers.clear()
+
+
+async def _connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    kind, _, where = address.partition("://")
+    if kind == "ipc":
+        return await asyncio.open_unix_connection(where)
+    host, _, port = where.rpartition(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def splice(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    upstream_reader: asyncio.StreamReader,
+    upstream_writer: asyncio.StreamWriter,
+) -> None:
+    """Copy bytes both ways until either side closes; then close both."""
+
+    async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(1 << 16):
+                dst.write(data)
+                await dst.drain()
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.close()
+
+    await asyncio.gather(copy(reader, upstream_writer), copy(upstream_reader, writer))

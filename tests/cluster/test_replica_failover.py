@@ -1,0 +1,124 @@
+"""Uploaded inferlets, in their sandboxed workers, outlive the replica they run on: 32 of them wait half way through a
+greedy generation while their replica's leader is SIGKILLed, then finish on another replica of the model (through
+the socket of it bound into their sandbox) with the tokens they would have made without the failure. A model of one
+replica has only its replacement to go to, on sockets made after the sandbox was: the host's relay reaches it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import ray
+from launching import launch, run_to_end, upload
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
+from pie_cluster.controller import start_controller
+from pie_cluster.events import poll
+
+HALVES = """
+from inferlet import Context, Model, Sampler, session
+
+async def main(input):
+    model = Model.load(input["model"])
+    ctx = Context(model)
+    ctx.user(input["prompt"]).cue()
+    tokens = await ctx.generate(Sampler.argmax(), max_tokens=12, stop=[]).collect_tokens()
+    if input.get("wait"):
+        session.send("half way")
+        await session.receive()
+    async for step in ctx.generate(Sampler.argmax(), max_tokens=12, stop=[]):
+        tokens += (await step.execute()).tokens
+    return {"tokens": tokens, "moves": model.link.moves}
+"""
+
+INSTANCES = 32
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    """ "default": two replicas, one per node; "solo": one. Probed every second, so a dead one is soon replaced."""
+    models = [
+        ModelConfigEntry(name="default", replicas=2, pages=256, cpus_per_rank=1),
+        ModelConfigEntry(name="solo", replicas=1, pages=256, cpus_per_rank=1),
+    ]
+    supervision = SupervisionConfig(probe_every_s=1.0, probe_deadline_s=3.0, misses=2)
+    controller = start_controller(PieConfig(auth=AuthConfig(enabled=False), model=models, supervision=supervision))
+    yield controller
+    ray.get(controller.shutdown.remote())
+    ray.kill(controller)
+
+
+def replica(controller, model: str, index: int = 0) -> dict:
+    rows = ray.get(controller.status.remote())["replicas"]
+    return next(r for r in rows if (r["model"], r["replica"]) == (model, index))
+
+
+def run_halves(launcher, program: str, model: str, node: str, kill=None) -> list[dict]:
+    """Run ``INSTANCES`` instances on ``node``, each with its own prompt; with ``kill``, they wait half way until it
+    has run. Returns each one's result."""
+    inputs = [{"model": model, "prompt": f"story {i}", "wait": kill is not None} for i in range(INSTANCES)]
+    instances = [launch(launcher, program, input, node_id=node) for input in inputs]
+    if kill is not None:
+        for instance in instances:
+            wait_for_message(launcher, instance)
+        kill()
+        killed = time.monotonic()
+        for instance in instances:
+            host = ray.get(launcher.locate.remote("alice", instance))["host"]
+            ray.get(host.send.remote("alice", instance, "message", "go on"))
+    results = []
+    for instance in instances:
+        last = run_to_end(launcher, instance)[-1]
+        assert last[1] == "return", last
+        results.append(json.loads(last[2]))
+    if kill is not None:
+        print(f"{model}: {INSTANCES} instances finished {time.monotonic() - killed:.1f} s after the kill")
+    return results
+
+
+def wait_for_message(launcher, instance: str, bound_s: float = 120) -> None:
+    since, deadline = 0, time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        got = poll(launcher, "alice", instance, since, 2.0)
+        kinds = [e[1] for e in got["events"]]
+        assert "error" not in kinds and "return" not in kinds, got["events"]
+        if "message" in kinds:
+            return
+        since = got["next"]
+    raise AssertionError(f"instance {instance} sent nothing within {bound_s} s")
+
+
+def killer(controller, model: str):
+    def kill():
+        os.kill(replica(controller, model)["pids"][0], signal.SIGKILL)
+
+    return kill
+
+
+def test_inferlets_finish_on_the_other_replica_with_the_same_tokens(cluster):
+    launcher = ray.get_actor("pie-launcher")
+    program = upload(launcher, HALVES)
+    doomed = replica(cluster, "default")
+    expected = run_halves(launcher, program, "default", doomed["node"])
+    assert all(r["moves"] == 0 and len(r["tokens"]) == 24 for r in expected)
+
+    got = run_halves(launcher, program, "default", doomed["node"], kill=killer(cluster, "default"))
+
+    assert [r["moves"] for r in got] == [1] * INSTANCES
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
+
+
+def test_a_model_of_one_replica_continues_on_its_replacement(cluster):
+    launcher = ray.get_actor("pie-launcher")
+    program = upload(launcher, HALVES)
+    before = replica(cluster, "solo")
+    expected = run_halves(launcher, program, "solo", before["node"])
+
+    got = run_halves(launcher, program, "solo", before["node"], kill=killer(cluster, "solo"))
+
+    assert [r["moves"] for r in got] == [1] * INSTANCES
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
+    after = replica(cluster, "solo")
+    assert after["state"] == "serving" and not set(after["pids"]) & set(before["pids"]), (before, after)
