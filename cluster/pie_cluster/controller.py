@@ -34,6 +34,7 @@ from pie_cluster.bus import start_bus
 from pie_cluster.config import ModelConfigEntry, PieConfig
 from pie_cluster.cpu_share import ModelShape, automatic_cpus_per_rank, node_room
 from pie_cluster.directory import get_or_create_directory
+from pie_cluster.drain import drain_node
 from pie_cluster.inferlet_host import InferletHost, NodeServices
 from pie_cluster.instance_record import HostPool
 from pie_cluster.launcher import Launcher
@@ -114,7 +115,8 @@ class Controller:
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
         )
         answered(self.launcher.attach_pool.remote(pool), "the launcher", LAUNCHER_S)
-        self._hosting = threading.Lock()  # hosts added and services published one at a time
+        self.hosting = threading.Lock()  # hosts added and services published one at a time
+        self.drained: set[str] = set()  # nodes `pie drain` released: no host is started there again
         self._stopping = threading.Event()
         self.supervisor = Supervisor(config.supervision, self.replicas, self._new_replica, self._publish)
         threading.Thread(target=self._watch_nodes, name="node-watcher", daemon=True).start()
@@ -135,14 +137,14 @@ class Controller:
     def _watch_nodes(self) -> None:
         """A node that joins after the start gets a pooled host, and the launcher places launches there."""
         while not self._stopping.wait(self.config.supervision.probe_every_s):
-            for node in sorted(_alive_nodes() - set(self.hosts)):
+            for node in sorted(_alive_nodes() - set(self.hosts) - self.drained):
                 try:
                     self._add_host(node)
                 except Exception:  # e.g. the launcher does not answer: tried again on the next round
                     log.exception("starting an inferlet host on the new node %s failed", node)
 
     def _add_host(self, node: str) -> None:
-        with self._hosting:
+        with self.hosting:
             services = self._services([*self.hosts, node])
             host = self._start_host(node, services[node])
             try:
@@ -171,7 +173,7 @@ class Controller:
 
     def _publish(self) -> None:
         """A replica was replaced: hosts and the launcher get the new addresses."""
-        with self._hosting:
+        with self.hosting:
             services = self._services(list(self.hosts))
             for node, host in self.hosts.items():
                 host.set_services.remote(services[node])
@@ -291,6 +293,7 @@ class Controller:
             "replicas": replicas,
             "replica_restarts": self.supervisor.restarts,
             "nodes": [{"node": node, "alive": alive.get(node, False), **_host_row(got)} for node, got in hosts.items()],
+            "drained": [{"node": node, "alive": alive.get(node, False)} for node in sorted(self.drained)],
             "launcher": launcher if isinstance(launcher, dict) else {"state": launcher},
             "bus": bus if isinstance(bus, dict) else {"state": bus},
             "market": market if isinstance(market, dict) else {"state": market},
@@ -307,6 +310,10 @@ class Controller:
 
     def nodes(self) -> list[str]:
         return list(self.hosts)
+
+    def drain(self, node: str, timeout_s: float) -> dict:
+        """``pie drain`` (``pie_cluster.drain``)."""
+        return drain_node(self, node, timeout_s)
 
     def shutdown(self) -> None:
         """Stop everything, whatever has died already (a dead part is simply skipped)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -55,3 +56,24 @@ class HostPool:
     services: dict[str, NodeServices]  # node id -> its models (ipc on that node, else tcp), bus, MCP, market
     secret: bytes  # the cluster's, for the dedicated hosts to mint their instances' capabilities with
     model_nodes: tuple[str, ...] = ()  # nodes that serve at least one replica: preferred for co-location
+
+    def choose_node(self, asked: str | None, closed: dict[str, str], load: dict[str, int]) -> str:
+        """Where a launch runs: the node ``asked`` for, else the least loaded open node (those that serve the models
+        first). ``closed``: nodes that take no launch now, and why; ``load``: running instances per node."""
+        if asked is not None:
+            if asked in closed:
+                raise RuntimeError(f"node {asked} takes no launches: {closed[asked]}")
+            if asked not in self.hosts:
+                raise ValueError(f"no inferlet host on node {asked!r}; nodes: {', '.join(sorted(self.hosts))}")
+            return asked
+        up = [n for n in self.hosts if n not in closed]
+        if not up:
+            raise RuntimeError("no node takes launches: every node's inferlet host is down or drained")
+        preferred = [n for n in self.model_nodes if n in up] or up
+        return min(preferred, key=lambda n: load.get(n, 0))
+
+    def without(self, node: str) -> HostPool:
+        """The pool once ``node`` is drained: no host there, and no services to give one."""
+        hosts = {n: h for n, h in self.hosts.items() if n != node}
+        services = {n: s for n, s in self.services.items() if n != node}
+        return dataclasses.replace(self, hosts=hosts, services=services)

@@ -80,6 +80,7 @@ class Launcher:
         self._default_deadline_s = config.default_deadline_s
         self._watching: set[asyncio.Task] = set()
         self._down: set[str] = set()  # nodes whose pooled host is dead (restarting, or its node is lost)
+        self._draining: set[str] = set()  # nodes ``pie drain`` closed to launches
         self.launched = 0
         self.calls: Counter[str] = Counter()  # calls taken from clients and hosts, by method
         self._runners = Runners(supervision, self._runner_died)
@@ -112,8 +113,10 @@ class Launcher:
         """A pooled host that dies (its process killed, its node lost) or hangs (then it is killed) takes its
         instances with it: they end with an error event and their wallets close. Ray restarts the host; launches on
         the node then work again."""
-        while True:
+        while node in self._pool.hosts:
             await until_gone(node, host, self._supervision)
+            if node not in self._pool.hosts:  # drained: its host was stopped with nothing left on it
+                return
             lost = [i for i in self._instances.values() if i.host is host and not i.queued and i.ending is None]
             self._down.add(node)
             await self._lose(lost, f"the inferlet host on node {node} died; the instance was lost with it")
@@ -221,22 +224,32 @@ class Launcher:
                 await self._lose([instance], f"the dedicated inferlet host on node {instance.node_id} died")
 
     def _choose_node(self, node_id: str | None) -> str:
-        hosts = self._pool.hosts
-        if node_id is not None:
-            if node_id not in hosts:
-                raise ValueError(f"no inferlet host on node {node_id!r}; nodes: {', '.join(sorted(hosts))}")
-            if node_id in self._down:
-                raise RuntimeError(f"the inferlet host on node {node_id} is down (restarting, or its node is lost)")
-            return node_id
-        up = [n for n in hosts if n not in self._down]
-        if not up:
-            raise RuntimeError("every node's inferlet host is down")
-        preferred = [n for n in self._pool.model_nodes if n in up] or up
-        load = {n: 0 for n in preferred}
-        for inst in self._instances.values():
-            if inst.ending is None and inst.node_id in load:
-                load[inst.node_id] += 1
-        return min(preferred, key=lambda n: load[n])
+        closed = {n: "it was drained (`pie drain`)" for n in self._draining}
+        closed |= {n: "its inferlet host is down (restarting, or its node is lost)" for n in self._down}
+        return self._pool.choose_node(node_id, closed, Counter(i.node_id for i in self._running()))
+
+    def _running(self) -> list[InstanceRecord]:
+        return [i for i in self._instances.values() if i.ending is None]
+
+    # -- draining a node -----------------------------------------------------------------------------------------
+
+    async def drain(self, node: str, abort: str | None = None) -> list[str]:
+        """Close ``node`` to launches; the ids of the instances still there (``abort``: end them with that reason)."""
+        self._draining.add(node)
+        there = [i for i in self._running() if i.node_id == node and i.runner is None]
+        for instance in there if abort is not None else ():
+            if instance.queued or instance.host is None:
+                self._finish(instance, "error", abort)
+            else:
+                with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
+                    await answer(instance.host.abort.remote(instance.id, abort), f"the host on node {node}", HOST_S)
+        return [i.id for i in there]
+
+    async def remove_host(self, node: str, reason: str) -> None:
+        """``node`` was drained: its host is stopped and takes no launch again; what still runs there ends."""
+        self._pool = self._pool.without(node)
+        self._services_version += 1
+        await self._lose([i for i in self._running() if i.node_id == node and i.runner is None], reason)
 
     def _dedicated_host(self, node: str, program: Program):
         options = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}

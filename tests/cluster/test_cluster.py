@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from launching import LONG, engine_stats, launch, run_to_end, upload
+from launching import engine_stats, launch, run_to_end, upload
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.controller import Controller
 
@@ -294,22 +294,36 @@ async def main(input):
 """
 
 
-def test_a_replica_killed_mid_generation_fails_only_its_inferlets_and_is_replaced(
+SUBSCRIBED_GREEDY = """
+from inferlet import Context, Model, Sampler, messaging
+
+async def main(input):
+    messaging.subscribe("news")  # a bus session too, released when it ends
+    model = Model.load("default")
+    with Context(model) as ctx:
+        ctx.user(input["prompt"])
+        tokens = await ctx.generate(Sampler.argmax(), max_tokens=input["n"], stop=[]).collect_tokens()
+    return {"tokens": tokens, "moves": model.link.moves}
+"""
+
+
+def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_another(
     cluster, launcher, served, ray_cluster
 ):
-    """SIGKILL the head's replica while an inferlet on each node generates: the head's gets an error event, the
-    second node's finishes untouched, the controller replaces the replica, a new launch on the head works, and the
-    market's books, the bus and the replicas' pages balance afterwards."""
+    """SIGKILL the head's replica while an inferlet on each node generates: the head's moves to the second node's
+    replica and finishes with the tokens the second node's makes from the same prompt, the controller replaces the
+    replica, a new launch on the head works, and the market's books, the bus and the replicas' pages balance
+    afterwards."""
     import os
     import signal
 
     from ray.util.state import list_actors
 
     head, second = node_pair(cluster)
-    program, bounded = upload(launcher, LONG), upload(launcher, GREEDY)
+    program, bounded = upload(launcher, SUBSCRIBED_GREEDY), upload(launcher, GREEDY)
     bus_before = ray.get(cluster.status.remote())["bus"]
-    doomed = launch(launcher, program, node_id=head)
-    survivor = launch(launcher, bounded, {"prompt": "keep going", "n": 200}, node_id=second)
+    doomed = launch(launcher, program, {"prompt": "keep going", "n": 200}, node_id=head)
+    survivor = launch(launcher, program, {"prompt": "keep going", "n": 200}, node_id=second)
     time.sleep(1.0)  # both are generating
     served_leader = served.replica.leader._actor_id.hex()
     (rank,) = [
@@ -321,10 +335,12 @@ def test_a_replica_killed_mid_generation_fails_only_its_inferlets_and_is_replace
     ]
     os.kill(rank["pid"], signal.SIGKILL)
 
-    failed = run_to_end(launcher, doomed)[-1]
-    assert failed[1] == "error" and "replica" in failed[2].lower(), failed
+    moved = run_to_end(launcher, doomed)[-1]
     finished = run_to_end(launcher, survivor)[-1]
-    assert finished[1] == "return" and json.loads(finished[2])["tokens"], finished
+    assert moved[1] == "return" and finished[1] == "return", (moved, finished)
+    moved, finished = json.loads(moved[2]), json.loads(finished[2])
+    assert (moved["moves"], finished["moves"]) == (1, 0)
+    assert moved["tokens"] == finished["tokens"] and len(moved["tokens"]) == 200
     for _ in range(240):
         status = ray.get(cluster.status.remote())
         if status["replica_restarts"] >= 1 and all(r["state"] == "serving" for r in status["replicas"]):

@@ -53,6 +53,11 @@ pie:
 modelVolume:
   persistentVolumeClaim: {claimName: models, readOnly: true}
 rayAuth: {secretName: pie-ray-token}
+gcsFaultTolerance:
+  enabled: true
+  redisAddress: redis.pie.svc:6379
+  redisPasswordSecret: {name: pie-redis, key: password}
+  externalStorageNamespace: pie-prod
 """
 
 RENDERS = {
@@ -247,6 +252,28 @@ def test_chart_raycluster_passes_kuberay_crd(case):
     broken["spec"]["headGroupSpec"]["rayStartParms"] = {}  # a misspelt field fails, as it would on the API server
     with pytest.raises(jsonschema.ValidationError):
         validator.validate(broken)
+
+
+def test_chart_keeps_the_gcs_state_in_redis_when_asked():
+    options = _render("override")["RayCluster"]["spec"]["gcsFaultToleranceOptions"]
+    assert options == {
+        "redisAddress": "redis.pie.svc:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "pie-redis", "key": "password"}}},
+        "externalStorageNamespace": "pie-prod",
+    }
+    assert "gcsFaultToleranceOptions" not in _render("tokens")["RayCluster"]["spec"]
+    missing = _helm("--set", "auth.enabled=false", "--set", "gcsFaultTolerance.enabled=true")
+    assert missing.returncode != 0 and "gcsFaultTolerance.redisAddress is required" in missing.stderr
+
+
+@pytest.mark.parametrize("case", RENDERS)
+def test_chart_worker_pods_drain_their_node_before_they_go(case):
+    for group in _render(case)["RayCluster"]["spec"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        (container,) = spec["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["/bin/bash", "-lc"] and command[2].startswith("pie drain --this-node --timeout 120")
+        assert spec["terminationGracePeriodSeconds"] == 150  # the drain's timeout, then time to go
 
 
 @pytest.mark.parametrize("case", RENDERS)

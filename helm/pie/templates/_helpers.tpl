@@ -157,10 +157,15 @@ enabled = {{ .Values.auth.enabled }}
               ulimit -n 65536
               {{- with include "pie.buildModels" .root }}{{ . | nindent 14 }}{{ end }}
               exec $KUBERAY_GEN_RAY_START_CMD
+          lifecycle:
+            preStop:
+              exec:
+                command: ["/bin/bash", "-lc", "pie drain --this-node --timeout {{ .root.Values.drainTimeoutSeconds }} || true"]
           resources:
             {{- toYaml $resources | nindent 12 }}
           volumeMounts:
             {{- include "pie.podVolumeMounts" .root | nindent 12 }}
+      terminationGracePeriodSeconds: {{ add (int .root.Values.drainTimeoutSeconds) 30 }}
       volumes:
         {{- include "pie.podVolumes" .root | nindent 8 }}
 {{- end -}}
