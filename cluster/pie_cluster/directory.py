@@ -12,14 +12,22 @@ there; loading new weights anywhere pushes them to every copy; destroying it any
 
 Defined outcomes: a name is unique per user and model cluster-wide (making a taken name fails, as on one replica);
 an open racing a take or destroy sees the thing if the open reached the directory first, else nothing.
+
+**Durable.** Every entry is also written to the GCS's key-value store (``GcsStore``), and Ray restarts the directory
+when its process dies: the restarted one reads its entries back, so snapshots and adapters outlive it (and, with
+GCS fault tolerance, the GCS's own restart). A call in flight when it died fails with Ray's error; the next one is
+answered by the restarted directory. A directory created fresh (``pie start``) starts empty.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
+
+from pie_cluster.durable import GcsStore
 
 DIRECTORY = "pie-directory"
 
@@ -40,11 +48,36 @@ class _Adapter:
     holders: list = field(default_factory=list)  # rank-0 actors of the replicas holding a copy
 
 
+class _Entries(dict):
+    """A dict of the directory's entries that writes each change through to its ``GcsStore``."""
+
+    def __init__(self, stored: GcsStore, restarted: bool):
+        super().__init__(stored.load() if restarted else {})
+        if not restarted:
+            stored.clear()  # a fresh cluster's directory: what an earlier one left is not its own
+        self.stored = stored
+
+    def __setitem__(self, key: Key, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.stored.put(key, value)
+
+    def pop(self, key: Key, *default):
+        if key in self:
+            self.stored.delete(key)
+        return super().pop(key, *default)
+
+    def changed(self, key: Key) -> None:
+        """An entry's value was changed in place (an adapter's holders or weights)."""
+        self.stored.put(key, self[key])
+
+
 class UserDirectory:
-    def __init__(self) -> None:
-        self._snapshots: dict[Key, _Snapshot] = {}
-        self._adapters: dict[Key, _Adapter] = {}
-        self._adapter_files: dict[Key, object] = {}  # (model, user, path) -> the adapter saved there
+    def __init__(self, namespace: str = "pie") -> None:
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._snapshots: _Entries = _Entries(GcsStore(f"pie-directory/{namespace}", "snapshots"), restarted)
+        self._adapters: _Entries = _Entries(GcsStore(f"pie-directory/{namespace}", "adapters"), restarted)
+        # (model, user, path) -> the adapter saved there
+        self._adapter_files: _Entries = _Entries(GcsStore(f"pie-directory/{namespace}", "adapter-files"), restarted)
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
@@ -98,6 +131,7 @@ class UserDirectory:
             return None
         if holder not in entry.holders:
             entry.holders.append(holder)
+            self._adapters.changed((model, user, name))
         return entry.adapter
 
     async def update_adapter(self, model: str, user: str, name: str, adapter, by) -> None:
@@ -106,6 +140,7 @@ class UserDirectory:
         if entry is None:
             return
         entry.adapter = adapter
+        self._adapters.changed((model, user, name))
         for holder in entry.holders:
             if holder != by:
                 _tell(holder, "refresh_adapter", user, name, adapter)
@@ -132,7 +167,8 @@ def _tell(replica, method: str, *args) -> None:
 
 
 def get_or_create_directory(namespace: str, scheduling_strategy=None):
-    options = {"name": DIRECTORY, "namespace": namespace, "get_if_exists": True, "num_cpus": 0}
+    """The directory of ``namespace``, restarted by Ray whenever its process dies (its entries are durable)."""
+    options = {"name": DIRECTORY, "namespace": namespace, "get_if_exists": True, "num_cpus": 0, "max_restarts": -1}
     if scheduling_strategy is not None:
         options["scheduling_strategy"] = scheduling_strategy
-    return ray.remote(UserDirectory).options(**options).remote()
+    return ray.remote(UserDirectory).options(**options).remote(namespace)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -10,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray.exceptions
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint, Runtime, SessionIO, install, uninstall
-from pie_workers.deadlines import MARKET_S, answer
+from pie_workers.deadlines import MARKET_S, NoAnswer, answer
 
 from pie_cluster import stdio
 from pie_cluster.programs import Main, Program, ProgramError
@@ -77,7 +79,9 @@ async def run_inferlet(
                 stdio.release(captured)
             uninstall(token)
             if market is not None:  # after its contexts are gone: a later report of them pays nothing
-                await asyncio.shield(answer(market.leave.remote(runtime.instance_id), "the market", MARKET_S))
+                # a market that cannot close the wallet now (restarting) must not fail an instance that finished
+                with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
+                    await asyncio.shield(answer(market.leave.remote(runtime.instance_id), "the market", MARKET_S))
 
 
 @dataclass(frozen=True)

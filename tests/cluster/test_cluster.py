@@ -113,6 +113,98 @@ def node_pair(cluster) -> tuple[str, str]:
     return head, second
 
 
+def test_the_user_directory_restarts_with_every_snapshot_name_it_held(cluster, launcher, ray_cluster):
+    """SIGKILL the directory: Ray restarts it, and it reads its entries back from the GCS's key-value store, so a
+    snapshot saved before opens on the other node (recomputed from the lineage it kept) and its name stays taken."""
+    import os
+    import signal
+
+    from pie_cluster.directory import DIRECTORY
+    from ray.util.state import list_actors
+
+    head, second = node_pair(cluster)
+    program = upload(launcher, SNAPSHOTS)
+
+    def run(op: str, node: str, **input):
+        last = run_to_end(launcher, launch(launcher, program, {"op": op, "name": "durable", **input}, node_id=node))
+        return last[-1]
+
+    saved = run("save", head, text="Kept through a restart. ")
+    (directory,) = list_actors(ray_cluster.address, filters=[("name", "=", DIRECTORY), ("state", "=", "ALIVE")])
+    os.kill(directory["pid"], signal.SIGKILL)
+    handle = ray.get_actor(DIRECTORY)
+    for _ in range(200):  # until Ray has restarted it
+        try:
+            ray.get(handle.lookup.remote("default", "alice", "durable"), timeout=5)
+            break
+        except ray.exceptions.RayError:
+            time.sleep(0.1)
+    (restarted,) = list_actors(ray_cluster.address, filters=[("name", "=", DIRECTORY), ("state", "=", "ALIVE")])
+    assert restarted["pid"] != directory["pid"]
+
+    assert run("open", second) == saved  # recomputed on the other node from the lineage read back
+    collision = run("save", second, text="x")
+    assert collision[1] == "error" and "already exists" in collision[2], collision
+    assert json.loads(run("delete", second)[2]) == {"deleted": "durable"}
+    assert run("open", head)[1:] == ["return", "null"]
+
+
+WAITS_WITH_A_WALLET = """
+from inferlet import Context, Model, Sampler, session
+
+async def main(input):
+    ctx = Context(Model.load("default"))
+    ctx.user("hold a page or two").cue()
+    await ctx.flush()
+    session.send("holding")
+    await session.receive()
+    return await ctx.generate(Sampler.argmax(), max_tokens=4, stop=[]).collect_tokens()
+"""
+
+
+def test_the_market_restarts_with_its_wallets_and_running_instances_finish(cluster, launcher, ray_cluster):
+    """SIGKILL the market while an instance holds its wallet: Ray restarts it with the wallets it saved, the
+    instance finishes (its wallet closes on the restarted market), a new launch joins it, and the books balance."""
+    import os
+    import signal
+
+    from pie_cluster.events import poll
+    from pie_cluster.market import MARKET_NAME
+    from ray.util.state import list_actors
+
+    def holding(instance: str) -> None:
+        since, kinds = 0, []
+        while "message" not in kinds:
+            got = poll(launcher, "alice", instance, since, 5.0)
+            since, kinds = got["next"], [e[1] for e in got["events"]]
+
+    def finish(instance: str) -> list:
+        host = ray.get(launcher.locate.remote("alice", instance))["host"]
+        ray.get(host.send.remote("alice", instance, "message", "finish"))
+        return run_to_end(launcher, instance)[-1]
+
+    def market() -> dict:
+        return ray.get(cluster.status.remote())["market"]
+
+    program = upload(launcher, WAITS_WITH_A_WALLET)
+    first = launch(launcher, program)
+    holding(first)
+    assert market()["wallets"] == 1
+    time.sleep(0.5)  # past the market's save interval
+    (actor,) = list_actors(ray_cluster.address, filters=[("name", "=", MARKET_NAME), ("state", "=", "ALIVE")])
+    os.kill(actor["pid"], signal.SIGKILL)
+    restored = ray.get(ray.get_actor(MARKET_NAME).summary.remote(), timeout=60)  # sent again once it restarted
+    assert restored["restored"] and restored["wallets"] == 1 and restored["balanced"], restored
+
+    assert finish(first)[1] == "return"
+    second = launch(launcher, program)
+    holding(second)
+    assert market()["wallets"] == 1  # the first one's closed, the second one's opened, on the restarted market
+    assert finish(second)[1] == "return"
+    after = market()
+    assert after["wallets"] == 0 and after["balanced"], after
+
+
 def test_a_snapshot_saved_on_one_node_opens_takes_and_deletes_from_the_other(cluster, launcher):
     head, second = node_pair(cluster)
     program, name = upload(launcher, SNAPSHOTS), "handbook"

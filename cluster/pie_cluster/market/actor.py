@@ -1,34 +1,68 @@
-"""The cluster's one market as a named Ray actor, and the way every component finds it."""
+"""The cluster's one market as a named Ray actor, and the way every component finds it.
+
+Ray restarts it when its process dies, and it comes back with its wallets: the market's state is written to the
+GCS's key-value store (``GcsStore``) at most ``SAVE_EVERY_S`` after any change (a save per change would make every
+launch wait for the GCS), so a restart loses at most that much: rounds' rent and dividends, a wallet opened just
+before (its process then bids as an unknown one: 0) or closed just before (it lingers, holding its credits). The
+books stay balanced: a saved state is one the market was in. Calls in flight when it died are sent again to the
+restarted one (joining and leaving twice are harmless).
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import ray
 
+from pie_cluster.durable import GcsStore
 from pie_cluster.market.market import DEFAULT_ENDOWMENT, Market
 from pie_cluster.market.wallets import MICRO, Ledger
 from pie_cluster.market.wire import Account, DeviceDecision, DeviceReport
 
 MARKET_NAME = "pie-market"
+SAVE_EVERY_S = 0.25
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class MarketActor:
     """``Market`` behind an actor. Async, so that calls from many replicas and inferlets queue cheaply; each method
     runs to completion on the actor's event loop without awaiting, so rounds and wallet changes never interleave."""
 
     def __init__(self, default_endowment: float = DEFAULT_ENDOWMENT) -> None:
-        self._market = Market(default_endowment)
+        self._stored = GcsStore("pie-market", ray.get_runtime_context().get_actor_id())  # the same after a restart
+        saved = self._stored.get(()) if ray.get_runtime_context().was_current_actor_reconstructed else None
+        self._market = saved if saved is not None else Market(default_endowment)
+        self.restored = saved is not None
+        self._saving: asyncio.TimerHandle | None = None
+        self._save()
+
+    def _save(self) -> None:
+        self._saving = None
+        self._stored.put((), self._market)
+
+    def _save_soon(self) -> None:
+        if self._saving is None:
+            self._saving = asyncio.get_running_loop().call_later(SAVE_EVERY_S, self._save)
 
     async def join(self, process_id: str, endowment: float | None = None) -> float:
-        return self._market.join(process_id, endowment)
+        """Open the process's wallet; a second join of the same process (a call sent again after a restart) finds
+        it open and changes nothing."""
+        if (account := self._market.wallets.slot(process_id)) is not None:
+            return self._market.wallets.endowment[account] / MICRO
+        joined = self._market.join(process_id, endowment)
+        self._save_soon()
+        return joined
 
     async def leave(self, process_id: str) -> float:
-        return self._market.leave(process_id)
+        left = self._market.leave(process_id)
+        self._save_soon()
+        return left
 
     async def settle(self, reports: Sequence[DeviceReport]) -> list[DeviceDecision]:
-        return self._market.settle(reports)
+        decisions = self._market.settle(reports)
+        self._save_soon()
+        return decisions
 
     async def account(self, process_id: str) -> Account:
         return self._market.account(process_id)
@@ -36,6 +70,7 @@ class MarketActor:
     async def settle_and_read(self, report: DeviceReport) -> tuple[DeviceDecision, dict[str, Account]]:
         """One device's round and, after it, the accounts of the processes it named: a replica's one call a round."""
         [decision] = self._market.settle([report])
+        self._save_soon()
         return decision, await self.accounts(report["processes"])
 
     async def accounts(self, process_ids: Sequence[str]) -> dict[str, Account]:
@@ -48,7 +83,12 @@ class MarketActor:
     async def summary(self) -> dict:
         """Open wallets and the credits they hold (for ``pie status``)."""
         ledger = self._market.ledger()
-        return {"wallets": self._market.wallets.live, "held": ledger.held / MICRO, "balanced": ledger.balanced}
+        return {
+            "wallets": self._market.wallets.live,
+            "held": ledger.held / MICRO,
+            "balanced": ledger.balanced,
+            "restored": self.restored,
+        }
 
 
 def get_or_create_market(
