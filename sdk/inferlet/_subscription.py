@@ -19,14 +19,20 @@ class Subscription:
         self._unread: deque[str] = deque()
         self._ready = asyncio.Event()  # set while there is something to read, or once the subscription is over
         self._open = True
+        self._error: Exception | None = None  # why the bus ended it (its shard died), raised once it is read out
         self._on_unsubscribe = on_unsubscribe
 
     async def next(self) -> str | None:
-        """The next broadcast, waiting for it; ``None`` once unsubscribed."""
-        while self._open and not self._unread:
+        """The next broadcast, waiting for it; ``None`` once unsubscribed. Raises the bus's ``BusError`` once the
+        messages that arrived before its shard died have been read."""
+        while self._open and not self._unread and self._error is None:
             self._ready.clear()
             await self._ready.wait()
-        return self._unread.popleft() if self._open else None
+        if self._unread and self._open:
+            return self._unread.popleft()
+        if self._error is not None:
+            raise self._error
+        return None
 
     def unsubscribe(self) -> None:
         """Stop receiving; unread messages are discarded and ``next`` returns ``None`` from now on."""
@@ -48,6 +54,10 @@ class Subscription:
             self._unread.popleft()
             self.dropped += 1
         self._unread.append(message)
+        self._ready.set()
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
         self._ready.set()
 
     def _end(self) -> None:

@@ -37,7 +37,9 @@ How it travels: ``runtime.current().bus`` holds one address per bus shard (ZeroM
 actors; see ``pie_cluster.bus``); a topic lives on shard ``crc32(user, topic) % shards``. The inferlet opens one
 DEALER socket per shard it uses, served by its event loop; frames are msgpack lists of operations and events, each
 sent with the instance's capability, from which the shard takes the user. A shard that refuses the capability says
-why, and every call of the inferlet's on the bus then fails with a ``BusError`` saying so.
+why, and every call of the inferlet's on the bus then fails with a ``BusError`` saying so. A shard that dies loses
+what it held: when the connection to it drops, the inferlet's pulls waiting there and its subscriptions there fail
+with a ``BusError`` saying so; the shard is restarted at its address, and the connection reconnects by itself.
 """
 
 from __future__ import annotations
@@ -45,28 +47,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 import zlib
-from collections.abc import Callable
-
-import msgpack
-import zmq
 
 from inferlet import runtime
+from inferlet._bus_socket import CALL_TIMEOUT_S, CLOSE_TIMEOUT_S, BusError, ShardConnection
 from inferlet._handoff import Handoffs, Pull
 from inferlet._subscription import SUBSCRIPTION_BUFFER, Subscription
 
 __all__ = ["SUBSCRIPTION_BUFFER", "BusError", "Subscription", "broadcast", "pull", "push", "subscribe"]
 
 log = logging.getLogger(__name__)
-
-FRAME_OPS = 1024  # operations waiting to be sent that make the client send at once rather than at the turn's end
-CALL_TIMEOUT_S = 10.0  # how long subscribe waits for the bus to register it
-CLOSE_TIMEOUT_S = 2.0  # how long an ending inferlet waits for each shard to confirm its withdrawal
-
-
-class BusError(RuntimeError):
-    """The message bus cannot be reached (no bus configured, or a shard does not answer or refused the inferlet)."""
 
 
 def push(topic: str, message: str) -> None:
@@ -89,64 +79,6 @@ def subscribe(topic: str) -> Subscription:
     return _bus().subscribe(_check(topic))
 
 
-class _Connection:
-    """One DEALER socket to one shard, read by the event loop; operations are batched until the turn ends."""
-
-    def __init__(
-        self, address: str, identity: bytes, capability: bytes, on_events: Callable[[_Connection, list], None]
-    ):
-        self._loop = asyncio.get_running_loop()
-        self._on_events = on_events
-        self._capability = capability
-        self._outbox: list[list] = []
-        self._sock = _zmq_context().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.ROUTING_ID, identity)
-        self._sock.setsockopt(zmq.SNDTIMEO, int(CALL_TIMEOUT_S * 1000))  # backpressure, but never hang for good
-        self._sock.setsockopt(zmq.LINGER, int(CLOSE_TIMEOUT_S * 1000))  # give back pulled messages after close
-        self._sock.connect(address)
-        self.address = address
-        self._loop.add_reader(self._sock.FD, self.drain)
-
-    def send(self, op: list) -> None:
-        self._outbox.append(op)
-        if len(self._outbox) >= FRAME_OPS:
-            self.flush()
-        elif len(self._outbox) == 1:
-            self._loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        if self._sock.closed:  # a flush scheduled before the inferlet ended
-            return
-        if self._outbox:
-            frame, self._outbox = msgpack.packb(self._outbox), []
-            try:
-                self._sock.send_multipart([self._capability, frame])  # blocks only while the shard is SNDHWM behind
-            except zmq.Again:
-                raise BusError(f"message bus shard {self.address} is not accepting messages") from None
-        self.drain()
-
-    def drain(self) -> None:
-        """Handle every frame that has arrived. ZeroMQ's FD is edge-triggered, so this runs after every send too."""
-        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._on_events(self, msgpack.unpackb(self._sock.recv(zmq.NOBLOCK)))
-
-    def wait_until(self, done: Callable[[], bool], timeout: float) -> None:
-        """Send what is queued and block the loop until ``done()`` (a synchronous call's answer, or a refusal, has
-        arrived)."""
-        self.flush()
-        deadline = time.monotonic() + timeout
-        while not done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BusError(f"message bus shard {self.address} did not answer within {timeout:g} s")
-            if self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                self.drain()
-
-    def close(self) -> None:
-        self._loop.remove_reader(self._sock.FD)
-        self._sock.close()
-
-
 _HANDOFFS = Handoffs()
 
 
@@ -159,7 +91,7 @@ class _Bus:
         self._loop = asyncio.get_running_loop()
         self._identity = f"{rt.instance_id}/{rt.session}".encode()  # a shard holds it to the capability's instance
         self._capability = rt.capability.encode()
-        self._connections: dict[int, _Connection] = {}
+        self._connections: dict[int, ShardConnection] = {}
         self._ids = itertools.count()
         self._pulls: dict[int, Pull] = {}
         self._pushed_to_bus: set[str] = set()  # topics this inferlet pushed on through the bus: the later pushes follow
@@ -272,7 +204,7 @@ class _Bus:
 
     # -- internals --
 
-    def _connection(self, topic: str) -> _Connection:
+    def _connection(self, topic: str) -> ShardConnection:
         if self._refused is not None:
             raise self._refused
         if self._closed:
@@ -280,14 +212,16 @@ class _Bus:
         shard = self._shard(topic)
         connection = self._connections.get(shard)
         if connection is None:
-            connection = _Connection(self._addresses[shard], self._identity, self._capability, self._on_events)
+            connection = ShardConnection(
+                self._addresses[shard], self._identity, self._capability, self._on_events, self._dropped
+            )
             self._connections[shard] = connection
         return connection
 
     def _shard(self, topic: str) -> int:
         return zlib.crc32(f"{self._user}\0{topic}".encode()) % len(self._addresses)
 
-    def _call(self, connection: _Connection, token: int, timeout: float = CALL_TIMEOUT_S) -> None:
+    def _call(self, connection: ShardConnection, token: int, timeout: float = CALL_TIMEOUT_S) -> None:
         connection.wait_until(lambda: token in self._answered or self._refused is not None, timeout)
         if self._refused is not None:
             raise self._refused
@@ -297,7 +231,7 @@ class _Bus:
         if self._subscriptions.pop(sid, None) is not None:
             self._connection(subscription.topic).send(["unsub", sid])
 
-    def _on_events(self, connection: _Connection, events: list) -> None:
+    def _on_events(self, connection: ShardConnection, events: list) -> None:
         for event in events:
             kind = event[0]
             if kind == "pulled":
@@ -320,6 +254,28 @@ class _Bus:
             elif kind == "refused":
                 self._refuse(BusError(f"message bus shard {connection.address} refused this inferlet: {event[1]}"))
 
+    def _dropped(self, connection: ShardConnection) -> None:
+        """The shard behind ``connection`` died with what it held: the pulls and subscriptions this inferlet had
+        there fail (the connection goes on to its restarted shard)."""
+        error = BusError(
+            f"message bus shard {connection.address} went away: what it held (queued messages, this pull or "
+            "subscription) was lost; it is restarted empty"
+        )
+        shard = next(i for i, c in self._connections.items() if c is connection)
+        for rid, pull in list(self._pulls.items()):
+            if self._shard(pull.topic) == shard:
+                del self._pulls[rid]
+                _HANDOFFS.forget(self._local_key(pull.topic), self, rid)
+                if not pull.answer.done():
+                    pull.answer.set_exception(error)
+        for sid, subscription in list(self._subscriptions.items()):
+            if self._shard(subscription.topic) == shard:
+                del self._subscriptions[sid]
+                subscription._fail(error)
+        for token, topic in list(self._withdrawals.items()):
+            if self._shard(topic) == shard:  # never to be confirmed
+                self._withdrawn(token)
+
     def _refuse(self, error: BusError) -> None:
         """The capability was refused (it will be by every shard): pending pulls fail, and so does what follows."""
         self._refused = error
@@ -330,21 +286,6 @@ class _Bus:
             _HANDOFFS.forget(self._local_key(pull.topic), self, rid)
             if not pull.answer.done():
                 pull.answer.set_exception(error)
-
-
-MAX_SOCKETS = 1 << 16
-"""Sockets per process: one per inferlet and shard. ZeroMQ's default cap (1,023) refused the bus to a pooled host
-past ~500 inferlets (seen with 1,000 on one node)."""
-_zmq: zmq.Context | None = None
-
-
-def _zmq_context() -> zmq.Context:
-    """This process's ZeroMQ context for bus clients, with room for every inferlet's sockets."""
-    global _zmq
-    if _zmq is None:
-        _zmq = zmq.Context()
-        _zmq.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
-    return _zmq
 
 
 def _bus() -> _Bus:

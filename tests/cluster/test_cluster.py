@@ -132,13 +132,14 @@ def test_the_user_directory_restarts_with_every_snapshot_name_it_held(cluster, l
     saved = run("save", head, text="Kept through a restart. ")
     (directory,) = list_actors(ray_cluster.address, filters=[("name", "=", DIRECTORY), ("state", "=", "ALIVE")])
     os.kill(directory["pid"], signal.SIGKILL)
-    handle = ray.get_actor(DIRECTORY)
+    killed, handle = time.monotonic(), ray.get_actor(DIRECTORY)
     for _ in range(200):  # until Ray has restarted it
         try:
             ray.get(handle.lookup.remote("default", "alice", "durable"), timeout=5)
             break
         except ray.exceptions.RayError:
             time.sleep(0.1)
+    print(f"the directory answered again {time.monotonic() - killed:.1f} s after its SIGKILL")
     (restarted,) = list_actors(ray_cluster.address, filters=[("name", "=", DIRECTORY), ("state", "=", "ALIVE")])
     assert restarted["pid"] != directory["pid"]
 
@@ -193,7 +194,9 @@ def test_the_market_restarts_with_its_wallets_and_running_instances_finish(clust
     time.sleep(0.5)  # past the market's save interval
     (actor,) = list_actors(ray_cluster.address, filters=[("name", "=", MARKET_NAME), ("state", "=", "ALIVE")])
     os.kill(actor["pid"], signal.SIGKILL)
+    killed = time.monotonic()
     restored = ray.get(ray.get_actor(MARKET_NAME).summary.remote(), timeout=60)  # sent again once it restarted
+    print(f"the market answered again {time.monotonic() - killed:.1f} s after its SIGKILL")
     assert restored["restored"] and restored["wallets"] == 1 and restored["balanced"], restored
 
     assert finish(first)[1] == "return"

@@ -30,7 +30,8 @@ Why this shape:
   back to the front of the queue; an inferlet that ends withdraws its pulls in one round trip per shard and gives
   back what arrived meanwhile; a peer that vanished is noticed when a frame to it fails (``ROUTER_MANDATORY``) and
   the messages in that frame are requeued. What is lost: messages in flight inside a process that dies, and
-  everything a shard held if the shard dies (queues live in memory; shards are not restarted).
+  everything a shard held if the shard dies (queues live in memory). Ray restarts a dead shard at its addresses;
+  clients reconnect by themselves, and their pulls and subscriptions on it fail with a ``BusError`` saying so.
 * Overflow: subscription buffers live in the subscribing inferlet (1024 unread; the oldest is dropped and counted),
   so a slow reader never slows the shard or other subscribers. Queues are unbounded, as in Pie.
 * Namespacing: every frame carries the instance's capability (minted by the trusted host with the cluster's

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus.shard import BusShard, ShardInfo, secret_id
 
@@ -57,6 +58,7 @@ def start_bus(
     another cluster ``secret`` (it would refuse every capability the caller's side mints)."""
     if shards < 1:
         raise ValueError(f"a bus needs at least one shard, not {shards}")
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
 
     def shard(index: int):
         options = {
@@ -64,7 +66,8 @@ def start_bus(
             "namespace": namespace,
             "get_if_exists": True,
             "num_cpus": 0,
-            "scheduling_strategy": "SPREAD",
+            "max_restarts": -1,  # restarted at its addresses (see shard.py), so on its node: it must not move
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
         }
         if detached:
             options["lifetime"] = "detached"

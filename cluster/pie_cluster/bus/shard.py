@@ -21,6 +21,12 @@ peer gets one frame — so when many messages are in flight, both directions bat
 ``ROUTER_MANDATORY``: a frame for a peer that is gone (or has stopped reading for ``SEND_HWM`` frames) fails to
 send instead of vanishing, the peer's pulls and subscriptions are dropped, and the pulled messages in that frame go
 back to the front of their queues, so a vanished puller does not lose messages.
+
+Ray restarts a shard whose process dies. The restarted one listens on the addresses the first one had (kept in the
+GCS's key-value store, ``GcsStore``), so every client's DEALER reconnects to it by itself and what they send from
+then on is applied; what the dead one held (queued messages, waiting pulls, subscriptions) is gone, and each client
+fails its pulls and subscriptions on that shard with an error saying so when its connection drops
+(``inferlet.messaging``), rather than waiting forever.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import zmq
 from pie_workers.wire.capability import Capability, CapabilityError, verify
 
 from pie_cluster.bus.topics import Topics
+from pie_cluster.durable import GcsStore
 
 log = logging.getLogger(__name__)
 
@@ -90,25 +97,38 @@ class BusShard:
         self._sock: zmq.Socket | None = None
         self._ipc_path = ""
         self._info: ShardInfo | None = None
+        self._stored = GcsStore("pie-bus", ray.get_runtime_context().get_actor_id())  # the same after a restart
+        if ray.get_runtime_context().was_current_actor_reconstructed:  # nobody calls start again: listen now
+            self._listen(self._stored.get(()))
+            log.warning("bus shard %d restarted at %s: what it held before is lost", index, self._info.tcp)
 
     async def start(self) -> ShardInfo:
         """Bind and start serving (once; later calls just report where the shard listens)."""
         if self._info is None:
-            sock = zmq.Context.instance().socket(zmq.ROUTER)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.setsockopt(zmq.LINGER, 0)
-            ip = ray.util.get_node_ip_address()
-            port = sock.bind_to_random_port(f"tcp://{ip}")
-            self._ipc_path = os.path.join(tempfile.gettempdir(), f"pie-bus-{uuid.uuid4().hex[:12]}.sock")
-            sock.bind(f"ipc://{self._ipc_path}")
-            os.chmod(self._ipc_path, 0o666)  # sandboxed workers have uids of their own; capabilities guard it
-            self._sock = sock
-            asyncio.get_running_loop().add_reader(sock.FD, self._serve)
-            node = ray.get_runtime_context().get_node_id()
-            tcp, ipc = f"tcp://{ip}:{port}", f"ipc://{self._ipc_path}"
-            self._info = ShardInfo(self.index, self.count, node, tcp, ipc, secret_id(self._secret))
+            self._listen(None)
         return self._info
+
+    def _listen(self, before: ShardInfo | None) -> None:
+        """Bind (at ``before``'s addresses, where this is still its node) and serve from the event loop."""
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        ip, node = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        if before is not None and before.node_id == node:
+            tcp, self._ipc_path = before.tcp, before.ipc.removeprefix("ipc://")
+            sock.bind(tcp)
+            with contextlib.suppress(OSError):
+                os.unlink(self._ipc_path)  # the dead process's socket file
+        else:
+            tcp = f"tcp://{ip}:{sock.bind_to_random_port(f'tcp://{ip}')}"
+            self._ipc_path = os.path.join(tempfile.gettempdir(), f"pie-bus-{uuid.uuid4().hex[:12]}.sock")
+        sock.bind(f"ipc://{self._ipc_path}")
+        os.chmod(self._ipc_path, 0o666)  # sandboxed workers have uids of their own; capabilities guard it
+        self._sock = sock
+        asyncio.get_running_loop().add_reader(sock.FD, self._serve)
+        self._info = ShardInfo(self.index, self.count, node, tcp, f"ipc://{self._ipc_path}", secret_id(self._secret))
+        self._stored.put((), self._info)
 
     async def stats(self, user: str | None = None) -> dict[str, int]:
         return self._topics.stats(user)

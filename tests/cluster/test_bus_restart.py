@@ -1,0 +1,66 @@
+"""A bus shard that dies is restarted by Ray at the addresses it had; what it held is lost, and the inferlets that
+waited on it are told so instead of waiting forever: their pulls and subscriptions there fail with a ``BusError``.
+Their connections reconnect by themselves, and the restarted shard serves them."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import time
+import zlib
+
+import ray
+from bus_calls import BUS, wait_for_stats
+from inferlet import messaging
+from pie_cluster.host import run_inferlet
+from ray.util.state import list_actors
+from sdk_host import TRUST
+
+
+def same_shard_topics(user: str, shards: int = 2) -> tuple[int, str, str]:
+    """A shard and two topics of ``user`` that live on it."""
+    by_shard: dict[int, list[str]] = {}
+    for i in itertools.count():
+        topic = f"topic-{i}"
+        found = by_shard.setdefault(zlib.crc32(f"{user}\0{topic}".encode()) % shards, [])
+        found.append(topic)
+        if len(found) == 2:
+            return zlib.crc32(f"{user}\0{topic}".encode()) % shards, *found
+
+
+def test_a_killed_shard_fails_what_waited_on_it_and_serves_again_at_its_address(bus, user):
+    shard, queue, news = same_shard_topics(user)
+    (actor,) = list_actors(filters=[("name", "=", f"{BUS}-{shard}"), ("state", "=", "ALIVE")])
+    waiting = asyncio.Event()
+
+    async def waiter(input):
+        subscription = messaging.subscribe(news)
+        pulled = asyncio.ensure_future(messaging.pull(queue))
+        waiting.set()
+        errors, started = [], time.monotonic()
+        for wait in (pulled, subscription.next()):
+            try:
+                await wait
+            except messaging.BusError as e:
+                errors.append(str(e))
+        messaging.push(queue, "after the restart")  # through the reconnected socket, to the restarted shard
+        after = await messaging.pull(queue)
+        print(f"the restarted shard delivered a message {time.monotonic() - started:.1f} s after the SIGKILL")
+        return errors, after
+
+    async def main():
+        running = asyncio.ensure_future(run_inferlet(waiter, {}, {}, user, **TRUST.instance(user), bus=bus.addresses()))
+        await waiting.wait()
+        await wait_for_stats(bus, user, waiters=1, subscriptions=1)
+        os.kill(actor["pid"], signal.SIGKILL)
+        return await asyncio.wait_for(running, 60)
+
+    errors, after = asyncio.run(main())
+    assert len(errors) == 2 and all("went away" in e and "was lost" in e for e in errors), errors
+    assert after == "after the restart"
+    (restarted,) = list_actors(filters=[("name", "=", f"{BUS}-{shard}"), ("state", "=", "ALIVE")])
+    assert restarted["pid"] != actor["pid"]
+    assert ray.get(bus.shards[shard].start.remote()) == bus.infos[shard]  # the same addresses
+    assert bus.stats(user) == {"sessions": 0, "topics": 0, "queued": 0, "waiters": 0, "subscriptions": 0}
