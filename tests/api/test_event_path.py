@@ -142,3 +142,72 @@ def test_metrics_split_a_requests_time_into_queue_start_first_pass_first_token_a
     assert abs(split - took["pie_request_seconds_sum"]) < 1e-6  # first token and stream split the whole
     # the replica's answer to the first pass that generated comes back before that token leaves for the client
     assert took["pie_request_first_pass_seconds_sum"] < took["pie_request_first_token_seconds_sum"], took
+
+
+def test_a_killed_ingress_replica_is_replaced_and_its_requests_end_without_leaking_a_slot(pie):
+    """SIGKILL the Serve replica that runs the OpenAI requests while one streams: that stream breaks off, Serve
+    starts a new replica, the launcher ends the lost request (its admission slot comes back), the replica releases
+    its pages, and requests are served again."""
+    import os
+    import signal
+
+    from ray.util.state import list_actors
+
+    def ingress() -> list[dict]:
+        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+        return [a for a in alive if a["class_name"].startswith("ServeReplica:")]
+
+    (doomed,) = ingress()
+    broke: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            chat_stream(pie, 100000)
+        except BaseException as e:  # the connection drops, or the stream ends with an error chunk
+            broke.append(e)
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    deadline = time.time() + 60
+    while engine_status(pie)["launcher"]["running"] == 0 and time.time() < deadline:
+        time.sleep(0.2)
+    os.kill(doomed["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    streaming.join(120)
+    assert not streaming.is_alive()
+    while True:  # until a request is served again
+        try:
+            if chat_stream(pie, 4)[-1]["choices"][0]["finish_reason"] == "length":
+                break
+        except (httpx.HTTPError, AssertionError):
+            assert time.monotonic() - killed < 120, "no request was served within 120 s of the kill"
+            time.sleep(0.5)
+    print(f"requests were served again {time.monotonic() - killed:.1f} s after the ingress replica's SIGKILL")
+    assert [a["pid"] for a in ingress()] != [doomed["pid"]]
+    status = engine_status(pie)
+    assert status["launcher"]["running"] == 0, status["launcher"]  # the lost request's slot came back
+    (replica,) = status["replicas"]
+    assert replica["contexts"] == 0 and replica["pages_used"] == 0
+
+
+def test_pie_drain_names_what_it_did_and_refuses_what_it_cannot(pie):
+    """Last in the module: it takes a node out of this cluster's use."""
+    import subprocess
+
+    from pie_procs import PIE
+
+    def drain(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*PIE, "drain", *args], env=pie["env"], capture_output=True, text=True, timeout=300)
+
+    unknown = drain("no-such-node")
+    assert unknown.returncode == 1 and "names 0 of the nodes" in unknown.stderr, unknown.stderr
+    neither = drain()
+    assert neither.returncode == 1 and "name one node, or pass --this-node" in neither.stderr, neither.stderr
+    nodes = [n["node"] for n in engine_status(pie)["nodes"]]
+    drained = drain(nodes[-1][:12], "--timeout", "5")
+    assert drained.returncode == 0, drained.stderr
+    assert f"node {nodes[-1][:8]} drained" in drained.stdout and "0 instance(s) finished" in drained.stdout
+    status = engine_status(pie)
+    assert [n["node"] for n in status["nodes"]] == nodes[:-1]
+    assert [n["node"] for n in status["drained"]] == [nodes[-1]]
+    assert chat_stream(pie, 4)[-1]["choices"][0]["finish_reason"] == "length"  # still serving
