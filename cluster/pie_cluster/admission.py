@@ -63,6 +63,10 @@ class Admission:
         self._queued[user] += 1
         return False
 
+    def resume(self, user: str) -> None:
+        """Count an instance that was running before the launcher restarted, whatever the limits say now."""
+        self._running[user] += 1
+
     def withdraw(self, user: str, instance_id: str) -> bool:
         """Take a waiting launch out of the queue (it was aborted); False if it was not waiting."""
         try:

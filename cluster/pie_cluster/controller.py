@@ -103,7 +103,7 @@ class Controller:
         self.bus = start_bus(shards=config.bus.shards, detached=False, secret=self.secret)
         nodes = sorted(_alive_nodes())
         launcher_cls = ray.remote(Launcher).options(
-            name=LAUNCHER, num_cpus=0, max_concurrency=100_000, scheduling_strategy=here
+            name=LAUNCHER, num_cpus=0, max_concurrency=100_000, scheduling_strategy=here, max_restarts=-1
         )
         self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision)
         services = self._services(nodes)

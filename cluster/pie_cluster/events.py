@@ -156,6 +156,10 @@ class Channels:
     def find(self, instance_id: str) -> Channel | None:
         return self._open.get(instance_id) or self._ended.get(instance_id)
 
+    def running(self, instance_id: str) -> bool:
+        """Whether the instance has a channel here and has not ended."""
+        return instance_id in self._open
+
     def own(self, user: str, instance_id: str) -> Channel:
         channel = self.find(instance_id)
         if channel is None or channel.user != user:

@@ -9,7 +9,11 @@ program belongs to the users who uploaded it and every instance to the user who 
 program or instance is reported as not existing (the same answer as a wrong id, so ids cannot be probed). Instances
 run on inferlet hosts (``inferlet_host``): the pooled host of a node that serves the models (least busy first) or of
 the node asked for, or — only when the sandbox is off — a dedicated host for programs that want isolation.
-Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended.
+Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended. Ray restarts it when
+its process dies, and it learns again what it had (``launcher_restart``).
+
+(Past 400 lines: it is one actor's whole API — programs, launches, the hosts' side, the ingress's admissions,
+draining — and the parts that hold no launcher state live in their own modules.)
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pie_cluster.host_watch import until_gone
 from pie_cluster.inferlet_host import InferletHost, InstanceLimits, NodeServices
 from pie_cluster.instance_record import HostPool, InstanceRecord
 from pie_cluster.launch_request import LaunchRequest, describe_errors
+from pie_cluster.launcher_restart import LauncherMemory, LauncherState, running_on_hosts
 from pie_cluster.market import endowment_for
 from pie_cluster.program_store import ProgramStore
 from pie_cluster.programs import Program, ProgramError
@@ -67,9 +72,14 @@ class Launcher:
         manifest may not ask for a Ray runtime_env and an isolated program gets a worker, not a Ray actor, of its
         own; ``supervision``: how pooled hosts are pinged (a hung one is killed for Ray to restart)."""
         self._supervision = supervision
-        self._pool: HostPool | None = None
+        self._memory = LauncherMemory()
+        saved = self._memory.load()
+        store = Path(saved.store) if saved else _store_directory(config.program_store_dir)
+        self._state = saved or LauncherState(str(store))
+        self._pool: HostPool | None = self._state.pool
         self._sandboxed = sandboxed
-        self._programs = ProgramStore(_store_directory(config.program_store_dir), config.program_store_mib << 20)
+        capacity = config.program_store_mib << 20
+        self._programs = ProgramStore(store, capacity, stored=self._memory.holds, restore=saved is not None)
         self._builtins = {name: Program.from_path(path) for name, path in BUILTINS.items()}
         self._builtin_ids = {program.id for program in self._builtins.values()}
         self._admission = Admission(config.admission_limits())
@@ -80,28 +90,43 @@ class Launcher:
         self._default_deadline_s = config.default_deadline_s
         self._watching: set[asyncio.Task] = set()
         self._down: set[str] = set()  # nodes whose pooled host is dead (restarting, or its node is lost)
-        self._draining: set[str] = set()  # nodes ``pie drain`` closed to launches
+        self._draining = self._state.draining  # nodes ``pie drain`` closed to launches
         self.launched = 0
         self.calls: Counter[str] = Counter()  # calls taken from clients and hosts, by method
         self._runners = Runners(supervision, self._runner_died)
         self._services_version = 0  # bumped when what inferlets reach changes: runners then ask for it again
+        self._memory.save(self._state)
+        if saved is not None and saved.pool is not None:  # Ray restarted it: learn again what runs (see module)
+            self._spawn(self._recover(saved.pool))
+
+    async def _recover(self, pool: HostPool) -> None:
+        for record in await running_on_hosts(pool, self._programs, self._builtins):
+            self._instances[record.id] = record
+            self._admission.resume(record.user)
+            self._programs.started(record.user, record.program.id)
+        for node, host in pool.hosts.items():
+            self._spawn(self._watch_host(node, host))
+
+    def _pool_changed(self, pool: HostPool) -> None:
+        self._pool = self._state.pool = pool
+        self._memory.save(self._state)
 
     async def attach_pool(self, pool: HostPool) -> None:
-        self._pool = pool
+        self._pool_changed(pool)
         for node, host in pool.hosts.items():
             self._spawn(self._watch_host(node, host))
 
     async def add_host(self, node: str, host, services: dict[str, NodeServices]) -> None:
         """A node joined: its pooled host takes launches from now on, watched like the others (``services``: every
         node's, the new one's included)."""
-        self._pool = dataclasses.replace(self._pool, hosts={**self._pool.hosts, node: host}, services=services)
+        self._pool_changed(dataclasses.replace(self._pool, hosts={**self._pool.hosts, node: host}, services=services))
         self._services_version += 1
         self._spawn(self._watch_host(node, host))
 
     async def set_services(self, services: dict[str, NodeServices]) -> None:
         """Replicas were replaced: what each node's instances reach from now on (dedicated hosts made later, and
         pooled hosts that Ray restarts, get these)."""
-        self._pool = dataclasses.replace(self._pool, services=services)
+        self._pool_changed(dataclasses.replace(self._pool, services=services))
         self._services_version += 1
 
     def _spawn(self, work) -> None:
@@ -236,6 +261,7 @@ class Launcher:
     async def drain(self, node: str, abort: str | None = None) -> list[str]:
         """Close ``node`` to launches; the ids of the instances still there (``abort``: end them with that reason)."""
         self._draining.add(node)
+        self._memory.save(self._state)
         there = [i for i in self._running() if i.node_id == node and i.runner is None]
         for instance in there if abort is not None else ():
             if instance.queued or instance.host is None:
@@ -247,7 +273,7 @@ class Launcher:
 
     async def remove_host(self, node: str, reason: str) -> None:
         """``node`` was drained: its host is stopped and takes no launch again; what still runs there ends."""
-        self._pool = self._pool.without(node)
+        self._pool_changed(self._pool.without(node))
         self._services_version += 1
         await self._lose([i for i in self._running() if i.node_id == node and i.runner is None], reason)
 

@@ -8,6 +8,9 @@ Each user may hold at most ``capacity_bytes`` of programs (a program two users h
 user's programs unused for longest are evicted, never one with a running instance, and never another user's (a
 launch of an evicted id answers "upload it first", as for any unknown id). Files leave the disk when no user holds
 them. A few recently launched programs stay decoded in memory, so a burst of launches reads the disk once.
+
+Who holds what is also written to a ``GcsStore`` when given one, so that a launcher Ray restarts reopens the same
+directory with the same holds (``restore``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from pie_cluster.durable import GcsStore
 from pie_cluster.programs import Program, ProgramError
 
 _META = "program.json"
@@ -33,7 +37,14 @@ class _Hold:
 
 
 class ProgramStore:
-    def __init__(self, root: Path, capacity_bytes: int, decoded: int = 32):
+    def __init__(
+        self,
+        root: Path,
+        capacity_bytes: int,
+        decoded: int = 32,
+        stored: GcsStore | None = None,
+        restore: bool = False,
+    ):
         self._root = root
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._capacity = capacity_bytes
@@ -41,6 +52,11 @@ class ProgramStore:
         self._owners: dict[str, set[str]] = {}  # program id -> users holding it: on disk while there is one
         self._decoded: OrderedDict[str, Program] = OrderedDict()
         self._decoded_limit = decoded
+        self._stored = stored
+        for (user,), sizes in (stored.load() if stored is not None and restore else {}).items():
+            self._holds[user] = OrderedDict((program_id, _Hold(size)) for program_id, size in sizes)
+            for program_id, _ in sizes:
+                self._owners.setdefault(program_id, set()).add(user)
 
     def __len__(self) -> int:
         """Programs on disk (one per content, however many users hold it)."""
@@ -67,6 +83,7 @@ class ProgramStore:
         self._owners[program.id].add(user)
         holds[program.id] = _Hold(size)
         self._evict(user, keep=program.id)
+        self._save(user)
         if self.stored_bytes(user) > self._capacity:  # the rest are running: the new one cannot be kept
             self._drop(user, program.id)
             raise ProgramError(
@@ -104,9 +121,15 @@ class ProgramStore:
     def remove_all(self) -> None:
         """The cluster stops: every program leaves the disk, the store's directory with them."""
         shutil.rmtree(self._root, ignore_errors=True)
+        if self._stored is not None:
+            self._stored.clear()
         self._holds.clear()
         self._owners.clear()
         self._decoded.clear()
+
+    def _save(self, user: str) -> None:
+        if self._stored is not None:
+            self._stored.put((user,), [(program_id, hold.size) for program_id, hold in self._holds[user].items()])
 
     def _write(self, program: Program) -> None:
         directory = self._root / program.id
@@ -145,6 +168,7 @@ class ProgramStore:
     def _drop(self, user: str, program_id: str) -> None:
         """The user no longer holds the program; its files go when nobody does."""
         del self._holds[user][program_id]
+        self._save(user)
         owners = self._owners[program_id]
         owners.discard(user)
         if not owners:

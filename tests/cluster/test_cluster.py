@@ -208,6 +208,51 @@ def test_the_market_restarts_with_its_wallets_and_running_instances_finish(clust
     assert after["wallets"] == 0 and after["balanced"], after
 
 
+def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(cluster, launcher, ray_cluster):
+    """SIGKILL the launcher while an instance runs: Ray restarts it, it reopens its program store and asks the hosts
+    what runs, so the instance is listed and followed as before and finishes, and programs uploaded before launch."""
+    import os
+    import signal
+
+    from pie_cluster.events import poll
+    from ray.util.state import list_actors
+
+    program = upload(launcher, WAITS_WITH_A_WALLET)
+    first = launch(launcher, program)
+    since, kinds = 0, []
+    while "message" not in kinds:
+        got = poll(launcher, "alice", first, since, 5.0)
+        since, kinds = got["next"], [e[1] for e in got["events"]]
+    (actor,) = list_actors(ray_cluster.address, filters=[("name", "=", "pie-launcher"), ("state", "=", "ALIVE")])
+    os.kill(actor["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        try:
+            listed = ray.get(launcher.list.remote("alice"), timeout=5)
+            if any(i["id"] == first for i in listed):
+                break
+        except ray.exceptions.RayError:
+            pass
+        assert time.monotonic() - killed < 60, "the launcher did not come back within 60 s"
+        time.sleep(0.2)
+    print(f"the launcher listed the running instance again {time.monotonic() - killed:.1f} s after its SIGKILL")
+    (again,) = [i for i in listed if i["id"] == first]
+    assert again["status"] == "running" and again["program"].startswith("prog@"), again
+
+    host = ray.get(launcher.locate.remote("alice", first))["host"]
+    ray.get(host.send.remote("alice", first, "message", "finish"))
+    assert run_to_end(launcher, first)[-1][1] == "return"  # its ending reached the restarted launcher
+    second = launch(launcher, program)  # uploaded before the restart
+    host = ray.get(launcher.locate.remote("alice", second, 30.0))["host"]
+    ray.get(host.send.remote("alice", second, "message", "finish"))
+    assert run_to_end(launcher, second)[-1][1] == "return"
+    for _ in range(100):  # the hosts report endings to the launcher a moment after their clients see them
+        if ray.get(launcher.stats.remote())["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert ray.get(launcher.stats.remote())["running"] == 0  # no admission slot leaked across the restart
+
+
 def test_a_snapshot_saved_on_one_node_opens_takes_and_deletes_from_the_other(cluster, launcher):
     head, second = node_pair(cluster)
     program, name = upload(launcher, SNAPSHOTS), "handbook"
@@ -390,14 +435,17 @@ async def main(input):
 
 
 SUBSCRIBED_GREEDY = """
-from inferlet import Context, Model, Sampler, messaging
+from inferlet import Context, Model, Sampler, messaging, session
 
 async def main(input):
     messaging.subscribe("news")  # a bus session too, released when it ends
     model = Model.load("default")
     with Context(model) as ctx:
         ctx.user(input["prompt"])
-        tokens = await ctx.generate(Sampler.argmax(), max_tokens=input["n"], stop=[]).collect_tokens()
+        tokens = await ctx.generate(Sampler.argmax(), max_tokens=16, stop=[]).collect_tokens()
+        session.send("half way")
+        await session.receive()
+        tokens += await ctx.generate(Sampler.argmax(), max_tokens=input["n"] - 16, stop=[]).collect_tokens()
     return {"tokens": tokens, "moves": model.link.moves}
 """
 
@@ -412,6 +460,7 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
     import os
     import signal
 
+    from pie_cluster.events import poll
     from ray.util.state import list_actors
 
     head, second = node_pair(cluster)
@@ -419,7 +468,11 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
     bus_before = ray.get(cluster.status.remote())["bus"]
     doomed = launch(launcher, program, {"prompt": "keep going", "n": 200}, node_id=head)
     survivor = launch(launcher, program, {"prompt": "keep going", "n": 200}, node_id=second)
-    time.sleep(1.0)  # both are generating
+    for instance in (doomed, survivor):  # both half way, waiting
+        since, kinds = 0, []
+        while "message" not in kinds:
+            got = poll(launcher, "alice", instance, since, 5.0)
+            since, kinds = got["next"], [e[1] for e in got["events"]]
     served_leader = served.replica.leader._actor_id.hex()
     (rank,) = [
         a
@@ -429,6 +482,9 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
         if a["node_id"] == head and a["actor_id"] != served_leader and a["ray_namespace"] == "pie-test"
     ]
     os.kill(rank["pid"], signal.SIGKILL)
+    for instance in (doomed, survivor):
+        host = ray.get(launcher.locate.remote("alice", instance))["host"]
+        ray.get(host.send.remote("alice", instance, "message", "go on"))
 
     moved = run_to_end(launcher, doomed)[-1]
     finished = run_to_end(launcher, survivor)[-1]
