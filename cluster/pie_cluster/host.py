@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray.exceptions
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint, Runtime, SessionIO, install, uninstall
-from pie_workers.deadlines import MARKET_S, NoAnswer, answer
+from pie_workers.deadlines import MARKET_S, answer
 
 from pie_cluster import stdio
 from pie_cluster.programs import Main, Program, ProgramError
 from pie_cluster.stdio import Sink
+
+log = logging.getLogger(__name__)
 
 
 def load_program(path: str | Path) -> Main:
@@ -79,9 +80,12 @@ async def run_inferlet(
                 stdio.release(captured)
             uninstall(token)
             if market is not None:  # after its contexts are gone: a later report of them pays nothing
-                # a market that cannot close the wallet now (restarting) must not fail an instance that finished
-                with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
+                # a market that cannot close the wallet now (restarting) must not fail an instance that finished;
+                # Ray's errors are caught as any (this module is imported in sandboxed workers, which have no Ray)
+                try:
                     await asyncio.shield(answer(market.leave.remote(runtime.instance_id), "the market", MARKET_S))
+                except Exception as e:
+                    log.warning("the market did not close the wallet of %s: %s", runtime.instance_id, e)
 
 
 @dataclass(frozen=True)

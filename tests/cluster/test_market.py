@@ -296,7 +296,8 @@ def test_the_market_actor_settles_numpy_reports(ray_session):
         same = get_or_create_market(namespace="pie-test")
         assert ray.get(same.account.remote("p"))["balance"] == 1000 - 4 + 2
         assert ray.get(same.ledger.remote()).balanced
-        with pytest.raises(ray.exceptions.RayTaskError, match="already joined"):
-            ray.get(same.join.remote("p"))
+        issued = ray.get(same.ledger.remote()).issued
+        assert ray.get(same.join.remote("p", 5)) == 1000  # joining again (a call sent again after a restart):
+        assert ray.get(same.ledger.remote()).issued == issued  # the wallet as it was, no credits issued twice
     finally:
         ray.kill(market)
