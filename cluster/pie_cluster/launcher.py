@@ -260,8 +260,9 @@ class Launcher:
 
     async def drain(self, node: str, abort: str | None = None) -> list[str]:
         """Close ``node`` to launches; the ids of the instances still there (``abort``: end them with that reason)."""
-        self._draining.add(node)
-        self._memory.save(self._state)
+        if node not in self._draining:  # asked again and again while its instances finish
+            self._draining.add(node)
+            self._memory.save(self._state)
         there = [i for i in self._running() if i.node_id == node and i.runner is None]
         for instance in there if abort is not None else ():
             if instance.queued or instance.host is None:

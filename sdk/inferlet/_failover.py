@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from inferlet._channel import Channel, ReplicaError, ReplicaLost
 
 if TYPE_CHECKING:
     from inferlet.context import Context
+
+log = logging.getLogger(__name__)
 
 FAILOVER_S = 120.0  # how long a link looks for a replica that answers before its calls fail
 RETRY_S = 0.25  # pause after trying every failover address in turn
@@ -154,6 +157,9 @@ class ReplicaLink:
                 self._give_up()
         except asyncio.CancelledError:  # a blocking call took the move over
             return
+        except Exception:  # a bug here must not leave every later call waiting for a move that never ends
+            log.exception("moving to another replica of model %r failed", self.model)
+            self._give_up()
         self._moving = None
         self._send_waiting()
 
