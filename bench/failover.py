@@ -17,7 +17,6 @@ Both replicas use ``--threads`` torch threads. Tables go to ``OUT/failover.md``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import random
@@ -29,9 +28,8 @@ import ray
 import torch
 import uvloop
 from inferlet import Context, Model, Sampler
-from pie_cluster.host import endpoints_for, run_inferlet
+from pie_cluster.host import endpoints_for
 from pie_cluster.local_ray import init_ray
-from pie_cluster.local_trust import LocalTrust
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
 from pie_workers.runner import RunnerSettings
@@ -39,8 +37,8 @@ from pie_workers.tiny_model import default_model_path
 from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table
+from tax import TRUST, started_together
 
-TRUST = LocalTrust()
 PROMPT = 32
 KILLED_WITH = 32  # inferlets on the replica killed in (b)
 
@@ -67,26 +65,16 @@ async def generate(input: dict) -> list[float]:
 
 async def run(endpoints, n: int, tokens: int, rng: random.Random, stepping: bool, on_progress=None):
     """``n`` inferlets decoding together: (tokens/s over the run, each one's step end times)."""
-    loop = asyncio.get_running_loop()
-    go = loop.create_future()
     inputs = [
         {
             "prompt": [rng.randrange(3, 4096) for _ in range(PROMPT)],
             "tokens": tokens,
-            "ready": loop.create_future(),
-            "go": go,
             "stepping": stepping,
             "progress": on_progress or (lambda: None),
         }
         for _ in range(n)
     ]
-    runs = [
-        asyncio.ensure_future(run_inferlet(generate, i, endpoints, "bench", **TRUST.instance("bench"))) for i in inputs
-    ]
-    await asyncio.gather(*(i["ready"] for i in inputs))
-    start = time.perf_counter()
-    go.set_result(None)
-    ends = await asyncio.gather(*runs)
+    start, ends = await started_together(generate, endpoints, inputs, TRUST)
     return n * tokens / (max(e[-1] for e in ends) - start), ends
 
 

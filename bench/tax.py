@@ -64,27 +64,27 @@ async def timed_generation(input: dict) -> tuple[float, float]:
         return start, time.perf_counter()
 
 
-async def concurrent(endpoints, n: int, tokens: int, rng: random.Random, stepping: bool = False) -> float:
-    """Aggregate tokens/s of n inferlets decoding together (``stepping``: one step at a time, else collecting)."""
+async def started_together(main, endpoints, inputs: list[dict], trust: LocalTrust = TRUST) -> tuple[float, list]:
+    """Run one inferlet per input, each given ``ready`` (a future it sets once prefilled) and ``go`` (one it awaits
+    before it is timed), so all start decoding at once; returns when they did, and what each returned."""
     loop = asyncio.get_running_loop()
     go = loop.create_future()
+    for input in inputs:
+        input |= {"ready": loop.create_future(), "go": go}
+    runs = [asyncio.ensure_future(run_inferlet(main, i, endpoints, "bench", **trust.instance("bench"))) for i in inputs]
+    await asyncio.gather(*(i["ready"] for i in inputs))
+    start = time.perf_counter()
+    go.set_result(None)
+    return start, await asyncio.gather(*runs)
+
+
+async def concurrent(endpoints, n: int, tokens: int, rng: random.Random, stepping: bool = False) -> float:
+    """Aggregate tokens/s of n inferlets decoding together (``stepping``: one step at a time, else collecting)."""
     inputs = [
-        {
-            "prompt": [rng.randrange(3, 4096) for _ in range(PROMPT)],
-            "tokens": tokens,
-            "ready": loop.create_future(),
-            "go": go,
-            "stepping": stepping,
-        }
+        {"prompt": [rng.randrange(3, 4096) for _ in range(PROMPT)], "tokens": tokens, "stepping": stepping}
         for _ in range(n)
     ]
-    runs = [
-        asyncio.ensure_future(run_inferlet(timed_generation, i, endpoints, "bench", **TRUST.instance("bench")))
-        for i in inputs
-    ]
-    await asyncio.gather(*(i["ready"] for i in inputs))
-    go.set_result(None)
-    spans = await asyncio.gather(*runs)
+    _, spans = await started_together(timed_generation, endpoints, inputs)
     return n * tokens / (max(e for _, e in spans) - min(s for s, _ in spans))
 
 
