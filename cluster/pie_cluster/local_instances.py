@@ -211,11 +211,16 @@ class LocalInstances:
         self._channels.emit(instance_id, kind, value)
 
     def _replica_addresses(self, model: str) -> list[str]:
-        """The model's replicas as this process knows them now, its default first (what its relay tries)."""
-        known = self._services
-        if known is None or model not in known.endpoints:
+        """The model's replicas as the launcher knows them now, this node's first (what the relay tries: asked each
+        time, since this process learns of a replacement only at its next admission). Runs on the relay's thread."""
+        try:
+            services, _, _ = ray.get(self._launcher.services_for.remote(self._node), timeout=LAUNCHER_S)
+        except Exception:  # the launcher does not answer now: what this process knew
+            services = self._services.services if self._services is not None else None
+        if services is None or model not in services.endpoints:
             return []
-        return list(dict.fromkeys([known.endpoints[model].address, *known.replicas.get(model, {})]))
+        replicas = [e.address for e in services.replicas.get(model, ())]
+        return list(dict.fromkeys([services.endpoints[model].address, *replicas]))
 
     async def _listen_for_aborts(self) -> None:
         """The launcher's aborts of instances run here (``DELETE /v1/instances/{id}``), over one long poll."""

@@ -5,7 +5,12 @@ An inferlet's endpoint names the model's other replicas to move to when its own 
 model of one replica), only the replacement is left, and it listens on new sockets that an inferlet started before
 it, in a sandbox whose sockets were bound in at its start, cannot reach. So the host listens on a socket of its own
 per model and, for each connection, pipes it to the first replica of the model that accepts one, in the order of
-the host's current services (updated when a replica is replaced), waiting up to ``WAIT_S`` for one to come up.
+the current services (``candidates``: the host's, updated when a replica is replaced; the ingress asks the
+launcher), waiting up to ``WAIT_S`` for one to come up.
+
+The relays run on an event loop of their own, in a thread: the process they serve may be the one whose inferlets
+fail over (the ingress, a host with the sandbox off), and an inferlet's blocking call that moves its link would
+otherwise wait on a relay its own blocked loop cannot serve.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import contextlib
 import hashlib
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -34,16 +40,22 @@ def failing_over(endpoint: ModelEndpoint, replicas: Iterable[str], relay: str) -
 
 
 class ReplicaRelays:
-    """One relay socket per model, made on first use; ``candidates(model)``: the addresses to try, in order."""
+    """One relay socket per model, made on first use; ``candidates(model)``: the addresses to try, in order (called
+    on the relays' thread, so it may block)."""
 
     def __init__(self, candidates: Callable[[str], list[str]]):
         self._candidates = candidates
         self._directory = Path(tempfile.mkdtemp(prefix="pie-replica-relays-"))
         atexit.register(shutil.rmtree, self._directory, True)
         self._servers: dict[str, tuple[str, asyncio.AbstractServer]] = {}
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="replica-relays", daemon=True).start()
 
     async def address_for(self, model: str) -> str:
         """``ipc://<socket>`` that reaches a replica of ``model`` serving now."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._listen(model), self._loop))
+
+    async def _listen(self, model: str) -> str:
         if model not in self._servers:
             path = str(self._directory / f"{hashlib.sha256(model.encode()).hexdigest()[:16]}.sock")
             server = await asyncio.start_unix_server(lambda r, w: self._relay(model, r, w), path=path)
@@ -55,7 +67,7 @@ class ReplicaRelays:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WAIT_S
         while loop.time() < deadline:
-            for address in self._candidates(model):
+            for address in await loop.run_in_executor(None, self._candidates, model):
                 with contextlib.suppress(OSError, asyncio.TimeoutError):
                     upstream = await asyncio.wait_for(_connect(address), CONNECT_S)
                     await splice(reader, writer, *upstream)
@@ -65,7 +77,7 @@ class ReplicaRelays:
 
     def close(self) -> None:
         for _, server in self._servers.values():
-            server.close()
+            self._loop.call_soon_threadsafe(server.close)
         self._servers.clear()
 
 

@@ -73,12 +73,17 @@ def test_an_instances_events_cost_the_launcher_the_same_calls_for_5_or_400_of_th
     assert costs[0] == costs[1] <= 4  # launch, locate (the stream asks once where it runs), its ending
 
 
-def chat_stream(pie, max_tokens: int, headers=ALICE) -> list[dict]:
+def chat_stream(pie, max_tokens: int, headers=ALICE, into: list | None = None) -> list[dict]:
+    """The chunks of a greedy streamed chat completion (appended to ``into`` as they arrive, when given)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": max_tokens}
     body |= {"stream": True, "ignore_eos": True, "temperature": 0}
+    chunks = [] if into is None else into
     with httpx.stream("POST", f"{pie['url']}/v1/chat/completions", json=body, headers=headers, timeout=120) as got:
         assert got.status_code == 200
-        return [json.loads(line[6:]) for line in got.iter_lines() if line.startswith("data: {")]
+        for line in got.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    return chunks
 
 
 def test_an_openai_request_costs_the_launcher_its_admission_and_ending_however_long_it_runs(pie):
@@ -188,6 +193,32 @@ def test_a_killed_ingress_replica_is_replaced_and_its_requests_end_without_leaki
     assert status["launcher"]["running"] == 0, status["launcher"]  # the lost request's slot came back
     (replica,) = status["replicas"]
     assert replica["contexts"] == 0 and replica["pages_used"] == 0
+
+
+def test_an_openai_stream_outlives_the_model_replica_it_started_on(pie):
+    """SIGKILL the model's only replica while a greedy chat completion streams: the serving program's contexts wait
+    for the replacement (reached through the ingress's relay), are recomputed there, and the stream goes on to the
+    same tokens an undisturbed request gets."""
+    import os
+    import signal
+
+    expected = chat_stream(pie, 200)
+    got: list[dict] = []
+    streaming = threading.Thread(target=chat_stream, args=(pie, 200), kwargs={"into": got})
+    (before,) = engine_status(pie)["replicas"]
+    streaming.start()
+    while not got and streaming.is_alive():  # the first chunks are out: it is generating
+        time.sleep(0.01)
+    os.kill(before["pids"][0], signal.SIGKILL)
+    streaming.join(180)
+    assert not streaming.is_alive()
+
+    def text(chunks: list[dict]) -> str:
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+    assert text(got) == text(expected) and got[-1]["choices"][0]["finish_reason"] == "length", json.dumps(got[-2:])
+    (after,) = engine_status(pie)["replicas"]
+    assert after["state"] == "serving" and not set(after["pids"]) & set(before["pids"])
 
 
 def test_pie_drain_names_what_it_did_and_refuses_what_it_cannot(pie):
