@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pie_workers.wire.codec import output_from_wire
-from pie_workers.wire.messages import PassReply
 
 SALTED = (
     "it holds KV written under a custom attention mask, an adapter or a zo seed, which no other replica can recompute"
@@ -48,13 +47,16 @@ class Lineage:
         self.tokens += tail
         self.positions += tail_positions
 
-    def passed(self, reply: PassReply) -> None:
-        """A pass's answer: its tail, and the token it sampled (as the replica remembers it for a chained pass)."""
-        self.extend(reply.seq_len, reply.tail, reply.tail_positions)
-        if reply.walk:
-            self.sampled = reply.walk[-1]
+    def passed(self, answer: dict) -> None:
+        """A pass's answer as it came off the wire (a ``PassReply`` map, its defaults left out: read here without
+        decoding it, which the caller does later): its tail, and the token it sampled (as the replica remembers it
+        for a chained pass)."""
+        self.extend(answer["seq_len"], answer.get("tail", []), answer.get("tail_positions", []))
+        if walk := answer.get("walk"):
+            self.sampled = walk[-1]
         else:
-            self.sampled = next((t for s in reply.slots if (t := output_from_wire(s).token) is not None), None)
+            slots = answer.get("slots", [])
+            self.sampled = next((t for s in slots if (t := output_from_wire(s).token) is not None), None)
 
     def cut(self, seq_len: int) -> None:
         """A truncate left ``seq_len`` tokens (and, as on the replica, no sampled token to chain on)."""

@@ -301,7 +301,7 @@ class Context:
     def _passed(self, answer: dict | None) -> None:
         """Follow a pass's answer in the lineage the moment it arrives (before a move could need it)."""
         if answer is not None and not self.lineage.lost:
-            self.lineage.passed(decode(PassReply, answer))
+            self.lineage.passed(answer)
 
     def received(self, answer: dict | None) -> PassReply | None:
         """A pass's answer off the wire (None: a chained pass that stopped before running); the context's length
