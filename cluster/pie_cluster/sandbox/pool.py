@@ -164,6 +164,7 @@ class WorkerPool:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # its own process group: see _kill
             )
         finally:
             theirs.close()
@@ -272,8 +273,7 @@ class WorkerPool:
         if reason is not None and worker.death is None:
             worker.death = reason
         self._retire(worker)
-        if worker.process.returncode is None:
-            worker.process.kill()  # bwrap dies; --die-with-parent and the PID namespace take every process in it
+        _kill(worker.process)
 
     def _retire(self, worker: Worker) -> None:
         worker.retired = True
@@ -284,8 +284,7 @@ class WorkerPool:
         try:  # its socket closed: it is exiting (its status says why), or it closed the socket and lingers
             code = await asyncio.wait_for(worker.process.wait(), EXIT_GRACE_S)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                worker.process.kill()
+            _kill(worker.process)
             code = await worker.process.wait()
         if worker.instances:
             why = worker.death or _describe_exit(code, self._config)
@@ -332,6 +331,15 @@ class WorkerPool:
     async def _discard(self, spare: asyncio.Task) -> None:
         with contextlib.suppress(Exception):
             self._stop(await spare, None)
+
+
+def _kill(process: asyncio.subprocess.Process) -> None:
+    """Kill a worker's whole process group, not only bwrap: a bwrap killed while it starts leaves its namespace's
+    first process behind (it sets its parent-death signal only later), holding the worker's socket and output.
+    Past that point ``--die-with-parent`` and the PID namespace take every process in the sandbox."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 @dataclass
