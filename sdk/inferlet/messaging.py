@@ -37,9 +37,9 @@ How it travels: ``runtime.current().bus`` holds one address per bus shard (ZeroM
 actors; see ``pie_cluster.bus``); a topic lives on shard ``crc32(user, topic) % shards``. The inferlet opens one
 DEALER socket per shard it uses, served by its event loop; frames are msgpack lists of operations and events, each
 sent with the instance's capability, from which the shard takes the user. A shard that refuses the capability says
-why, and every call of the inferlet's on the bus then fails with a ``BusError`` saying so. A shard that dies loses
-what it held: when the connection to it drops, the inferlet's pulls waiting there and its subscriptions there fail
-with a ``BusError`` saying so; the shard is restarted at its address, and the connection reconnects by itself.
+why, and every call of the inferlet's on the bus then fails with a ``BusError`` saying so. A shard that dies is
+restarted at its address with the messages queued on it, and the connection reconnects by itself; the inferlet's
+pulls waiting there and its subscriptions there fail with a ``BusError`` saying so when the connection drops.
 """
 
 from __future__ import annotations
@@ -258,8 +258,8 @@ class _Bus:
         """The shard behind ``connection`` died with what it held: the pulls and subscriptions this inferlet had
         there fail (the connection goes on to its restarted shard)."""
         error = BusError(
-            f"message bus shard {connection.address} went away: what it held (queued messages, this pull or "
-            "subscription) was lost; it is restarted empty"
+            f"message bus shard {connection.address} went away: this pull or subscription was lost with it (it is "
+            "restarted with its queued messages; pull again, subscribe again)"
         )
         shard = next(i for i, c in self._connections.items() if c is connection)
         for rid, pull in list(self._pulls.items()):

@@ -1,6 +1,7 @@
-"""A bus shard that dies is restarted by Ray at the addresses it had; what it held is lost, and the inferlets that
-waited on it are told so instead of waiting forever: their pulls and subscriptions there fail with a ``BusError``.
-Their connections reconnect by themselves, and the restarted shard serves them."""
+"""A bus shard that dies is restarted by Ray at the addresses it had, with the messages that were queued on it (read
+back from its journal); the inferlets whose pulls and subscriptions waited on it are told so instead of waiting
+forever: those fail with a ``BusError``. Their connections reconnect by themselves, and the restarted shard serves
+them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from inferlet import messaging
 from pie_cluster.host import run_inferlet
 from ray.util.state import list_actors
 from sdk_host import TRUST
+
+
+def alive(name: str) -> list[dict]:
+    return list_actors(filters=[("name", "=", name), ("state", "=", "ALIVE")])
 
 
 def same_shard_topics(user: str, shards: int = 2) -> tuple[int, str, str]:
@@ -64,3 +69,36 @@ def test_a_killed_shard_fails_what_waited_on_it_and_serves_again_at_its_address(
     assert restarted["pid"] != actor["pid"]
     assert ray.get(bus.shards[shard].start.remote()) == bus.infos[shard]  # the same addresses
     assert bus.stats(user) == {"sessions": 0, "topics": 0, "queued": 0, "waiters": 0, "subscriptions": 0}
+
+
+def test_messages_queued_on_a_killed_shard_are_pulled_from_its_restart_in_order(bus, user):
+    shard, queue, _ = same_shard_topics(user)
+    (actor,) = list_actors(filters=[("name", "=", f"{BUS}-{shard}"), ("state", "=", "ALIVE")])
+    sent = [f"message {i}" for i in range(5)]
+
+    async def pusher(input):
+        for message in sent:
+            messaging.push(queue, message)
+        first = await messaging.pull(queue)  # one pulled before the kill stays pulled
+        return first
+
+    async def puller(input):
+        return [await messaging.pull(queue) for _ in range(len(sent) - 1)]
+
+    async def main():
+        first = await run_inferlet(pusher, {}, {}, user, **TRUST.instance(user), bus=bus.addresses())
+        await wait_for_stats(bus, user, queued=len(sent) - 1)
+        os.kill(actor["pid"], signal.SIGKILL)
+        while not [a for a in alive(f"{BUS}-{shard}") if a["pid"] != actor["pid"]]:
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(wait_for_stats(bus, user, queued=len(sent) - 1), 60)  # by the restarted shard
+        rest = await asyncio.wait_for(
+            run_inferlet(puller, {}, {}, user, **TRUST.instance(user), bus=bus.addresses()), 60
+        )
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert [first, *rest] == sent
+    (restarted,) = list_actors(filters=[("name", "=", f"{BUS}-{shard}"), ("state", "=", "ALIVE")])
+    assert restarted["pid"] != actor["pid"]
+    assert bus.stats(user)["queued"] == 0

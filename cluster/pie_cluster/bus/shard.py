@@ -24,9 +24,10 @@ back to the front of their queues, so a vanished puller does not lose messages.
 
 Ray restarts a shard whose process dies. The restarted one listens on the addresses the first one had (kept in the
 GCS's key-value store, ``GcsStore``), so every client's DEALER reconnects to it by itself and what they send from
-then on is applied; what the dead one held (queued messages, waiting pulls, subscriptions) is gone, and each client
-fails its pulls and subscriptions on that shard with an error saying so when its connection drops
-(``inferlet.messaging``), rather than waiting forever.
+then on is applied. Its queued messages it reads back from its journal on the node's disk (``journal.py``); the
+waiting pulls and subscriptions the dead one held are gone, and each client fails its pulls and subscriptions on
+that shard with an error saying so when its connection drops (``inferlet.messaging``), rather than waiting
+forever. What a client had sent that the dead process had not yet read is lost with it.
 """
 
 from __future__ import annotations
@@ -40,17 +41,20 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgpack
 import ray
 import zmq
 from pie_workers.wire.capability import Capability, CapabilityError, verify
 
+from pie_cluster.bus.journal import Journal
 from pie_cluster.bus.topics import Topics
 from pie_cluster.durable import GcsStore
 
 log = logging.getLogger(__name__)
 
+SOCKET_NAME = "shard.sock"  # in the shard's own directory
 BURST = 256  # frames applied per turn of the event loop, so the actor's Ray calls (stats, stop) still get a turn
 SEND_HWM = 10_000  # frames queued towards one peer before it counts as gone
 VERIFIED_CACHE = 4096  # capabilities kept verified; past it the cache starts over (a miss costs one HMAC)
@@ -92,7 +96,8 @@ class BusShard:
         self.index, self.count = index, count
         self._secret = secret
         self._verified: dict[bytes, _Verified] = {}  # token -> what it proved (a cache, emptied past VERIFIED_CACHE)
-        self._topics = Topics(self._queue_event)
+        self._topics = Topics(self._queue_event)  # made again with its journal once the shard listens
+        self._journal: Journal | None = None
         self._outgoing: dict[bytes, _Outbox] = {}
         self._sock: zmq.Socket | None = None
         self._ipc_path = ""
@@ -122,9 +127,16 @@ class BusShard:
                 os.unlink(self._ipc_path)  # the dead process's socket file
         else:
             tcp = f"tcp://{ip}:{sock.bind_to_random_port(f'tcp://{ip}')}"
-            self._ipc_path = os.path.join(tempfile.gettempdir(), f"pie-bus-{uuid.uuid4().hex[:12]}.sock")
+            # a directory of its own, which sandboxes bind in (not the socket file: they would keep seeing the dead
+            # process's, where a restarted shard makes a new one)
+            directory = Path(tempfile.gettempdir()) / f"pie-bus-{uuid.uuid4().hex[:12]}"
+            directory.mkdir(mode=0o755)
+            self._ipc_path = str(directory / SOCKET_NAME)
         sock.bind(f"ipc://{self._ipc_path}")
         os.chmod(self._ipc_path, 0o666)  # sandboxed workers have uids of their own; capabilities guard it
+        # beside that directory, not in it: no sandbox may read the queued messages
+        self._journal = Journal(Path(f"{Path(self._ipc_path).parent}.journal"))  # the previous process's too
+        self._topics = Topics(self._queue_event, self._journal)
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.FD, self._serve)
         self._info = ShardInfo(self.index, self.count, node, tcp, f"ipc://{self._ipc_path}", secret_id(self._secret))
@@ -140,6 +152,9 @@ class BusShard:
             self._sock = None
             with contextlib.suppress(OSError):
                 os.unlink(self._ipc_path)
+                os.rmdir(Path(self._ipc_path).parent)
+        if self._journal is not None:
+            self._journal.remove()
 
     # -- serving --
 
@@ -160,10 +175,16 @@ class BusShard:
                 self._refuse(peer, e if isinstance(e, CapabilityError) else "no capability was presented")
                 continue
             self._apply(peer, user, frame)
+        self._write_journal()  # before anyone is sent a message: one pulled is never handed out again
         self._send_outgoing()
+        self._write_journal()  # messages given back by peers that are gone
         # ZeroMQ's FD is edge-triggered: what is still queued after our reads and sends won't signal again.
         if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             asyncio.get_running_loop().call_soon(self._serve)
+
+    def _write_journal(self) -> None:
+        if self._journal is not None:
+            self._journal.flush(self._topics.queued_messages)
 
     def _admit(self, peer: bytes, token: bytes) -> str:
         """The user ``peer`` proves to be with ``token``: a capability for the instance its routing id names

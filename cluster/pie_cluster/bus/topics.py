@@ -13,6 +13,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pie_cluster.bus.journal import Journal
+
 Key = tuple[str, str]  # (user, topic): users never share a key, which is all the namespacing there is
 Emit = Callable[[bytes, str, list], None]
 
@@ -33,11 +35,19 @@ class _Held:
 
 
 class Topics:
-    def __init__(self, emit: Emit):
+    def __init__(self, emit: Emit, journal: Journal | None = None):
+        """``journal``: told every change to a queue (``journal.py``); its replay is queued at once."""
         self._emit = emit
+        self._journal = journal
         self._queues: dict[Key, _Queue] = {}
+        if journal is not None:
+            for key, messages in journal.replay().items():
+                self._queues[key] = _Queue(messages)
         self._subscribers: dict[Key, dict[tuple[bytes, int], None]] = {}
         self._held: dict[bytes, _Held] = {}
+
+    def queued_messages(self) -> dict[Key, deque[str]]:
+        return {key: queue.messages for key, queue in self._queues.items() if queue.messages}
 
     # -- push / pull: each message goes to exactly one puller, oldest message to the longest-waiting puller --
 
@@ -45,17 +55,23 @@ class Topics:
         """Hand ``message`` to the oldest waiting puller, else queue it."""
         if not self._hand_to_waiter(key, message):
             self._queues.setdefault(key, _Queue()).messages.append(message)
+            if self._journal is not None:
+                self._journal.queued(key, message)
 
     def requeue(self, key: Key, messages: list[str]) -> None:
         """Messages that were pulled but not taken (oldest first) go back ahead of everything queued after them."""
         rest = [m for m in messages if not self._hand_to_waiter(key, m)]
         if rest:
             self._queues.setdefault(key, _Queue()).messages.extendleft(reversed(rest))
+            if self._journal is not None:
+                self._journal.returned(key, rest)
 
     def pull(self, peer: bytes, user: str, rid: int, key: Key) -> None:
         queue = self._queues.get(key)
         if queue is not None and queue.messages:
             message = queue.messages.popleft()
+            if self._journal is not None:
+                self._journal.pulled(key)
             self._forget_if_idle(key)
             self._emit(peer, key[0], ["pulled", rid, key[1], message])
             return

@@ -29,7 +29,7 @@ class SandboxView:
 
     endpoints: dict[str, ModelEndpoint]
     bus: tuple[str, ...]
-    sockets: dict[str, str] = field(default_factory=dict)  # host path -> inside
+    sockets: dict[str, str] = field(default_factory=dict)  # host path (a socket, or a bus shard's directory) -> inside
     models: dict[str, str] = field(default_factory=dict)  # host directory -> inside
 
 
@@ -74,8 +74,18 @@ async def build_view(endpoints: dict[str, ModelEndpoint], bus: tuple[str, ...], 
         address = await _socket_inside(endpoint.address, view, relays)
         failover = tuple([await _socket_inside(a, view, relays) for a in endpoint.failover])
         view.endpoints[name] = replace(endpoint, address=address, model_dir=inside, failover=failover)
-    view.bus = tuple([await _socket_inside(address, view, relays) for address in bus])
+    view.bus = tuple([await _bus_inside(address, view, relays) for address in bus])
     return view
+
+
+async def _bus_inside(address: str, view: SandboxView, relays: Relays) -> str:
+    """A shard on this node is bound in by its directory, so that the socket its restart makes there is seen."""
+    if not address.startswith("ipc://"):
+        return await _socket_inside(address, view, relays)
+    socket = Path(address.removeprefix("ipc://"))
+    inside = f"{SOCKETS}/bus-{len(view.sockets)}"
+    view.sockets[str(socket.parent)] = inside
+    return f"ipc://{inside}/{socket.name}"
 
 
 async def _socket_inside(address: str, view: SandboxView, relays: Relays) -> str:
