@@ -1,11 +1,11 @@
 """The cluster's one market as a named Ray actor, and the way every component finds it.
 
 Ray restarts it when its process dies, and it comes back with its wallets: the market's state is written to the
-GCS's key-value store (``GcsStore``) at most ``SAVE_EVERY_S`` after any change (a save per change would make every
-launch wait for the GCS), so a restart loses at most that much: rounds' rent and dividends, a wallet opened just
-before (its process then bids as an unknown one: 0) or closed just before (it lingers, holding its credits). The
-books stay balanced: a saved state is one the market was in. Calls in flight when it died are sent again to the
-restarted one (joining and leaving twice are harmless).
+GCS's key-value store (``GcsStore``) as soon as a wallet opens or closes (a launch's and an ending's one GCS write),
+and at most ``SAVE_EVERY_S`` after a round (a write per round would put the GCS on every replica's step), so a
+restart loses at most that much of the rounds' rent and dividends. The books stay balanced: a saved state is one
+the market was in. Calls in flight when it died are sent again to the restarted one (joining and leaving twice are
+harmless).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ class MarketActor:
         self._save()
 
     def _save(self) -> None:
-        self._saving = None
+        if self._saving is not None:
+            self._saving.cancel()
+            self._saving = None
         self._stored.put((), self._market)
 
     def _save_soon(self) -> None:
@@ -51,12 +53,12 @@ class MarketActor:
         if (account := self._market.wallets.slot(process_id)) is not None:
             return self._market.wallets.endowment[account] / MICRO
         joined = self._market.join(process_id, endowment)
-        self._save_soon()
+        self._save()  # at once: a wallet forgotten by a restart would be a launch's credits gone
         return joined
 
     async def leave(self, process_id: str) -> float:
         left = self._market.leave(process_id)
-        self._save_soon()
+        self._save()  # at once: a closed wallet that a restart reopened would stay open for good
         return left
 
     async def settle(self, reports: Sequence[DeviceReport]) -> list[DeviceDecision]:
