@@ -16,7 +16,6 @@ import contextlib
 import logging
 import secrets
 import threading
-from dataclasses import dataclass
 
 import ray
 import ray.exceptions
@@ -27,11 +26,21 @@ from pie_workers.model_dir import ModelSource
 from pie_workers.replica import Replica, replica_placement
 from pie_workers.runner import RunnerSettings
 from pie_workers.tiny_model import EmbeddedModel
-from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus import start_bus
+from pie_cluster.cluster_status import cluster_status
 from pie_cluster.config import ModelConfigEntry, PieConfig
+from pie_cluster.controller_state import (
+    HOST_PREFIX,
+    REPLICA_PREFIX,
+    ControllerMemory,
+    ControllerState,
+    ModelPlacement,
+    kill_orphans,
+    kill_saved,
+)
 from pie_cluster.cpu_share import ModelShape, automatic_cpus_per_rank, node_room
 from pie_cluster.directory import get_or_create_directory
 from pie_cluster.drain import drain_node
@@ -40,21 +49,11 @@ from pie_cluster.instance_record import HostPool
 from pie_cluster.launcher import Launcher
 from pie_cluster.market import get_or_create_market
 from pie_cluster.responses_store import get_or_create_store
-from pie_cluster.supervisor import Supervisor, probe_ranks
+from pie_cluster.supervisor import Supervisor
 
 CONTROLLER = "pie-controller"
 LAUNCHER = "pie-launcher"
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _ModelPlacement:
-    """How a model's replicas are made: its config entry and the placement group their bundles are in."""
-
-    entry: ModelConfigEntry
-    group: PlacementGroup
-    use_gpu: bool
-    cpus_per_rank: int  # the entry's, or the automatic share (cpu_share.py)
 
 
 def _model_source(entry: ModelConfigEntry) -> ModelSource:
@@ -83,27 +82,60 @@ def _automatic_cpus(config: PieConfig) -> int:
 
 
 class Controller:
-    def __init__(self, config: PieConfig):
+    """Builds the cluster, or, restarted by Ray (``restartable``), adopts the one it had built (controller_state.py)."""
+
+    def __init__(self, config: PieConfig, restartable: bool = False):
         self.config = config
+        self._detached = restartable  # what it starts outlives it, so that its restart finds it all running
+        self._namespace = ray.get_runtime_context().namespace
+        self._memory = ControllerMemory(self._namespace, _reconstructed()) if restartable else None
+        self.secret = self._memory.secret(_new_secret) if restartable else _new_secret()
+        saved = self._memory.load() if restartable else None
+        self.hosting = threading.Lock()  # hosts added and services published one at a time
+        self._stopping = threading.Event()
+        if saved is None:
+            self._build()
+        else:
+            self._adopt(saved)
+        self.supervisor = Supervisor(config.supervision, self.replicas, self._new_replica, self._publish)
+        threading.Thread(target=self._watch_nodes, name="node-watcher", daemon=True).start()
+
+    def _build(self) -> None:
+        config = self.config
         self.replicas: dict[str, list[Replica]] = {}
-        self.placements: list[PlacementGroup] = []
-        self._models: dict[str, _ModelPlacement] = {}
+        self._models: dict[str, ModelPlacement] = {}
+        self.drained: set[str] = set()  # nodes `pie drain` released: no host is started there again
+        self.restarts = 0
         _check_placements(config)
         self._auto_cpus = _automatic_cpus(config)
-        self.secret = secrets.token_bytes(32)  # signs instances' capabilities; only trusted actors are given it
-        namespace = ray.get_runtime_context().namespace
-        # the control plane stays on the controller's node (the head's, for `pie start`): a zero-CPU actor could
-        # otherwise land on any worker, and losing that worker would take the launcher or the market with it
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.market = get_or_create_market(namespace, config.market.default_endowment, scheduling_strategy=here)
-        self.directory = get_or_create_directory(namespace, scheduling_strategy=here)
-        self.responses = get_or_create_store(namespace, config.responses, self.directory, scheduling_strategy=here)
+        # the control plane starts on the controller's node (the head's, for `pie start`) rather than on any worker.
+        # The market and the directory keep their state in the GCS, so where their node is lost Ray restarts them
+        # on another (soft); the launcher's program store and the response store are on this node's disk and in
+        # memory, so they stay (hard)
+        node = ray.get_runtime_context().get_node_id()
+        here, preferably_here = (NodeAffinitySchedulingStrategy(node, soft=soft) for soft in (False, True))
+        lifetime = "detached" if self._detached else None
+        self.market = get_or_create_market(
+            self._namespace, config.market.default_endowment, lifetime=lifetime, scheduling_strategy=preferably_here
+        )
+        self.directory = get_or_create_directory(
+            self._namespace, lifetime=lifetime, scheduling_strategy=preferably_here
+        )
+        self.responses = get_or_create_store(
+            self._namespace, config.responses, self.directory, lifetime=lifetime, scheduling_strategy=here
+        )
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
-        self.bus = start_bus(shards=config.bus.shards, detached=False, secret=self.secret)
+        self.bus = start_bus(shards=config.bus.shards, detached=self._detached, secret=self.secret)
         nodes = sorted(_alive_nodes())
         launcher_cls = ray.remote(Launcher).options(
-            name=LAUNCHER, num_cpus=0, max_concurrency=100_000, scheduling_strategy=here, max_restarts=-1
+            name=LAUNCHER,
+            get_if_exists=True,  # one a previous process of a restarted controller made before it died
+            lifetime=lifetime,
+            num_cpus=0,
+            max_concurrency=100_000,
+            scheduling_strategy=here,
+            max_restarts=-1,
         )
         self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision)
         services = self._services(nodes)
@@ -115,17 +147,46 @@ class Controller:
             model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
         )
         answered(self.launcher.attach_pool.remote(pool), "the launcher", LAUNCHER_S)
-        self.hosting = threading.Lock()  # hosts added and services published one at a time
-        self.drained: set[str] = set()  # nodes `pie drain` released: no host is started there again
-        self._stopping = threading.Event()
-        self.supervisor = Supervisor(config.supervision, self.replicas, self._new_replica, self._publish)
-        threading.Thread(target=self._watch_nodes, name="node-watcher", daemon=True).start()
+        self.save()
+
+    def _adopt(self, saved: ControllerState) -> None:
+        """Take over what the previous process built; what it left half-made is killed."""
+        self._models, self.replicas, self.drained = saved.models, saved.replicas, saved.drained
+        self.market, self.directory, self.responses = saved.market, saved.directory, saved.responses
+        self.launcher, self.bus, self.hosts = saved.launcher, saved.bus, saved.hosts
+        self.restarts = saved.restarts + 1
+        killed = kill_orphans(saved)
+        log.warning("controller restarted: adopted its cluster (restart %d; killed %s)", self.restarts, killed or "-")
+        self.save()
+
+    def save(self) -> None:
+        """Write what this controller holds where its restart finds it (nothing, when it is not restartable)."""
+        if self._memory is None:
+            return
+        state = ControllerState(
+            self._models,
+            self.replicas,
+            self.market,
+            self.directory,
+            self.responses,
+            self.launcher,
+            self.bus,
+            self.hosts,
+            self.drained,
+            self.restarts,
+        )
+        self._memory.save(state)
+
+    def cpus_per_rank(self, model: str) -> int:
+        return self._models[model].cpus_per_rank
 
     def _start_host(self, node: str, services: NodeServices):
         """The pooled inferlet host of ``node``; Ray restarts it if it dies (the launcher fails what it ran)."""
         return (
             ray.remote(InferletHost)
             .options(
+                name=f"{HOST_PREFIX}{node}/{secrets.token_hex(4)}",
+                lifetime="detached" if self._detached else None,
                 num_cpus=0,
                 max_restarts=-1,
                 max_concurrency=100_000,
@@ -153,6 +214,7 @@ class Controller:
                 ray.kill(host)
                 raise
             self.hosts[node] = host
+            self.save()
             log.info("node %s joined: its inferlet host takes launches", node)
 
     def _services(self, nodes) -> dict[str, NodeServices]:
@@ -178,6 +240,7 @@ class Controller:
             for node, host in self.hosts.items():
                 host.set_services.remote(services[node])
             answered(self.launcher.set_services.remote(services), "the launcher", LAUNCHER_S)
+            self.save()
 
     @property
     def _deadline(self) -> float:
@@ -197,9 +260,9 @@ class Controller:
             use_gpu,
             entry.placement.upper(),
             entry.resources,
+            detached=self._detached,
         )
-        self.placements.append(group)
-        self._models[entry.name] = _ModelPlacement(entry, group, use_gpu, cpus)
+        self._models[entry.name] = ModelPlacement(entry, group, use_gpu, cpus)
         return [self._new_replica(entry.name, i) for i in range(entry.replicas)]
 
     def _new_replica(self, name: str, index: int) -> Replica:
@@ -218,6 +281,8 @@ class Controller:
             directory=(self.directory, name),
             secret=self.secret,
             start_s=self.config.supervision.start_s,
+            name=f"{REPLICA_PREFIX}{name}/{index}/{secrets.token_hex(4)}",
+            detached=self._detached,
         )
 
     def ready(self) -> bool:
@@ -238,75 +303,8 @@ class Controller:
         return {name: tuple(_endpoint(name, r, node_id) for r in replicas) for name, replicas in self.replicas.items()}
 
     def status(self) -> dict:
-        """Replicas with their page use, batches and queue; nodes and their inferlet hosts; the launcher's counts.
-        A part that is dead or does not answer within the probe deadline is reported as such, never raised."""
-        replicas = []
-        for name, group in self.replicas.items():
-            for i, replica in enumerate(group):
-                info = replica.info
-                row = {
-                    "model": name,
-                    "replica": i,
-                    "node": info.node_id,
-                    "model_dir": info.model_dir,
-                    "tensor_parallel": info.tensor_parallel_size,
-                    "cpus_per_rank": self._models[name].cpus_per_rank,
-                    "device": info.device,
-                    "backend": info.backend,
-                }
-                if (name, i) in self.supervisor.restarting:
-                    replicas.append({**row, "state": "restarting"})
-                    continue
-                probe = probe_ranks(replica.ranks, self._deadline)
-                row["pids"] = list(probe.pids)
-                s = self._probe(replica.leader.engine_stats.remote()) if probe.state == "serving" else probe.state
-                if isinstance(s, str):
-                    replicas.append({**row, "state": s})
-                    continue
-                replicas.append(
-                    {
-                        **row,
-                        "state": "serving",
-                        "pages_used": s["total"] - s["free"] - s["cached"],
-                        "pages_cached": s["cached"],
-                        "pages_total": s["total"],
-                        "queued": s["queued"],
-                        "batches": s["batches"],
-                        "requests": s["requests"],
-                        "prefix_hit_tokens": s["prefix_hit_tokens"],
-                        "contexts": s["contexts"],
-                        "suspended": s["suspended"],
-                        "price": s["price"],
-                    }
-                )
-        alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
-        hosts = {node: self._probe(host.describe.remote()) for node, host in list(self.hosts.items())}
-        launcher = self._probe(self.launcher.stats.remote())
-        market = self._probe(self.market.summary.remote())
-        try:
-            bus = self.bus.stats(timeout=self._deadline)
-        except ray.exceptions.GetTimeoutError:
-            bus = "unresponsive"
-        except ray.exceptions.RayError:
-            bus = "dead"
-        return {
-            "replicas": replicas,
-            "replica_restarts": self.supervisor.restarts,
-            "nodes": [{"node": node, "alive": alive.get(node, False), **_host_row(got)} for node, got in hosts.items()],
-            "drained": [{"node": node, "alive": alive.get(node, False)} for node in sorted(self.drained)],
-            "launcher": launcher if isinstance(launcher, dict) else {"state": launcher},
-            "bus": bus if isinstance(bus, dict) else {"state": bus},
-            "market": market if isinstance(market, dict) else {"state": market},
-        }
-
-    def _probe(self, ref) -> object:
-        """The reply to a status call, or "dead" / "unresponsive" in its place."""
-        try:
-            return ray.get(ref, timeout=self._deadline)
-        except ray.exceptions.GetTimeoutError:
-            return "unresponsive"
-        except ray.exceptions.RayError:
-            return "dead"
+        """``pie status`` (``pie_cluster.cluster_status``)."""
+        return cluster_status(self)
 
     def nodes(self) -> list[str]:
         return list(self.hosts)
@@ -332,19 +330,23 @@ class Controller:
                 except ray.exceptions.RayError:
                     for rank in replica.ranks:
                         ray.kill(rank)
-        for placement in self.placements:
-            remove_placement_group(placement)
+        for model in self._models.values():
+            remove_placement_group(model.group)
+        if self._memory is not None:
+            self._memory.clear()
 
 
 def start_controller(config: PieConfig, detached: bool = True):
     """Create the controller in the current namespace (or return the running one) once every service is up, on
     the caller's node (`pie start` runs on the head)."""
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    # beside the caller (the head, for `pie start`), or, when that node is lost, restarted on another (its state is
+    # in the GCS)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     options = {"name": CONTROLLER, "num_cpus": 0, "max_concurrency": 16, "get_if_exists": True}
-    options["scheduling_strategy"] = here  # beside the caller (the head, for `pie start`): see Controller
-    if detached:
-        options["lifetime"] = "detached"
-    controller = ray.remote(Controller).options(**options).remote(config)
+    options["scheduling_strategy"] = here
+    if detached:  # outlives the command, and is restarted (adopting what it built) when its process dies
+        options |= {"lifetime": "detached", "max_restarts": -1, "max_task_retries": -1}
+    controller = ray.remote(Controller).options(**options).remote(config, restartable=detached)
     ray.get(controller.ready.remote())
     return controller
 
@@ -359,13 +361,16 @@ def find_controller():
 
 def stop_controller() -> bool:
     """Shut every service down and remove the controller; False when none was running. A controller that died or
-    hangs is killed outright: the services it started are its own actors and go with it."""
+    hangs is killed outright, and so is what it saved that it had started (the rest were its own actors and go with
+    it)."""
     try:
         controller = ray.get_actor(CONTROLLER)
     except ValueError:
         return False
-    with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+    try:
         ray.get(controller.shutdown.remote(), timeout=120)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):  # what it started may be detached: by hand
+        kill_saved(ray.get_runtime_context().namespace)
     ray.kill(controller)
     return True
 
@@ -387,8 +392,9 @@ def _alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
-def _host_row(described: object) -> dict:
-    """A node's host as ``pie status`` shows it: serving with its sandbox mode and workers, or dead / no answer."""
-    if isinstance(described, dict):
-        return {"host": "serving", **described}
-    return {"host": described}
+def _reconstructed() -> bool:
+    return ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def _new_secret() -> bytes:
+    return secrets.token_bytes(32)  # signs instances' capabilities; only trusted actors are given it

@@ -166,9 +166,16 @@ def _tell(replica, method: str, *args) -> None:
         getattr(replica, method).remote(*args)
 
 
-def get_or_create_directory(namespace: str, scheduling_strategy=None):
+def get_or_create_directory(namespace: str, lifetime: str | None = None, scheduling_strategy=None):
     """The directory of ``namespace``, restarted by Ray whenever its process dies (its entries are durable)."""
-    options = {"name": DIRECTORY, "namespace": namespace, "get_if_exists": True, "num_cpus": 0, "max_restarts": -1}
+    options = {
+        "name": DIRECTORY,
+        "namespace": namespace,
+        "get_if_exists": True,
+        "lifetime": lifetime,
+        "num_cpus": 0,
+        "max_restarts": -1,
+    }
     if scheduling_strategy is not None:
         options["scheduling_strategy"] = scheduling_strategy
     return ray.remote(UserDirectory).options(**options).remote(namespace)

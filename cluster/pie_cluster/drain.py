@@ -51,6 +51,7 @@ def drain_node(controller: Controller, node: str, timeout_s: float) -> dict:
         host = hosts.pop(node)
         answered(launcher.remove_host.remote(node, reason), "the launcher", LAUNCHER_S)  # ends any left
         ray.kill(host, no_restart=True)
+        controller.save()
     took = time.monotonic() - started
     log.info("node %s drained in %.1f s", node, took)
     return {

@@ -139,8 +139,10 @@ class ResponseStore:
             await asyncio.sleep(SWEEP_EVERY_S)
 
 
-def get_or_create_store(namespace: str, config: ResponsesConfig, directory, scheduling_strategy=None):
-    options = {"name": RESPONSES, "namespace": namespace, "get_if_exists": True, "num_cpus": 0}
+def get_or_create_store(
+    namespace: str, config: ResponsesConfig, directory, lifetime: str | None = None, scheduling_strategy=None
+):
+    options = {"name": RESPONSES, "namespace": namespace, "get_if_exists": True, "lifetime": lifetime, "num_cpus": 0}
     if scheduling_strategy is not None:
         options["scheduling_strategy"] = scheduling_strategy
     return ray.remote(ResponseStore).options(**options).remote(config, directory)

@@ -55,10 +55,10 @@ def replica(controller, model: str, index: int = 0) -> dict:
     return next(r for r in rows if (r["model"], r["replica"]) == (model, index))
 
 
-def run_halves(launcher, program: str, model: str, node: str, kill=None) -> list[dict]:
-    """Run ``INSTANCES`` instances on ``node``, each with its own prompt; with ``kill``, they wait half way until it
+def run_halves(launcher, program: str, model: str, node: str, kill=None, count: int = INSTANCES) -> list[dict]:
+    """Run ``count`` instances on ``node``, each with its own prompt; with ``kill``, they wait half way until it
     has run. Returns each one's result."""
-    inputs = [{"model": model, "prompt": f"story {i}", "wait": kill is not None} for i in range(INSTANCES)]
+    inputs = [{"model": model, "prompt": f"story {i}", "wait": kill is not None} for i in range(count)]
     instances = [launch(launcher, program, input, node_id=node) for input in inputs]
     if kill is not None:
         for instance in instances:
@@ -74,7 +74,7 @@ def run_halves(launcher, program: str, model: str, node: str, kill=None) -> list
         assert last[1] == "return", last
         results.append(json.loads(last[2]))
     if kill is not None:
-        print(f"{model}: {INSTANCES} instances finished {time.monotonic() - killed:.1f} s after the kill")
+        print(f"{model}: {count} instances finished {time.monotonic() - killed:.1f} s after the kill")
     return results
 
 
@@ -122,3 +122,36 @@ def test_a_model_of_one_replica_continues_on_its_replacement(cluster):
     assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
     after = replica(cluster, "solo")
     assert after["state"] == "serving" and not set(after["pids"]) & set(before["pids"]), (before, after)
+
+
+def test_a_killed_controller_is_restarted_and_adopts_its_cluster(cluster):
+    """Last in the module: the controller's process is SIGKILLed while instances wait half way. Ray restarts it; it
+    adopts the running replicas, hosts, bus and launcher (none restarted), the instances finish with their tokens,
+    and its supervisor works again: a replica killed afterwards is replaced."""
+    launcher = ray.get_actor("pie-launcher")
+    program = upload(launcher, HALVES)
+    before = ray.get(cluster.status.remote())
+    node = replica(cluster, "default")["node"]
+    expected = run_halves(launcher, program, "default", node, count=8)
+
+    def kill_controller():
+        os.kill(ray.get(cluster.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+        killed = time.monotonic()
+        status = ray.get(cluster.status.remote(), timeout=120)  # retried on the restarted controller
+        print(f"controller answering {time.monotonic() - killed:.1f} s after its kill")
+        assert status["controller_restarts"] == 1
+        assert [r["pids"] for r in status["replicas"]] == [r["pids"] for r in before["replicas"]]
+        assert [n["node"] for n in status["nodes"]] == [n["node"] for n in before["nodes"]]
+        assert all(n["host"] == "serving" for n in status["nodes"]) and "state" not in status["bus"]
+
+    got = run_halves(launcher, program, "default", node, kill=kill_controller, count=8)
+    assert [r["moves"] for r in got] == [0] * 8
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
+
+    doomed = replica(cluster, "solo")
+    os.kill(doomed["pids"][0], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while (now := replica(cluster, "solo"))["state"] != "serving" or now["pids"] == doomed["pids"]:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.5)
+    assert ray.get(cluster.status.remote())["replica_restarts"] >= 1

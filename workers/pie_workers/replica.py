@@ -167,6 +167,8 @@ class Replica:
         directory: tuple | None = None,
         secret: bytes | None = None,
         start_s: float | None = None,
+        name: str | None = None,
+        detached: bool = False,
     ):
         """``model``: a model directory (resolved on the replica's node) or the embedded model; ``engine``: also
         start the replica engine with these batch limits (what inferlets talk to); ``market``: the market actor its
@@ -175,7 +177,9 @@ class Replica:
         cluster's user directory actor and this model's name in it (None: snapshots and adapters stay here);
         ``secret``: the cluster's, which its engine verifies inferlets' capabilities with (required with ``engine``:
         a replica never serves unauthenticated inferlets); ``start_s``: how long its ranks may take to be placed and
-        load the model (None: no limit) before they are killed and ``TimeoutError`` is raised."""
+        load the model (None: no limit) before they are killed and ``TimeoutError`` is raised; ``name``: its ranks are
+        named ``{name}/rank-{i}`` (found again by a controller that restarts); ``detached``: its ranks (and its own
+        placement group) outlive whoever made it, which must then shut it down."""
         if engine is not None and not secret:
             raise ValueError("a replica that serves inferlets needs the cluster's secret (secret=...)")
         if use_gpu is None:
@@ -183,11 +187,15 @@ class Replica:
         n = tensor_parallel_size
         self._own_placement = placement is None
         if placement is None:
-            placement = replica_placement(1, n, cpus_per_rank, use_gpu), 0
+            placement = replica_placement(1, n, cpus_per_rank, use_gpu, detached=detached), 0
         self.placement_group, bundle = placement
+        self.name = name
         actor = ray.remote(RankWorker)
+        lifetime = {"lifetime": "detached"} if detached else {}
         self.ranks = [
             actor.options(
+                **({"name": f"{name}/rank-{i}"} if name else {}),
+                **lifetime,
                 num_cpus=cpus_per_rank,
                 num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -218,6 +226,11 @@ class Replica:
                 "(no node has room for its bundle, or loading the model hangs)"
             ) from None
 
+    def __getstate__(self) -> dict:
+        """Pickled (a restartable controller saves its replicas): the followers' running calls belong to the
+        process that made them, not to whoever unpickles this."""
+        return {**self.__dict__, "_following": []}
+
     @property
     def leader(self):
         return self.ranks[0]
@@ -244,12 +257,14 @@ def replica_placement(
     use_gpu: bool,
     strategy: str = "SPREAD",
     resources: dict[str, float] | None = None,
+    detached: bool = False,
 ) -> PlacementGroup:
     """A placement group with one bundle per replica, each holding a whole tensor-parallel group (a bundle never
     spans nodes). ``SPREAD`` puts replicas on different nodes where it can, ``STRICT_SPREAD`` always (or never
     becomes ready), ``PACK`` on as few nodes as fit. ``resources``: custom Ray resources each bundle takes too (a
-    model kept to the nodes that declare them)."""
+    model kept to the nodes that declare them); ``detached``: it outlives its creator."""
     bundle = {**(resources or {}), "CPU": cpus_per_rank * tensor_parallel_size}
     if use_gpu:
         bundle["GPU"] = tensor_parallel_size
-    return placement_group([dict(bundle) for _ in range(replicas)], strategy=strategy)
+    lifetime = "detached" if detached else None
+    return placement_group([dict(bundle) for _ in range(replicas)], strategy=strategy, lifetime=lifetime)
