@@ -184,7 +184,12 @@ def test_a_killed_inferlet_host_fails_its_instances_and_comes_back(started, ray_
     events = events_text(url, lost)
     assert "event: error" in events and "died" in events, events
     assert {i["id"]: i["status"] for i in httpx.get(f"{url}/v1/instances").json()}[lost] == "failed"
-    again = httpx.post(f"{url}/v1/instances", json={"program": program, "node_id": node, "deadline_s": 60})
+    deadline = time.monotonic() + 120
+    while (
+        again := httpx.post(f"{url}/v1/instances", json={"program": program, "node_id": node, "deadline_s": 60})
+    ).status_code == 503:
+        assert "host is down" in again.text and time.monotonic() < deadline, again.text  # restarting: try again
+        time.sleep(0.5)
     instance = again.json()["id"]
     httpx.post(f"{url}/v1/instances/{instance}/messages", json={"message": "back"})
     assert 'event: return\ndata: "back"' in httpx.get(f"{url}/v1/instances/{instance}/events", timeout=60).text

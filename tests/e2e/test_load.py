@@ -56,15 +56,15 @@ def launcher(ray_session):
 
 
 def worker_process(uid: int) -> psutil.Process:
-    """The user's sandboxed worker on this machine: the Python process running as that worker's uid (under the
-    cluster's host, not one of a pool that an earlier test ran in this process: worker uids are per pool)."""
-    ours = {p.pid for p in psutil.Process().children(recursive=True)}
+    """The user's sandboxed worker on this machine: the Python process running as that worker's uid under an
+    inferlet host (not one of a pool that an earlier test ran in the test process itself: worker uids are per
+    pool)."""
     (found,) = [
         p
         for p in psutil.process_iter(["uids", "cmdline"])
         if p.info["uids"].real == uid
         and "pie_cluster.sandbox.worker_main" in (p.info["cmdline"] or [])
-        and p.pid not in ours
+        and any("InferletHost" in " ".join(parent.cmdline()) for parent in p.parents())
     ]
     return found
 
