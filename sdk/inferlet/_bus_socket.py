@@ -1,11 +1,19 @@
 """One inferlet's socket to one message-bus shard (``inferlet.messaging``): a ZeroMQ DEALER read by the event loop,
 its operations batched until the loop's turn ends, and a monitor that tells when the shard went away.
+
+Operations that hand the shard a message (``push``, ``requeue``) are numbered and kept until the shard acknowledges
+them (``["acked", seq]``, sent once its journal has them): a shard that dies before it read them would otherwise
+lose them without anyone knowing. When the connection drops, the unacknowledged ones are sent again to the
+restarted shard; a shard that sees a gap in the numbers asks for them again (``["resend", seq]``) and ignores the
+ones it already applied, so each is applied exactly once and in order. Each carries the lowest number still
+unacknowledged, so a shard that no longer knows the peer knows where it starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 
 import msgpack
@@ -15,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 FRAME_OPS = 1024  # operations waiting to be sent that make the client send at once rather than at the turn's end
 CALL_TIMEOUT_S = 10.0  # how long subscribe waits for the bus to register it
 CLOSE_TIMEOUT_S = 2.0  # how long an ending inferlet waits for each shard to confirm its withdrawal
+NUMBERED = ("push", "requeue")  # operations that hand the shard a message: kept until it acknowledges them
 
 
 class BusError(RuntimeError):
@@ -37,6 +46,9 @@ class ShardConnection:
         self._on_drop = on_drop
         self._capability = capability
         self._outbox: list[list] = []
+        self._sent = 0  # numbered operations so far
+        self.unacked: deque[tuple[int, list]] = deque()  # (number, operation), oldest first
+        self.drops = 0  # times the shard went away
         self._sock = _zmq_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, identity)
         self._sock.setsockopt(zmq.SNDTIMEO, int(CALL_TIMEOUT_S * 1000))  # backpressure, but never hang for good
@@ -49,6 +61,10 @@ class ShardConnection:
         self._watch()  # its FD is edge-triggered: an edge before the reader was added would never signal again
 
     def send(self, op: list) -> None:
+        if op[0] in NUMBERED:
+            self._sent += 1
+            op = [*op, self._sent, self.unacked[0][0] if self.unacked else self._sent]
+            self.unacked.append((self._sent, op))
         self._outbox.append(op)
         if len(self._outbox) >= FRAME_OPS:
             self.flush()
@@ -71,22 +87,50 @@ class ShardConnection:
         while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._on_events(self, msgpack.unpackb(self._sock.recv(zmq.NOBLOCK)))
 
+    def acked(self, seq: int) -> None:
+        """The shard has journaled every numbered operation up to ``seq``."""
+        while self.unacked and self.unacked[0][0] <= seq:
+            self.unacked.popleft()
+
+    def resend(self, first: int) -> None:
+        """Send again every unacknowledged operation from number ``first`` on (the shard never read them)."""
+        if not self.unacked:
+            return
+        lowest = self.unacked[0][0]
+        for seq, op in self.unacked:
+            if seq >= first:
+                op[-1] = lowest  # where a shard that no longer knows this peer should start
+                self._outbox.append(op)
+        if self._outbox:
+            self._loop.call_soon(self.flush)
+
     def wait_until(self, done: Callable[[], bool], timeout: float) -> None:
         """Send what is queued and block the loop until ``done()`` (a synchronous call's answer, or a refusal, has
-        arrived)."""
+        arrived), watching for the shard going away meanwhile."""
         self.flush()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout
         while not done():
             left = deadline - time.monotonic()
             if left <= 0:
                 raise BusError(f"message bus shard {self.address} did not answer within {timeout:g} s")
-            if self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if self._monitor in ready:
+                self._watch()
+            self.flush()  # what the watch queued to send again
+            if self._sock in ready:
                 self.drain()
 
     def _watch(self) -> None:
-        """The monitor's events (edge-triggered like the socket's): a disconnection means the shard died."""
+        """The monitor's events (edge-triggered like the socket's): a disconnection means the shard died. What it
+        had not acknowledged goes again, to its restart, which ignores what it already applied."""
         while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             if recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED:
+                self.drops += 1
+                if self.unacked:
+                    self.resend(self.unacked[0][0])
                 self._on_drop(self)
 
     def close(self) -> None:

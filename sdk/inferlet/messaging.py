@@ -40,6 +40,9 @@ sent with the instance's capability, from which the shard takes the user. A shar
 why, and every call of the inferlet's on the bus then fails with a ``BusError`` saying so. A shard that dies is
 restarted at its address with the messages queued on it, and the connection reconnects by itself; the inferlet's
 pulls waiting there and its subscriptions there fail with a ``BusError`` saying so when the connection drops.
+Pushed messages are kept by the client until the shard confirms it journaled them, and sent again to its restart
+(``inferlet._bus_socket``): each is queued exactly once. An inferlet that ends waits for that confirmation; one the
+bus never gives ends it with a ``BusError`` saying how many messages may be lost.
 """
 
 from __future__ import annotations
@@ -189,18 +192,34 @@ class _Bus:
         for subscription in self._subscriptions.values():
             subscription._end()
         self._subscriptions.clear()
-        for connection in self._connections.values():
-            token = next(self._ids)
-            connection.send(["close", token])
-            try:
-                self._call(connection, token, CLOSE_TIMEOUT_S)
-                connection.flush()  # the messages given back while closing
-            except BusError as e:
-                log.warning("leaving the message bus: %s", e)
-            connection.close()
+        unconfirmed = [left for connection in self._connections.values() if (left := self._leave(connection))]
         self._connections.clear()
         for token in list(self._withdrawals):  # unconfirmed (a shard did not answer): release what they held
             self._withdrawn(token)
+        if unconfirmed:
+            raise BusError(
+                f"messages this inferlet pushed may be lost, the bus never confirmed them: {', '.join(unconfirmed)}"
+            )
+
+    def _leave(self, connection: ShardConnection) -> str:
+        """Withdraw from one shard and close the connection once the shard confirmed every push (a shard that went
+        away meanwhile holds nothing of ours but those: its restart need only confirm them). Returns what was never
+        confirmed, if anything."""
+        token, drops = next(self._ids), connection.drops
+        connection.send(["close", token])
+
+        def left() -> bool:
+            gone = connection.drops > drops and not connection.unacked
+            return token in self._answered or gone or self._refused is not None
+
+        try:
+            connection.wait_until(left, CALL_TIMEOUT_S if connection.unacked else CLOSE_TIMEOUT_S)
+            connection.flush()  # the messages given back while closing
+        except BusError as e:
+            log.warning("leaving the message bus: %s", e)
+        self._answered.discard(token)
+        connection.close()
+        return f"{len(connection.unacked)} on shard {connection.address}" if connection.unacked else ""
 
     # -- internals --
 
@@ -251,6 +270,10 @@ class _Bus:
                     self._withdrawn(event[1])
                 else:
                     self._answered.add(event[1])
+            elif kind == "acked":
+                connection.acked(event[1])
+            elif kind == "resend":
+                connection.resend(event[1])
             elif kind == "refused":
                 self._refuse(BusError(f"message bus shard {connection.address} refused this inferlet: {event[1]}"))
 
@@ -258,8 +281,9 @@ class _Bus:
         """The shard behind ``connection`` died with what it held: the pulls and subscriptions this inferlet had
         there fail (the connection goes on to its restarted shard)."""
         error = BusError(
-            f"message bus shard {connection.address} went away: this pull or subscription was lost with it (it is "
-            "restarted with its queued messages; pull again, subscribe again)"
+            f"message bus shard {connection.address} went away: this pull or subscription was lost with it, with any "
+            "message the shard was sending it at that instant (the shard is restarted with its queued messages; pull "
+            "again, subscribe again)"
         )
         shard = next(i for i, c in self._connections.items() if c is connection)
         for rid, pull in list(self._pulls.items()):

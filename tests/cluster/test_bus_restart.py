@@ -102,3 +102,42 @@ def test_messages_queued_on_a_killed_shard_are_pulled_from_its_restart_in_order(
     (restarted,) = list_actors(filters=[("name", "=", f"{BUS}-{shard}"), ("state", "=", "ALIVE")])
     assert restarted["pid"] != actor["pid"]
     assert bus.stats(user)["queued"] == 0
+
+
+def test_messages_pushed_while_a_shard_is_killed_are_each_queued_once_in_order(bus, user):
+    """The pusher keeps pushing through the kill: what the dead process had not journaled (still in its socket, or
+    read but not applied) is sent again to its restart, which ignores what it already had."""
+    shard, queue, _ = same_shard_topics(user)
+    (actor,) = list_actors(filters=[("name", "=", f"{BUS}-{shard}"), ("state", "=", "ALIVE")])
+    killed = asyncio.Event()
+
+    async def pusher(input):
+        pushed = 0
+        while not killed.is_set():
+            for _ in range(20):
+                messaging.push(queue, str(pushed))
+                pushed += 1
+            await asyncio.sleep(0)
+        for _ in range(500):  # and on, while the shard restarts
+            messaging.push(queue, str(pushed))
+            pushed += 1
+        return pushed  # ending waits until the bus confirmed every push
+
+    async def puller(input):
+        return [int(await messaging.pull(queue)) for _ in range(input["n"])]
+
+    async def main():
+        running = asyncio.ensure_future(run_inferlet(pusher, {}, {}, user, **TRUST.instance(user), bus=bus.addresses()))
+        while bus.stats(user)["queued"] < 2000:
+            await asyncio.sleep(0.001)
+        os.kill(actor["pid"], signal.SIGKILL)
+        killed.set()
+        pushed = await asyncio.wait_for(running, 60)
+        pulled = await asyncio.wait_for(
+            run_inferlet(puller, {"n": pushed}, {}, user, **TRUST.instance(user), bus=bus.addresses()), 60
+        )
+        return pushed, pulled
+
+    pushed, pulled = asyncio.run(main())
+    assert pulled == list(range(pushed))
+    assert bus.stats(user)["queued"] == 0

@@ -2,24 +2,35 @@
 
 A shard is restarted on its own node (at its addresses), so a file there outlives its process. Every change to a
 queue is a record appended to the file: ``["+", user, topic, message]`` (queued at the back), ``["<", user, topic,
-messages]`` (given back to the front) and ``["-", user, topic]`` (the front one pulled). Records are buffered and
-written with one ``write`` per burst, before the shard sends what the burst produced, so a message a puller has
-seen is never handed out again; a write survives the process's death (the kernel has it) though not the machine's,
-whose loss takes the shard's address with it anyway. When the file holds many more records than messages are
-queued, it is rewritten from the queues.
+messages]`` (given back to the front) and ``["-", user, topic]`` (the front one pulled); and ``["#", peer, seq]``:
+the last numbered operation applied for a peer (``seq`` None: the peer left), so that a restart ignores what a
+client sends it again. Records are buffered and written with one ``write`` per burst, before the shard sends what
+the burst produced, so a message a puller has seen is never handed out again and a push acknowledged is kept; a
+write survives the process's death (the kernel has it) though not the machine's, whose loss takes the shard's
+address with it anyway. When the file holds many more records than messages are queued, it is rewritten from the
+queues.
 """
 
 from __future__ import annotations
 
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
 
 Key = tuple[str, str]
 COMPACT_AT = 10_000  # records past the queued messages' count that make the file be rewritten
+
+
+@dataclass
+class Replayed:
+    """What a journal describes: the queues, and per peer the last numbered operation applied (oldest first)."""
+
+    queues: dict[Key, deque[str]] = field(default_factory=dict)
+    applied: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
 
 
 class Journal:
@@ -30,19 +41,19 @@ class Journal:
         self._queued = 0  # messages the records leave queued
         self._fd = -1
 
-    def replay(self) -> dict[Key, deque[str]]:
-        """The queues the file describes (none if there is no file); then append to it from there on."""
-        queues: dict[Key, deque[str]] = {}
+    def replay(self) -> Replayed:
+        """What the file describes (nothing if there is no file); then append to it from there on."""
+        state = Replayed()
         if self._path.exists():
             unpacker = msgpack.Unpacker(raw=False)
             unpacker.feed(self._path.read_bytes())
             for record in unpacker:  # a record cut off by the kill is simply not there
-                _apply(queues, record)
+                _apply(state, record)
                 self._records += 1
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        kept = {key: messages for key, messages in queues.items() if messages}
-        self._queued = sum(len(messages) for messages in kept.values())
-        return kept
+        state.queues = {key: messages for key, messages in state.queues.items() if messages}
+        self._queued = sum(len(messages) for messages in state.queues.values())
+        return state
 
     def queued(self, key: Key, message: str) -> None:
         self._pending.append(["+", *key, message])
@@ -56,8 +67,11 @@ class Journal:
         self._pending.append(["-", *key])
         self._queued -= 1
 
-    def flush(self, queues: Callable[[], dict[Key, deque[str]]]) -> None:
-        """Write what this burst changed; rewrite the file from ``queues()`` when it has grown far past them."""
+    def applied(self, peer: bytes, seq: int | None) -> None:
+        self._pending.append(["#", peer, seq])
+
+    def flush(self, state: Callable[[], Replayed]) -> None:
+        """Write what this burst changed; rewrite the file from ``state()`` when it has grown far past it."""
         if not self._pending:
             return
         self._records += len(self._pending)
@@ -65,10 +79,11 @@ class Journal:
         self._pending.clear()
         os.write(self._fd, data)
         if self._records > COMPACT_AT + self._queued:
-            self._rewrite(queues())
+            self._rewrite(state())
 
-    def _rewrite(self, queues: dict[Key, deque[str]]) -> None:
-        records = [["<", *key, list(messages)] for key, messages in queues.items() if messages]
+    def _rewrite(self, state: Replayed) -> None:
+        records = [["<", *key, list(messages)] for key, messages in state.queues.items() if messages]
+        records += [["#", peer, seq] for peer, seq in state.applied.items()]
         temporary = self._path.with_suffix(".new")
         temporary.write_bytes(b"".join(msgpack.packb(record) for record in records))
         os.replace(temporary, self._path)
@@ -84,7 +99,8 @@ class Journal:
         self._path.unlink(missing_ok=True)
 
 
-def _apply(queues: dict[Key, deque[str]], record: list) -> None:
+def _apply(state: Replayed, record: list) -> None:
+    queues = state.queues
     match record:
         case ["+", str(user), str(topic), str(message)]:
             queues.setdefault((user, topic), deque()).append(message)
@@ -94,3 +110,8 @@ def _apply(queues: dict[Key, deque[str]], record: list) -> None:
             queue = queues.get((user, topic))
             if queue:
                 queue.popleft()
+        case ["#", bytes(peer), int(seq)]:
+            state.applied[peer] = seq
+            state.applied.move_to_end(peer)
+        case ["#", bytes(peer), None]:
+            state.applied.pop(peer, None)

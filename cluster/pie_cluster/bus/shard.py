@@ -7,14 +7,20 @@ name the instance the routing id starts with; its user namespaces every topic th
 this is not applied: the peer is answered ``["refused", why]`` and loses what it held here. A frame is a list of
 operations, applied in order::
 
-    ["push", topic, message]     ["pull", topic, rid]    ["cancel", rid]
-    ["cast", topic, message]     ["sub", topic, sid]     ["unsub", sid]
-    ["requeue", topic, message]  a pulled message its puller no longer wanted: back to the front of the queue
+    ["push", topic, message, seq, first]     ["pull", topic, rid]    ["cancel", rid]
+    ["cast", topic, message]                 ["sub", topic, sid]     ["unsub", sid]
+    ["requeue", topic, message, seq, first]  a pulled message its puller no longer wanted: back to the queue's front
     ["withdraw", rid, token]     cancel, confirmed with ["ok", token] (a pull served in its own process)
     ["close", token]             drop everything the peer holds (its inferlet ended)
 
 Each frame back is the list of every event the peer has coming from one burst: ``["pulled", rid, topic, message]``,
-``["cast", sid, message]``, and ``["ok", id]`` answering ``sub`` (id = sid) and ``close`` (id = token).
+``["cast", sid, message]``, ``["ok", id]`` answering ``sub`` (id = sid) and ``close`` (id = token), ``["acked",
+seq]`` and ``["resend", seq]`` (numbered operations are missing from ``seq`` on).
+
+Operations that hand the shard a message are numbered per peer (``seq``; ``first``: the lowest the peer has not seen
+acknowledged). The shard applies them once each, in order: one it already applied is ignored, one past a gap is
+ignored and the peer asked to send again from the gap (what the dead process had read but not applied, resent to
+its restart). The last one applied is journaled with the burst's queue changes and acknowledged after the write.
 
 The socket is served from the actor's event loop through ``add_reader``: a burst of frames is applied, then each
 peer gets one frame — so when many messages are in flight, both directions batch by themselves. The ROUTER is
@@ -27,7 +33,7 @@ GCS's key-value store, ``GcsStore``), so every client's DEALER reconnects to it 
 then on is applied. Its queued messages it reads back from its journal on the node's disk (``journal.py``); the
 waiting pulls and subscriptions the dead one held are gone, and each client fails its pulls and subscriptions on
 that shard with an error saying so when its connection drops (``inferlet.messaging``), rather than waiting
-forever. What a client had sent that the dead process had not yet read is lost with it.
+forever. What a client had pushed that the dead process had not yet journaled, the client sends again.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +55,7 @@ import ray
 import zmq
 from pie_workers.wire.capability import Capability, CapabilityError, verify
 
-from pie_cluster.bus.journal import Journal
+from pie_cluster.bus.journal import Journal, Replayed
 from pie_cluster.bus.topics import Topics
 from pie_cluster.durable import GcsStore
 
@@ -58,6 +65,7 @@ SOCKET_NAME = "shard.sock"  # in the shard's own directory
 BURST = 256  # frames applied per turn of the event loop, so the actor's Ray calls (stats, stop) still get a turn
 SEND_HWM = 10_000  # frames queued towards one peer before it counts as gone
 VERIFIED_CACHE = 4096  # capabilities kept verified; past it the cache starts over (a miss costs one HMAC)
+PEERS_NUMBERED = 1 << 16  # peers whose last applied number is kept (those gone without closing are forgotten first)
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,10 @@ class BusShard:
         self._verified: dict[bytes, _Verified] = {}  # token -> what it proved (a cache, emptied past VERIFIED_CACHE)
         self._topics = Topics(self._queue_event)  # made again with its journal once the shard listens
         self._journal: Journal | None = None
+        self._applied: OrderedDict[bytes, int] = OrderedDict()  # peer -> its last numbered operation applied
+        self._acks: set[bytes] = set()  # peers to acknowledge at the end of this burst
+        self._resends: dict[bytes, int] = {}  # peer -> the number to send again from (this burst)
+        self._asked: dict[bytes, int] = {}  # peer -> the number it was asked to send again from, until it does
         self._outgoing: dict[bytes, _Outbox] = {}
         self._sock: zmq.Socket | None = None
         self._ipc_path = ""
@@ -136,7 +148,9 @@ class BusShard:
         os.chmod(self._ipc_path, 0o666)  # sandboxed workers have uids of their own; capabilities guard it
         # beside that directory, not in it: no sandbox may read the queued messages
         self._journal = Journal(Path(f"{Path(self._ipc_path).parent}.journal"))  # the previous process's too
-        self._topics = Topics(self._queue_event, self._journal)
+        replayed = self._journal.replay()
+        self._applied = replayed.applied
+        self._topics = Topics(self._queue_event, self._journal, replayed.queues)
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.FD, self._serve)
         self._info = ShardInfo(self.index, self.count, node, tcp, f"ipc://{self._ipc_path}", secret_id(self._secret))
@@ -175,6 +189,7 @@ class BusShard:
                 self._refuse(peer, e if isinstance(e, CapabilityError) else "no capability was presented")
                 continue
             self._apply(peer, user, frame)
+        self._acknowledge()
         self._write_journal()  # before anyone is sent a message: one pulled is never handed out again
         self._send_outgoing()
         self._write_journal()  # messages given back by peers that are gone
@@ -184,7 +199,37 @@ class BusShard:
 
     def _write_journal(self) -> None:
         if self._journal is not None:
-            self._journal.flush(self._topics.queued_messages)
+            self._journal.flush(lambda: Replayed(self._topics.queued_messages(), self._applied))
+
+    def _in_order(self, peer: bytes, seq: int, first: int) -> bool:
+        """Whether numbered operation ``seq`` of ``peer`` is the next one to apply (it then counts as applied)."""
+        expected = self._applied.get(peer, first - 1) + 1
+        if seq != expected:
+            if seq > expected and self._asked.get(peer) != expected:  # ask once per gap, not per operation past it
+                self._asked[peer] = self._resends[peer] = expected
+            self._acks.add(peer)  # a resent one already applied: tell the peer again
+            return False
+        if self._asked:
+            self._asked.pop(peer, None)
+        self._applied[peer] = seq
+        self._applied.move_to_end(peer)
+        self._acks.add(peer)
+        return True
+
+    def _acknowledge(self) -> None:
+        """Journal each peer's last applied number and queue its acknowledgement (sent after the journal write)."""
+        while len(self._applied) > PEERS_NUMBERED:
+            self._applied.popitem(last=False)
+        for peer in self._acks:
+            seq = self._applied.get(peer)
+            if seq is not None:
+                if self._journal is not None:
+                    self._journal.applied(peer, seq)
+                self._queue_event(peer, None, ["acked", seq])
+        for peer, seq in self._resends.items():
+            self._queue_event(peer, None, ["resend", seq])
+        self._acks.clear()
+        self._resends.clear()
 
     def _admit(self, peer: bytes, token: bytes) -> str:
         """The user ``peer`` proves to be with ``token``: a capability for the instance its routing id names
@@ -226,8 +271,9 @@ class BusShard:
     def _operate(self, peer: bytes, user: str, op: list) -> None:
         topics = self._topics
         match op:
-            case ["push", str(topic), str(message)]:
-                topics.push((user, topic), message)
+            case ["push", str(topic), str(message), int(seq), int(first)]:
+                if self._in_order(peer, seq, first):
+                    topics.push((user, topic), message)
             case ["pull", str(topic), int(rid)]:
                 topics.pull(peer, user, rid, (user, topic))
             case ["cast", str(topic), str(message)]:
@@ -242,10 +288,16 @@ class BusShard:
                 self._queue_event(peer, user, ["ok", sid])
             case ["unsub", int(sid)]:
                 topics.unsubscribe(peer, sid)
-            case ["requeue", str(topic), str(message)]:
-                topics.requeue((user, topic), [message])
+            case ["requeue", str(topic), str(message), int(seq), int(first)]:
+                if self._in_order(peer, seq, first):
+                    topics.requeue((user, topic), [message])
             case ["close", int(token)]:
                 topics.drop(peer)
+                last = self._applied.pop(peer, None)
+                if last is not None:  # acknowledged here: past this, the peer is not known
+                    self._queue_event(peer, user, ["acked", last])
+                    if self._journal is not None:
+                        self._journal.applied(peer, None)
                 self._queue_event(peer, user, ["ok", token])
             case _:
                 raise ValueError(f"unknown bus operation {op!r}")

@@ -35,14 +35,11 @@ class _Held:
 
 
 class Topics:
-    def __init__(self, emit: Emit, journal: Journal | None = None):
-        """``journal``: told every change to a queue (``journal.py``); its replay is queued at once."""
+    def __init__(self, emit: Emit, journal: Journal | None = None, queued: dict[Key, deque[str]] | None = None):
+        """``journal``: told every change to a queue (``journal.py``); ``queued``: what its replay had queued."""
         self._emit = emit
         self._journal = journal
-        self._queues: dict[Key, _Queue] = {}
-        if journal is not None:
-            for key, messages in journal.replay().items():
-                self._queues[key] = _Queue(messages)
+        self._queues: dict[Key, _Queue] = {key: _Queue(messages) for key, messages in (queued or {}).items()}
         self._subscribers: dict[Key, dict[tuple[bytes, int], None]] = {}
         self._held: dict[bytes, _Held] = {}
 
