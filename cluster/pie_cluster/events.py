@@ -96,6 +96,7 @@ class Channel:
         default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
     )
     waiting: set[asyncio.Future] = field(default_factory=set)
+    launch: dict | None = None  # what a restarted launcher learns of it from its host (``InferletHost.live``)
 
     def events(self, got: list[Event], since: int) -> dict:
         """The answer to a poll: the events, where to resume, and whether the terminal one is among them."""
@@ -156,9 +157,9 @@ class Channels:
     def find(self, instance_id: str) -> Channel | None:
         return self._open.get(instance_id) or self._ended.get(instance_id)
 
-    def running(self, instance_id: str) -> bool:
-        """Whether the instance has a channel here and has not ended."""
-        return instance_id in self._open
+    def all(self) -> list[Channel]:
+        """The running instances' channels, then the kept ended ones', oldest first."""
+        return [*self._open.values(), *self._ended.values()]
 
     def own(self, user: str, instance_id: str) -> Channel:
         channel = self.find(instance_id)

@@ -92,7 +92,6 @@ class InferletHost:
         self._endpoints: dict[str, ModelEndpoint] | None = None  # services.endpoints as seen from this node
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
-        self._started: dict[str, dict] = {}  # instance id -> what a restarted launcher needs to know it again
         self._channels = Channels(channels or ChannelLimits(), ended=lambda endings: launcher.ended.remote(endings))
         self._sandbox = Sandbox(sandbox, self) if sandbox is not None and sandbox.enabled else None
         self._relays = ReplicaRelays(self._replica_addresses)
@@ -130,8 +129,8 @@ class InferletHost:
     ) -> None:
         """Begin running the instance; returns at once (its events report how it goes). ``trusted``: one of the
         cluster's own programs, run in this process even when the sandbox is on."""
-        self._channels.open(instance_id, username)
-        self._started[instance_id] = {"id": instance_id, "user": username, "program": program.id, "input": input}
+        channel = self._channels.open(instance_id, username)
+        channel.launch = {"id": instance_id, "user": username, "program": program.id, "input": input}
         if self._sandbox is None or trusted:
             work = self._run(instance_id, program, input, username, limits)
         else:
@@ -139,10 +138,14 @@ class InferletHost:
         self._tasks[instance_id] = asyncio.get_running_loop().create_task(work)
 
     async def live(self) -> list[dict]:
-        """The instances running here (id, user, program id, input): what a restarted launcher asks every host."""
-        for instance_id in [i for i in self._started if not self._channels.running(i)]:
-            del self._started[instance_id]  # ended
-        return list(self._started.values())
+        """The instances here (id, user, program id, input, and ``ending``: their terminal event ``[kind, value]``,
+        None while they run), the ended ones as long as their channel is kept: what a restarted launcher asks every
+        host, so it learns too the endings it was told before it died or while it was down."""
+        return [
+            {**channel.launch, "ending": None if (end := channel.log.terminal) is None else [end.kind, end.value]}
+            for channel in self._channels.all()
+            if channel.launch is not None
+        ]
 
     async def abort(self, instance_id: str, reason: str = "aborted") -> bool:
         if self._sandbox is not None and self._sandbox.pool.abort(instance_id, reason):

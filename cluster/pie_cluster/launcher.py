@@ -33,14 +33,14 @@ from pie_workers.deadlines import DEDICATED_START_S, HOST_S, LAUNCHER_S, MARKET_
 from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pie_cluster.admission import Admission
+from pie_cluster.admission import Admission, Overloaded
 from pie_cluster.config import ChannelLimits, LauncherConfig, SupervisionConfig
 from pie_cluster.events import TERMINAL, NotFound
 from pie_cluster.host_watch import until_gone
 from pie_cluster.inferlet_host import InferletHost, InstanceLimits, NodeServices
 from pie_cluster.instance_record import HostPool, InstanceRecord
 from pie_cluster.launch_request import LaunchRequest, describe_errors
-from pie_cluster.launcher_restart import LauncherMemory, LauncherState, running_on_hosts
+from pie_cluster.launcher_restart import LauncherMemory, LauncherState, WaitingLaunch, known_to_hosts, program_of
 from pie_cluster.market import endowment_for
 from pie_cluster.program_store import ProgramStore
 from pie_cluster.programs import Program, ProgramError
@@ -100,12 +100,34 @@ class Launcher:
             self._spawn(self._recover(saved.pool))
 
     async def _recover(self, pool: HostPool) -> None:
-        for record in await running_on_hosts(pool, self._programs, self._builtins):
+        for record in await known_to_hosts(pool, self._programs, self._builtins):
             self._instances[record.id] = record
-            self._admission.resume(record.user)
-            self._programs.started(record.user, record.program.id)
+            if record.ending is None:
+                self._admission.resume(record.user)
+                self._programs.started(record.user, record.program.id)
+            else:
+                self._keep_listed(record)
+        waiting = sorted(self._memory.waiting.load().values(), key=lambda launch: launch.created)
+        for launch in waiting:
+            self._queue_again(launch)
         for node, host in pool.hosts.items():
             self._spawn(self._watch_host(node, host))
+
+    def _queue_again(self, launch: WaitingLaunch) -> None:
+        """A launch that waited for a slot when the old process died waits again (or starts, if one is free)."""
+        program = program_of(launch.program, launch.user, self._programs, self._builtins)
+        node = launch.node_id if launch.node_id in self._pool.hosts else self._choose_node(None)
+        if program is None:  # deleted meanwhile: nothing to run
+            return self._memory.waiting.delete((launch.id,))
+        instance = self._instances[launch.id] = launch.record(program, node, self._pool.hosts[node])
+        self._programs.started(instance.user, program.id)
+        if launch.runner is not None:
+            self._runners.seen(launch.runner, launch.runner_handle)
+        try:
+            if self._admission.admit(instance.user, instance.id):
+                self._start(instance)
+        except Overloaded as e:
+            self._finish(instance, "error", f"lost its place in the queue when the launcher restarted: {e}")
 
     def _pool_changed(self, pool: HostPool) -> None:
         self._pool = self._state.pool = pool
@@ -209,13 +231,21 @@ class Launcher:
         deadline_s = request.deadline_s if request.deadline_s is not None else self._default_deadline_s
         endowment = endowment_for(request.token_budget, page_size)
         instance.limits = InstanceLimits(deadline_s, endowment, request.token_budget)
-        instance.queued = not runs_now
-        if runs_now:
-            self._start(instance)
+        self._run_or_wait(instance, runs_now)
         self.launched += 1
         return instance_id
 
+    def _run_or_wait(self, instance: InstanceRecord, runs_now: bool, runner_handle=None) -> None:
+        """Start an admitted instance, or save it as waiting for a slot (a restarted launcher queues it again)."""
+        instance.queued = not runs_now
+        if runs_now:
+            self._start(instance)
+        else:
+            self._memory.waiting.put((instance.id,), WaitingLaunch.of(instance, runner_handle))
+
     def _start(self, instance: InstanceRecord) -> None:
+        if instance.queued:
+            self._memory.waiting.delete((instance.id,))
         instance.queued = False
         if instance.runner is not None:  # its runner starts it as soon as ``admit`` answers
             instance.settled.set()
@@ -358,13 +388,12 @@ class Launcher:
         instance_id = uuid.uuid4().hex
         runs_now = self._admission.admit(user, instance_id)
         instance = InstanceRecord(instance_id, user, self._builtins[program], dict(input), node, None, False)
-        instance.runner, instance.queued = runner, not runs_now
+        instance.runner = runner
         instance.limits = InstanceLimits(self._default_deadline_s)
         self._instances[instance_id] = instance
         self._programs.started(user, instance.program.id)
         self._runners.seen(runner, handle)
-        if runs_now:
-            self._start(instance)
+        self._run_or_wait(instance, runs_now, handle)
         self.launched += 1
         return await self._admission_answer(instance, LAUNCHER_S / 2)
 
@@ -420,12 +449,17 @@ class Launcher:
         self._programs.ended(instance.user, instance.program.id)
         if instance.queued:
             self._admission.withdraw(instance.user, instance.id)
+            self._memory.waiting.delete((instance.id,))
         else:
             for waiting in self._admission.ended(instance.user):
                 self._start(self._instances[waiting])
         if instance.dedicated and instance.host is not None:  # None: it ended while waiting for admission
             # kept a while, so that its client reads the events it has not read yet
             asyncio.get_running_loop().call_later(DEDICATED_GRACE_S, ray.kill, instance.host)
+        self._keep_listed(instance)
+
+    def _keep_listed(self, instance: InstanceRecord) -> None:
+        """An ended instance stays listed until ``keep_finished`` newer ones have ended."""
         self._finished[instance.id] = None
         while len(self._finished) > self._keep_finished:
             old, _ = self._finished.popitem(last=False)

@@ -36,10 +36,12 @@ def store_parent(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session, store_parent):
-    """A controller with one replica of the tiny model on each node, sandboxed (the default), for one module."""
+def cluster(request, ray_session, store_parent):
+    """A controller with one replica of the tiny model on each node, sandboxed (the default), for one module (whose
+    ``LAUNCHER_LIMITS``, if it has them, are the launcher's admission settings)."""
     model = ModelConfigEntry(pages=256, cpus_per_rank=1, max_batch_tokens=512, replicas=2, placement="strict_spread")
-    launcher = LauncherConfig(program_store_dir=str(store_parent))
+    limits = getattr(request.module, "LAUNCHER_LIMITS", {})
+    launcher = LauncherConfig(program_store_dir=str(store_parent), **limits)
     config = PieConfig(auth=AuthConfig(enabled=False), model=[model], launcher=launcher)  # sandboxed: the default
     controller = start_controller(config, detached=False)
     yield controller

@@ -19,6 +19,8 @@ from launching import engine_stats, launch, run_to_end, upload
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.controller import Controller
 
+LAUNCHER_LIMITS = {"max_running_per_user": 10}  # the launcher's restart test fills one user's slots
+
 GREEDY = """
 from inferlet import Context, Model, Sampler
 
@@ -251,6 +253,77 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(cl
             break
         time.sleep(0.1)
     assert ray.get(launcher.stats.remote())["running"] == 0  # no admission slot leaked across the restart
+
+
+WAITS = """
+from inferlet import session
+
+async def main(input):
+    return await session.receive()
+"""
+
+
+def test_a_restarted_launcher_lists_what_ended_and_queues_again_what_waited(cluster, launcher, ray_cluster):
+    """SIGKILL the launcher with one of erin's instances finished, her 10 slots running and two launches waiting,
+    and end one of hers while it is down: the restart lists the finished one and the one that ended meanwhile (their
+    hosts keep their endings), gives that one's slot to the older waiting launch, and starts the other when the
+    next slot frees."""
+    import os
+    import signal
+
+    from ray.util.state import list_actors
+
+    user = "erin"
+    program = upload(launcher, WAITS, user=user)
+
+    def send(instance: str, text: str) -> None:
+        host = ray.get(launcher.locate.remote(user, instance, 30.0))["host"]
+        ray.get(host.send.remote(user, instance, "message", text))
+
+    def statuses() -> dict[str, str]:
+        return {i["id"]: i["status"] for i in ray.get(launcher.list.remote(user), timeout=5)}
+
+    def ending(instance: str) -> list:
+        return run_to_end(launcher, instance, user)[-1][1:]
+
+    done = launch(launcher, program, user=user)
+    send(done, "done")
+    assert ending(done) == ["return", "done"]
+    running = [launch(launcher, program, user=user) for _ in range(LAUNCHER_LIMITS["max_running_per_user"])]
+    hosts = {i: ray.get(launcher.locate.remote(user, i, 30.0))["host"] for i in running}
+    waiting = [launch(launcher, program, user=user) for _ in range(2)]
+    assert [statuses()[i] for i in waiting] == ["queued", "queued"]
+
+    (actor,) = list_actors(ray_cluster.address, filters=[("name", "=", "pie-launcher"), ("state", "=", "ALIVE")])
+    os.kill(actor["pid"], signal.SIGKILL)
+    ended_meanwhile = running.pop(0)
+    ray.get(hosts[ended_meanwhile].send.remote(user, ended_meanwhile, "message", "meanwhile"))
+    killed, listed = time.monotonic(), {}
+    while True:
+        try:
+            listed = statuses()
+            if waiting[0] in listed and listed[waiting[0]] == "running":
+                break
+        except ray.exceptions.RayError:
+            pass
+        assert time.monotonic() - killed < 60, f"the launcher did not start the waiting launch within 60 s: {listed}"
+        time.sleep(0.2)
+    print(f"the restarted launcher started a waiting launch {time.monotonic() - killed:.1f} s after its SIGKILL")
+    assert listed[done] == "finished" and listed[ended_meanwhile] == "finished"
+    assert ending(ended_meanwhile) == ["return", "meanwhile"]
+    assert [listed[i] for i in running] == ["running"] * len(running) and listed[waiting[1]] == "queued"
+
+    for instance in [*running, waiting[0]]:
+        send(instance, "bye")
+    send(waiting[1], "last")  # waits for a slot first
+    assert ending(waiting[1]) == ["return", "last"]
+    assert all(ending(i) == ["return", "bye"] for i in [*running, waiting[0]])
+    for _ in range(100):  # the hosts report endings to the launcher a moment after their clients see them
+        stats = ray.get(launcher.stats.remote())
+        if stats["running"] == stats["queued"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["running"] == stats["queued"] == 0, stats
 
 
 def test_a_snapshot_saved_on_one_node_opens_takes_and_deletes_from_the_other(cluster, launcher):

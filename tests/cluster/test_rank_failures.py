@@ -1,6 +1,8 @@
 """Any rank of a tensor-parallel group that dies or hangs gets its whole group replaced: the follower (rank 1) of a
 2-rank replica is SIGKILLed, then (in its replacement) SIGSTOPped. Each time the replica goes ``restarting``, then
-``serving`` with a higher restart count, on new processes, and greedy generation gives the same tokens as before."""
+``serving`` with a higher restart count, on new processes, and greedy generation gives the same tokens as before.
+Then the follower is killed under 16 inferlets half way through their generation: they finish on the replacement
+with the tokens they would have made without the failure."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 
 import pytest
 import ray
+from halves import HALVES, run_halves
 from launching import launch, run_to_end, upload
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.controller import start_controller
@@ -93,3 +96,18 @@ def test_a_hung_follower_rank_is_detected_by_its_probe_deadline_and_replaced(tp_
         with contextlib.suppress(ProcessLookupError):  # Ray killed it; if not, it must not stay stopped
             os.kill(hung, signal.SIGCONT)
     assert greedy(launcher, program) == tokens
+
+
+def test_inferlets_running_when_a_follower_dies_finish_on_the_replacement_with_the_same_tokens(tp_cluster):
+    launcher = ray.get_actor("pie-launcher")
+    program = upload(launcher, HALVES)
+    node = replica_row(tp_cluster)["node"]
+    expected = run_halves(launcher, program, "default", node, count=16)
+
+    def kill_follower():
+        os.kill(replica_row(tp_cluster)["pids"][1], signal.SIGKILL)
+
+    got = run_halves(launcher, program, "default", node, kill=kill_follower, count=16)
+
+    assert [r["moves"] for r in got] == [1] * 16
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]

@@ -5,33 +5,16 @@ replica has only its replacement to go to, on sockets made after the sandbox was
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 
 import pytest
 import ray
-from launching import launch, run_to_end, upload
+from halves import HALVES, run_halves
+from launching import upload
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.controller import start_controller
-from pie_cluster.events import poll
-
-HALVES = """
-from inferlet import Context, Model, Sampler, session
-
-async def main(input):
-    model = Model.load(input["model"])
-    ctx = Context(model)
-    ctx.user(input["prompt"]).cue()
-    tokens = await ctx.generate(Sampler.argmax(), max_tokens=12, stop=[]).collect_tokens()
-    if input.get("wait"):
-        session.send("half way")
-        await session.receive()
-    async for step in ctx.generate(Sampler.argmax(), max_tokens=12, stop=[]):
-        tokens += (await step.execute()).tokens
-    return {"tokens": tokens, "moves": model.link.moves}
-"""
 
 INSTANCES = 32
 
@@ -53,41 +36,6 @@ def cluster(ray_session):
 def replica(controller, model: str, index: int = 0) -> dict:
     rows = ray.get(controller.status.remote())["replicas"]
     return next(r for r in rows if (r["model"], r["replica"]) == (model, index))
-
-
-def run_halves(launcher, program: str, model: str, node: str, kill=None, count: int = INSTANCES) -> list[dict]:
-    """Run ``count`` instances on ``node``, each with its own prompt; with ``kill``, they wait half way until it
-    has run. Returns each one's result."""
-    inputs = [{"model": model, "prompt": f"story {i}", "wait": kill is not None} for i in range(count)]
-    instances = [launch(launcher, program, input, node_id=node) for input in inputs]
-    if kill is not None:
-        for instance in instances:
-            wait_for_message(launcher, instance)
-        kill()
-        killed = time.monotonic()
-        for instance in instances:
-            host = ray.get(launcher.locate.remote("alice", instance))["host"]
-            ray.get(host.send.remote("alice", instance, "message", "go on"))
-    results = []
-    for instance in instances:
-        last = run_to_end(launcher, instance)[-1]
-        assert last[1] == "return", last
-        results.append(json.loads(last[2]))
-    if kill is not None:
-        print(f"{model}: {count} instances finished {time.monotonic() - killed:.1f} s after the kill")
-    return results
-
-
-def wait_for_message(launcher, instance: str, bound_s: float = 120) -> None:
-    since, deadline = 0, time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        got = poll(launcher, "alice", instance, since, 2.0)
-        kinds = [e[1] for e in got["events"]]
-        assert "error" not in kinds and "return" not in kinds, got["events"]
-        if "message" in kinds:
-            return
-        since = got["next"]
-    raise AssertionError(f"instance {instance} sent nothing within {bound_s} s")
 
 
 def killer(controller, model: str):
