@@ -109,9 +109,8 @@ class Controller:
         _check_placements(config)
         self._auto_cpus = _automatic_cpus(config)
         # the control plane starts on the controller's node (the head's, for `pie start`) rather than on any worker.
-        # The market and the directory keep their state in the GCS, so where their node is lost Ray restarts them
-        # on another (soft); the launcher's program store and the response store are on this node's disk and in
-        # memory, so they stay (hard)
+        # The market, the directory and the response store keep their state in the GCS, so where their node is lost
+        # Ray restarts them on another (soft); the launcher's program store is on this node's disk, so it stays (hard)
         node = ray.get_runtime_context().get_node_id()
         here, preferably_here = (NodeAffinitySchedulingStrategy(node, soft=soft) for soft in (False, True))
         lifetime = "detached" if self._detached else None
@@ -122,7 +121,7 @@ class Controller:
             self._namespace, lifetime=lifetime, scheduling_strategy=preferably_here
         )
         self.responses = get_or_create_store(
-            self._namespace, config.responses, self.directory, lifetime=lifetime, scheduling_strategy=here
+            self._namespace, config.responses, self.directory, lifetime=lifetime, scheduling_strategy=preferably_here
         )
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 
-from pie_cluster.durable import GcsStore
+from pie_cluster.durable import DurableDict, GcsStore
 
 DIRECTORY = "pie-directory"
 
@@ -48,36 +47,16 @@ class _Adapter:
     holders: list = field(default_factory=list)  # rank-0 actors of the replicas holding a copy
 
 
-class _Entries(dict):
-    """A dict of the directory's entries that writes each change through to its ``GcsStore``."""
-
-    def __init__(self, stored: GcsStore, restarted: bool):
-        super().__init__(stored.load() if restarted else {})
-        if not restarted:
-            stored.clear()  # a fresh cluster's directory: what an earlier one left is not its own
-        self.stored = stored
-
-    def __setitem__(self, key: Key, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.stored.put(key, value)
-
-    def pop(self, key: Key, *default):
-        if key in self:
-            self.stored.delete(key)
-        return super().pop(key, *default)
-
-    def changed(self, key: Key) -> None:
-        """An entry's value was changed in place (an adapter's holders or weights)."""
-        self.stored.put(key, self[key])
-
-
 class UserDirectory:
     def __init__(self, namespace: str = "pie") -> None:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self._snapshots: _Entries = _Entries(GcsStore(f"pie-directory/{namespace}", "snapshots"), restarted)
-        self._adapters: _Entries = _Entries(GcsStore(f"pie-directory/{namespace}", "adapters"), restarted)
-        # (model, user, path) -> the adapter saved there
-        self._adapter_files: _Entries = _Entries(GcsStore(f"pie-directory/{namespace}", "adapter-files"), restarted)
+
+        def entries(kind: str) -> DurableDict:
+            return DurableDict(GcsStore(f"pie-directory/{namespace}", kind), restarted)
+
+        self._snapshots = entries("snapshots")
+        self._adapters = entries("adapters")
+        self._adapter_files = entries("adapter-files")  # (model, user, path) -> the adapter saved there
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 

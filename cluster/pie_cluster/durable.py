@@ -16,31 +16,55 @@ from ray.experimental import internal_kv
 
 
 class GcsStore:
-    """Values by key (a tuple of strings) under ``prefix`` in the KV namespace ``namespace``."""
+    """Values by key (a tuple of strings, or a string) under ``prefix`` in the KV namespace ``namespace``."""
 
     def __init__(self, namespace: str, prefix: str):
         self._namespace, self._prefix = namespace, f"{prefix}/"
 
-    def put(self, key: tuple, value: Any) -> None:
+    def put(self, key: tuple | str, value: Any) -> None:
         name = self._prefix + json.dumps(key)
         internal_kv._internal_kv_put(name, ray.cloudpickle.dumps(value), overwrite=True, namespace=self._namespace)
 
-    def get(self, key: tuple) -> Any | None:
+    def get(self, key: tuple | str) -> Any | None:
         value = internal_kv._internal_kv_get(self._prefix + json.dumps(key), namespace=self._namespace)
         return None if value is None else ray.cloudpickle.loads(value)
 
-    def delete(self, key: tuple) -> None:
+    def delete(self, key: tuple | str) -> None:
         internal_kv._internal_kv_del(self._prefix + json.dumps(key), namespace=self._namespace)
 
-    def load(self) -> dict[tuple, Any]:
-        """Every entry, by key."""
+    def load(self) -> dict[tuple | str, Any]:
+        """Every entry, by key (a tuple, or a string where it was put with one)."""
         entries = {}
         for name in internal_kv._internal_kv_list(self._prefix, namespace=self._namespace):
             value = internal_kv._internal_kv_get(name, namespace=self._namespace)
             if value is not None:
-                entries[tuple(json.loads(name.decode()[len(self._prefix) :]))] = ray.cloudpickle.loads(value)
+                key = json.loads(name.decode()[len(self._prefix) :])
+                entries[tuple(key) if isinstance(key, list) else key] = ray.cloudpickle.loads(value)
         return entries
 
     def clear(self) -> None:
         for name in internal_kv._internal_kv_list(self._prefix, namespace=self._namespace):
             internal_kv._internal_kv_del(name, namespace=self._namespace)
+
+
+class DurableDict(dict):
+    """A dict that writes each change through to its ``GcsStore``: what a restarted actor reads back."""
+
+    def __init__(self, stored: GcsStore, restarted: bool):
+        super().__init__(stored.load() if restarted else {})
+        if not restarted:
+            stored.clear()  # a fresh cluster's actor: what an earlier one left is not its own
+        self.stored = stored
+
+    def __setitem__(self, key: tuple | str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.stored.put(key, value)
+
+    def pop(self, key: tuple | str, *default):
+        if key in self:
+            self.stored.delete(key)
+        return super().pop(key, *default)
+
+    def changed(self, key: tuple | str) -> None:
+        """An entry's value was changed in place."""
+        self.stored.put(key, self[key])

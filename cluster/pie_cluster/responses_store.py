@@ -7,6 +7,11 @@ an ingress restart or an ingress replica per request, and expires together with 
 expired records and their snapshots (through the directory, which has the holding replica drop the pages); a record
 past its expiry is gone for readers even before the sweeper runs.
 
+Its records are durable like the directory's entries: each change is written through to the GCS's key-value store
+(``DurableDict``), and Ray restarts the store when its process dies, on any node (it prefers the controller's), with
+the records it had, so a stored conversation continues after its death, and, with GCS fault tolerance, after the
+GCS's restart.
+
 Snapshots are not contexts: the market neither prices nor suspends them, so a stored conversation would hold its
 pages until it expires. The store therefore keeps a turn resident only for ``resident_s``: then the directory has
 its holder release the pages while the name stays (``UserDirectory.release``). Releasing a turn as soon as it is
@@ -26,6 +31,7 @@ import ray
 from inferlet.responses_schema import snapshot_name
 
 from pie_cluster.config import ResponsesConfig
+from pie_cluster.durable import DurableDict, GcsStore
 
 RESPONSES = "pie-responses"
 SWEEP_EVERY_S = 1.0
@@ -58,11 +64,14 @@ class ResponseRecord:
 
 
 class ResponseStore:
-    def __init__(self, config: ResponsesConfig, directory) -> None:
+    def __init__(self, config: ResponsesConfig, directory, namespace: str = "pie") -> None:
         self._config = config
         self._directory = directory
-        self._records: dict[str, ResponseRecord] = {}
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._records: DurableDict = DurableDict(GcsStore(f"pie-responses/{namespace}", "records"), restarted)
         self._sweeper: asyncio.Task | None = None
+        if self._records:
+            self._start_sweeper()
 
     async def put(self, record: ResponseRecord) -> None:
         """Add or replace a record; its expiry starts now. An in-progress record never replaces a finished one (the
@@ -108,7 +117,13 @@ class ResponseStore:
         await self.put(record)
         record = self._records.get(record.id, record)
         record.resident_until = 0.0  # nothing left to release
+        self._saved(record)
         self._forget_snapshot(record)
+
+    def _saved(self, record: ResponseRecord) -> None:
+        """A record changed in place: write it through (if it is still kept)."""
+        if record.id in self._records:
+            self._records.changed(record.id)
 
     def _drop(self, record: ResponseRecord) -> None:
         """Forget the record and its snapshot, whether or not the turn got as far as saving one."""
@@ -117,6 +132,7 @@ class ResponseStore:
 
     def _release(self, record: ResponseRecord) -> None:
         record.resident_until = 0.0
+        self._saved(record)
         with contextlib.suppress(ray.exceptions.RayError):
             self._directory.release.remote(record.model, record.user, snapshot_name(record.id))
 
@@ -142,7 +158,17 @@ class ResponseStore:
 def get_or_create_store(
     namespace: str, config: ResponsesConfig, directory, lifetime: str | None = None, scheduling_strategy=None
 ):
-    options = {"name": RESPONSES, "namespace": namespace, "get_if_exists": True, "lifetime": lifetime, "num_cpus": 0}
+    """The response store of ``namespace``, restarted by Ray whenever its process dies (its records are durable);
+    calls in flight then are sent again to the restart."""
+    options = {
+        "name": RESPONSES,
+        "namespace": namespace,
+        "get_if_exists": True,
+        "lifetime": lifetime,
+        "num_cpus": 0,
+        "max_restarts": -1,
+        "max_task_retries": -1,
+    }
     if scheduling_strategy is not None:
         options["scheduling_strategy"] = scheduling_strategy
-    return ray.remote(ResponseStore).options(**options).remote(config, directory)
+    return ray.remote(ResponseStore).options(**options).remote(config, directory, namespace)

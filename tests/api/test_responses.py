@@ -1,7 +1,7 @@
 """The Responses API on a `pie start`ed cluster, driven by the official `openai` client and by an OpenAI Agents SDK
 agent: items and string input, continuation by ``previous_response_id`` from the live KV context (only the new
-input prefilled, also after the replica holding it died), streaming events in order, function tools round trips,
-JSON output, ownership, expiry, and the error shapes.
+input prefilled, also after the replica holding it died, the ingress or the response store restarted), streaming
+events in order, function tools round trips, JSON output, ownership, expiry, and the error shapes.
 
 The tiny model's text is gibberish; what is checked is the protocol, the structure and greedy determinism.
 """
@@ -352,6 +352,25 @@ def test_stored_responses_survive_the_ingress_restarting(pie, api, ray_cluster):
     assert again.output_text == first.output_text
     continued = greedy(api, input="More.", previous_response_id=first.id)
     assert continued.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+def test_stored_responses_survive_the_response_store_restarting(pie, api, ray_cluster):
+    """SIGKILL the response store: Ray restarts it with the records it wrote through to the GCS, so a stored
+    response is retrieved and continued from its context as before."""
+    from ray.util.state import list_actors
+
+    first = greedy(api, input="Keep this one too.")
+    filters = [("name", "=", "pie-responses"), ("state", "=", "ALIVE")]
+    (store,) = list_actors(ray_cluster.address, filters=filters)
+    os.kill(store["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    again = api.responses.retrieve(first.id)  # its call to the store is sent again to the restart
+    print(f"a stored response was retrieved {time.monotonic() - killed:.1f} s after the store's SIGKILL")
+    assert again.output_text == first.output_text
+    continued = greedy(api, input="More.", previous_response_id=first.id)
+    assert continued.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    (restarted,) = list_actors(ray_cluster.address, filters=filters)
+    assert restarted["pid"] != store["pid"]
 
 
 def test_an_idle_turn_releases_its_pages_and_still_continues_with_the_same_tokens(pie, api):

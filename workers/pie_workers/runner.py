@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class GroupBroken(RuntimeError):
+    """A forward pass of a tensor-parallel group failed after the plan went out (a rank died, or one stopped inside
+    a collective): no later pass of this group can succeed, so its replica must be replaced, not answer errors."""
+
+
 @dataclass(frozen=True)
 class RunnerSettings:
     page_size: int = 16
@@ -132,8 +137,13 @@ class ModelRunner:
             self.tp.broadcast_object(planned.plan)
             return outputs
         plan = planned.plan.to(self.device)
-        self.tp.broadcast_object(planned.plan)
-        logits = self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
+        try:
+            self.tp.broadcast_object(planned.plan)
+            logits = self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
+        except Exception as e:
+            if self.tp.world_size > 1:  # the ranks are out of step for good (one died, or stopped in a collective)
+                raise GroupBroken(f"the tensor-parallel group failed in a forward pass: {e}") from e
+            raise
         self._sample(planned, logits, outputs)
         return outputs
 

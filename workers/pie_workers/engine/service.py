@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pie_workers.engine.adapter_registry import AdapterRegistry
@@ -34,7 +35,7 @@ from pie_workers.engine.record import EngineContext, EngineContexts, Session, Se
 from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.engine.settle import truncate
-from pie_workers.runner import ModelRunner
+from pie_workers.runner import GroupBroken, ModelRunner
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 from pie_workers.wire.messages import AccountReply, ContextReply, PassRequest, decode, encode
 
@@ -119,7 +120,13 @@ class ReplicaEngine:
         requests while this batch runs, instead of after it."""
         await asyncio.sleep(0)
         self.channel.flush()
-        return self.runner.execute(batch)
+        try:
+            return self.runner.execute(batch)
+        except GroupBroken:
+            # fail-stop: dying leaves the batch's calls unanswered, so every inferlet's link moves to another
+            # replica and sends them again, and the controller replaces the whole group at once
+            log.critical("this replica's tensor-parallel group is broken: the leader exits", exc_info=True)
+            os._exit(70)
 
     # -- dispatch ------------------------------------------------------------------------------------------------
 
