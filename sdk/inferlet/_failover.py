@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pie_workers.wire.messages import ContextReply, decode
 
+from inferlet import runtime
 from inferlet._channel import Channel, ReplicaError, ReplicaLost
 
 if TYPE_CHECKING:
@@ -164,10 +165,16 @@ class ReplicaLink:
         self._send_waiting()
 
     def _move_now(self) -> None:
-        """``_move``, blocking (a blocking call found the replica gone): takes over a move under way."""
+        """``_move``, blocking (a blocking call found the replica gone): takes over a move under way. The process's
+        stall watchdog, if it has one, is told this wait is the cluster's (``runtime.blocking_wait``)."""
         if self._moving is not None:
             self._moving.cancel()
             self._moving = None
+        with runtime.blocking_wait():
+            self._move_blocking()
+        self._send_waiting()
+
+    def _move_blocking(self) -> None:
         for address in self._addresses(time.monotonic() + FAILOVER_S):
             channel = Channel(address, self.session)
             try:
@@ -189,7 +196,6 @@ class ReplicaLink:
             break
         else:
             self._give_up()
-        self._send_waiting()
 
     def _send_waiting(self) -> None:
         waiting, self._waiting = self._waiting, []

@@ -94,6 +94,10 @@ class Runtime:
         self._closers.close()
 
 
+blocking_wait: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+"""Wraps a blocking SDK call's wait on the cluster (a replica's replacement, as long as a model load): a process that
+ends stalled loops (the sandboxed worker's watchdog) sets this to excuse such waits."""
+
 _current: contextvars.ContextVar[Runtime] = contextvars.ContextVar("inferlet_runtime")
 
 

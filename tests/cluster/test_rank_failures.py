@@ -2,7 +2,8 @@
 2-rank replica is SIGKILLed, then (in its replacement) SIGSTOPped. Each time the replica goes ``restarting``, then
 ``serving`` with a higher restart count, on new processes, and greedy generation gives the same tokens as before.
 Then the follower is killed under 16 inferlets half way through their generation: they finish on the replacement
-with the tokens they would have made without the failure."""
+with the tokens they would have made without the failure; and the leader is killed under an inferlet whose next
+call blocks (``fork``): it waits for the replacement longer than its worker's stall limit, and is not ended for it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import time
 
 import pytest
 import ray
-from halves import HALVES, run_halves
+from halves import HALVES, run_halves, wait_for_message
 from launching import launch, run_to_end, upload
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig, SupervisionConfig
 from pie_cluster.controller import start_controller
+
+STALL_S = 2.0  # shorter than a replacement takes: a blocking call waiting for one must not count as a stall
 
 GREEDY = """
 from inferlet import Context, Model, Sampler
@@ -34,7 +37,8 @@ def tp_cluster(ray_session):
     """One replica of the tiny model as a 2-rank tensor-parallel group, probed every second with a 3 s deadline."""
     model = ModelConfigEntry(pages=128, cpus_per_rank=1, tensor_parallel=2)
     supervision = SupervisionConfig(probe_every_s=1.0, probe_deadline_s=3.0, misses=2)
-    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=supervision)
+    sandbox = SandboxConfig(stall_s=STALL_S)
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=supervision, sandbox=sandbox)
     controller = start_controller(config, detached=False)
     yield controller
     ray.get(controller.shutdown.remote())
@@ -111,3 +115,45 @@ def test_inferlets_running_when_a_follower_dies_finish_on_the_replacement_with_t
 
     assert [r["moves"] for r in got] == [1] * 16
     assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
+
+
+BLOCKS = """
+from inferlet import Context, Model, Sampler, session
+
+async def main(input):
+    ctx = Context(Model.load("default"))
+    ctx.user("a blocking call waits for the replacement").cue()
+    await ctx.flush()
+    session.send("ready")
+    await session.receive()
+    child = ctx.fork()  # blocks: finds the replica gone and waits, holding the loop, until its replacement serves
+    return await child.generate(Sampler.argmax(), max_tokens=6, stop=[]).collect_tokens()
+"""
+
+
+def test_a_blocking_call_that_waits_for_the_replacement_is_not_a_stall(tp_cluster):
+    launcher = ray.get_actor("pie-launcher")
+    program = upload(launcher, BLOCKS)
+
+    def run(kill=None) -> list:
+        instance = launch(launcher, program)
+        wait_for_message(launcher, instance)
+        if kill is not None:
+            kill()
+        host = ray.get(launcher.locate.remote("alice", instance))["host"]
+        ray.get(host.send.remote("alice", instance, "message", "go on"))
+        last = run_to_end(launcher, instance)[-1]
+        assert last[1] == "return", last
+        return json.loads(last[2])
+
+    def kill_leader():
+        os.kill(replica_row(tp_cluster)["pids"][0], signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    expected = run()
+    restarts, killed = ray.get(tp_cluster.status.remote())["replica_restarts"], []
+    got = run(kill=kill_leader)
+    took = time.monotonic() - killed[0]
+    print(f"the blocked inferlet finished {took:.1f} s after the kill (stall limit {STALL_S:g} s)")
+    assert got == expected
+    assert ray.get(tp_cluster.status.remote())["replica_restarts"] > restarts and took > STALL_S

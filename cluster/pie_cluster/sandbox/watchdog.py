@@ -5,13 +5,16 @@ starting at once make long loop turns out of short steps, and must not be mistak
 worker's loop makes runs its coroutine through ``_Timed``, which notes when the current step began, and a thread
 checks that note: a step older than ``stall_s`` ends the process with ``STALLED``, which the host reports to the
 user's instances. (User code could defeat this thread, but only within its own worker; the host's ping, with a
-longer deadline, stays the backstop.)
+longer deadline, stays the backstop.) A blocking SDK call that waits for the cluster rather than the user's code (a
+replica's replacement, which takes as long as loading the model) is excused while it waits
+(``waiting_on_the_cluster``, installed as ``inferlet.runtime.blocking_wait``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextlib
 import os
 import threading
 import time
@@ -19,6 +22,7 @@ import time
 STALLED = 86  # the worker's exit status when a step held its loop past ``stall_s``
 
 _step_began = 0.0  # when the running task step began (time.monotonic()); 0.0 between steps
+_excused = 0  # blocking waits on the cluster under way (see waiting_on_the_cluster)
 
 
 class _Timed(collections.abc.Coroutine):
@@ -52,6 +56,20 @@ class _Timed(collections.abc.Coroutine):
         return self._coro.__await__()
 
 
+@contextlib.contextmanager
+def waiting_on_the_cluster():
+    """The running step blocks on the cluster, not on user code: no stall while it waits, and the rest of the step
+    is timed from when the wait ends."""
+    global _excused, _step_began
+    _excused += 1
+    try:
+        yield
+    finally:
+        _excused -= 1
+        if _step_began:
+            _step_began = time.monotonic()
+
+
 def install(loop: asyncio.AbstractEventLoop, stall_s: float) -> None:
     """Time every task ``loop`` makes from now on, and watch the steps from a daemon thread."""
     loop.set_task_factory(lambda loop, coro, **kw: asyncio.Task(_Timed(coro), loop=loop, **kw))
@@ -62,6 +80,6 @@ def _watch(stall_s: float) -> None:
     while True:
         time.sleep(min(1.0, stall_s / 4))
         began = _step_began
-        if began and time.monotonic() - began > stall_s:
+        if began and not _excused and time.monotonic() - began > stall_s:
             os.write(2, f"one task step held the worker's event loop for more than {stall_s:g} s\n".encode())
             os._exit(STALLED)

@@ -19,6 +19,8 @@ import resource
 import socket
 from pathlib import Path
 
+import inferlet.runtime
+
 from pie_cluster import stdio
 from pie_cluster.host import serve_instance
 from pie_cluster.programs import Program
@@ -135,6 +137,7 @@ class Worker:
 
 async def _serve(fd: int, memory_mib: int, stall_s: float) -> None:
     watchdog.install(asyncio.get_running_loop(), stall_s)
+    inferlet.runtime.blocking_wait = watchdog.waiting_on_the_cluster
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
     worker = Worker(FrameWriter(writer), memory_mib)
     await read_frames(reader, worker.handle)  # the host closed the socket: the worker's life is over
