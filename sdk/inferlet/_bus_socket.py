@@ -23,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 FRAME_OPS = 1024  # operations waiting to be sent that make the client send at once rather than at the turn's end
 CALL_TIMEOUT_S = 10.0  # how long subscribe waits for the bus to register it
 CLOSE_TIMEOUT_S = 2.0  # how long an ending inferlet waits for each shard to confirm its withdrawal
+UNREACHABLE_S = 30.0  # a shard not connected this long is unreachable: calls on it fail until it connects again
 NUMBERED = ("push", "requeue")  # operations that hand the shard a message: kept until it acknowledges them
 
 
@@ -49,11 +50,14 @@ class ShardConnection:
         self._sent = 0  # numbered operations so far
         self.unacked: deque[tuple[int, list]] = deque()  # (number, operation), oldest first
         self.drops = 0  # times the shard went away
+        self.connected = False
+        self.unreachable = False  # not connected for UNREACHABLE_S (its node may be lost): calls on it fail
+        self._unreachable_check = self._loop.call_later(UNREACHABLE_S, self._check_reachable)
         self._sock = _zmq_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, identity)
         self._sock.setsockopt(zmq.SNDTIMEO, int(CALL_TIMEOUT_S * 1000))  # backpressure, but never hang for good
         self._sock.setsockopt(zmq.LINGER, int(CLOSE_TIMEOUT_S * 1000))  # give back pulled messages after close
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # the shard went away
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
         self.address = address
         self._loop.add_reader(self._sock.FD, self.drain)
@@ -125,15 +129,28 @@ class ShardConnection:
 
     def _watch(self) -> None:
         """The monitor's events (edge-triggered like the socket's): a disconnection means the shard died. What it
-        had not acknowledged goes again, to its restart, which ignores what it already applied."""
+        had not acknowledged goes again, to its restart, which ignores what it already applied; a restart that does
+        not come within ``UNREACHABLE_S`` makes the shard unreachable."""
         while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            if recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED:
+            event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected, self.unreachable = True, False
+                self._unreachable_check.cancel()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
                 self.drops += 1
                 if self.unacked:
                     self.resend(self.unacked[0][0])
+                self._unreachable_check = self._loop.call_later(UNREACHABLE_S, self._check_reachable)
                 self._on_drop(self)
 
+    def _check_reachable(self) -> None:
+        if not self.connected and not self._sock.closed:
+            self.unreachable = True
+            self._on_drop(self)
+
     def close(self) -> None:
+        self._unreachable_check.cancel()
         self._loop.remove_reader(self._sock.FD)
         self._loop.remove_reader(self._monitor.FD)
         self._sock.disable_monitor()

@@ -40,7 +40,9 @@ sent with the instance's capability, from which the shard takes the user. A shar
 why, and every call of the inferlet's on the bus then fails with a ``BusError`` saying so. A shard that dies is
 restarted at its address with the messages queued on it, and the connection reconnects by itself; the inferlet's
 pulls waiting there and its subscriptions there fail with a ``BusError`` saying so when the connection drops.
-Pushed messages are kept by the client until the shard confirms it journaled them, and sent again to its restart
+A shard that does not come back (its node was lost) makes every call on its topics fail with a ``BusError`` once
+it has been unreachable for ``UNREACHABLE_S``. Pushed messages are kept by the client until the shard confirms it
+journaled them, and sent again to its restart
 (``inferlet._bus_socket``): each is queued exactly once. An inferlet that ends waits for that confirmation; one the
 bus never gives ends it with a ``BusError`` saying how many messages may be lost.
 """
@@ -52,7 +54,7 @@ import itertools
 import logging
 import zlib
 
-from inferlet import runtime
+from inferlet import _bus_socket, runtime
 from inferlet._bus_socket import CALL_TIMEOUT_S, CLOSE_TIMEOUT_S, BusError, ShardConnection
 from inferlet._handoff import Handoffs, Pull
 from inferlet._subscription import SUBSCRIPTION_BUFFER, Subscription
@@ -230,6 +232,8 @@ class _Bus:
             raise BusError("this inferlet has ended: its message bus connection is closed")
         shard = self._shard(topic)
         connection = self._connections.get(shard)
+        if connection is not None and connection.unreachable:
+            raise _unreachable(connection)
         if connection is None:
             connection = ShardConnection(
                 self._addresses[shard], self._identity, self._capability, self._on_events, self._dropped
@@ -278,13 +282,9 @@ class _Bus:
                 self._refuse(BusError(f"message bus shard {connection.address} refused this inferlet: {event[1]}"))
 
     def _dropped(self, connection: ShardConnection) -> None:
-        """The shard behind ``connection`` died with what it held: the pulls and subscriptions this inferlet had
-        there fail (the connection goes on to its restarted shard)."""
-        error = BusError(
-            f"message bus shard {connection.address} went away: this pull or subscription was lost with it, with any "
-            "message the shard was sending it at that instant (the shard is restarted with its queued messages; pull "
-            "again, subscribe again)"
-        )
+        """The shard behind ``connection`` died with what it held, or has since been unreachable too long: the
+        pulls and subscriptions this inferlet had there fail (the connection goes on to its restarted shard)."""
+        error = _unreachable(connection) if connection.unreachable else _went_away(connection)
         shard = next(i for i, c in self._connections.items() if c is connection)
         for rid, pull in list(self._pulls.items()):
             if self._shard(pull.topic) == shard:
@@ -310,6 +310,21 @@ class _Bus:
             _HANDOFFS.forget(self._local_key(pull.topic), self, rid)
             if not pull.answer.done():
                 pull.answer.set_exception(error)
+
+
+def _went_away(connection: ShardConnection) -> BusError:
+    return BusError(
+        f"message bus shard {connection.address} went away: this pull or subscription was lost with it, with any "
+        "message the shard was sending it at that instant (the shard is restarted with its queued messages; pull "
+        "again, subscribe again)"
+    )
+
+
+def _unreachable(connection: ShardConnection) -> BusError:
+    return BusError(
+        f"message bus shard {connection.address} has not been reachable for {_bus_socket.UNREACHABLE_S:g} s (its "
+        "node may be lost): calls on its topics fail until it is back"
+    )
 
 
 def _bus() -> _Bus:

@@ -14,7 +14,8 @@ import zlib
 
 import ray
 from bus_calls import BUS, wait_for_stats
-from inferlet import messaging
+from inferlet import _bus_socket, messaging
+from pie_cluster.bus import start_bus
 from pie_cluster.host import run_inferlet
 from ray.util.state import list_actors
 from sdk_host import TRUST
@@ -141,3 +142,39 @@ def test_messages_pushed_while_a_shard_is_killed_are_each_queued_once_in_order(b
     pushed, pulled = asyncio.run(main())
     assert pulled == list(range(pushed))
     assert bus.stats(user)["queued"] == 0
+
+
+def test_a_shard_that_does_not_come_back_fails_calls_on_its_topics_instead_of_hanging(ray_session, user, monkeypatch):
+    """A shard killed for good (as when its node is lost): the waiting pull fails at once, a pull made afterwards
+    fails once the shard has been unreachable for ``UNREACHABLE_S``, and every later call on it fails at once."""
+    monkeypatch.setattr(_bus_socket, "UNREACHABLE_S", 1.0)
+    lost = start_bus(1, name="pie-bus-test-lost", detached=False, secret=TRUST.secret)
+    waiting = asyncio.Event()
+
+    async def waiter(input):
+        errors = []
+        pulled = asyncio.ensure_future(messaging.pull("jobs"))
+        waiting.set()
+        for attempt in (lambda: pulled, lambda: asyncio.wait_for(messaging.pull("jobs"), 30)):
+            try:
+                await attempt()
+            except messaging.BusError as e:
+                errors.append(str(e))
+        try:
+            messaging.push("jobs", "x")
+        except messaging.BusError as e:
+            errors.append(str(e))
+        return errors
+
+    async def main():
+        instance = TRUST.instance(user)
+        running = asyncio.ensure_future(run_inferlet(waiter, {}, {}, user, **instance, bus=lost.addresses()))
+        await waiting.wait()
+        await wait_for_stats(lost, user, waiters=1)
+        ray.kill(lost.shards[0], no_restart=True)
+        return await asyncio.wait_for(running, 60)
+
+    errors = asyncio.run(main())
+    assert len(errors) == 3, errors
+    assert "went away" in errors[0]
+    assert all("has not been reachable for 1 s" in e for e in errors[1:]), errors

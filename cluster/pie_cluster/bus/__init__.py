@@ -29,9 +29,11 @@ Why this shape:
   exactly one waiting pull, oldest waiter first. A pull cancelled while its answer is in flight gives the message
   back to the front of the queue; an inferlet that ends withdraws its pulls in one round trip per shard and gives
   back what arrived meanwhile; a peer that vanished is noticed when a frame to it fails (``ROUTER_MANDATORY``) and
-  the messages in that frame are requeued. What is lost: messages in flight inside a process that dies, and
-  everything a shard held if the shard dies (queues live in memory). Ray restarts a dead shard at its addresses;
-  clients reconnect by themselves, and their pulls and subscriptions on it fail with a ``BusError`` saying so.
+  the messages in that frame are requeued. A shard journals its queues on its node's disk and acknowledges pushes
+  after the write, and clients send unacknowledged pushes again (``shard.py``), so Ray's restart of a dead shard at
+  its addresses keeps its queued messages; clients reconnect by themselves, and their pulls and subscriptions on it
+  fail with a ``BusError`` saying so. What is lost: messages in flight inside an inferlet's process that dies, and
+  a shard's queues with its node (calls on its topics then fail once it has been unreachable for a while).
 * Overflow: subscription buffers live in the subscribing inferlet (1024 unread; the oldest is dropped and counted),
   so a slow reader never slows the shard or other subscribers. Queues are unbounded, as in Pie.
 * Namespacing: every frame carries the instance's capability (minted by the trusted host with the cluster's
