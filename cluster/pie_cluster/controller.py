@@ -338,9 +338,9 @@ class Controller:
 def start_controller(config: PieConfig, detached: bool = True):
     """Create the controller in the current namespace (or return the running one) once every service is up, on
     the caller's node (`pie start` runs on the head)."""
-    # beside the caller (the head, for `pie start`), or, when that node is lost, restarted on another (its state is
-    # in the GCS)
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # beside the caller (the head, for `pie start`); a restartable one may go elsewhere, and is restarted on another
+    # node when that one is lost (its state is in the GCS); one that is not would die with any node it landed on
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=detached)
     options = {"name": CONTROLLER, "num_cpus": 0, "max_concurrency": 16, "get_if_exists": True}
     options["scheduling_strategy"] = here
     if detached:  # outlives the command, and is restarted (adopting what it built) when its process dies

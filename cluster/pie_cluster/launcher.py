@@ -116,9 +116,10 @@ class Launcher:
     def _queue_again(self, launch: WaitingLaunch) -> None:
         """A launch that waited for a slot when the old process died waits again (or starts, if one is free)."""
         program = program_of(launch.program, launch.user, self._programs, self._builtins)
-        node = launch.node_id if launch.node_id in self._pool.hosts else self._choose_node(None)
         if program is None:  # deleted meanwhile: nothing to run
-            return self._memory.waiting.delete((launch.id,))
+            self._memory.waiting.delete((launch.id,))
+            return
+        node = launch.node_id if launch.node_id in self._pool.hosts else self._choose_node(None)
         instance = self._instances[launch.id] = launch.record(program, node, self._pool.hosts[node])
         self._programs.started(instance.user, program.id)
         if launch.runner is not None:

@@ -1,9 +1,9 @@
 """The records of stored Responses-API responses, per user, outside the ingress: a named actor of the cluster.
 
-Why an actor beside the directory rather than the ingress's memory or Ray's internal KV: a record is worth only as
-much as the snapshot it names, and snapshots live in the directory actor's memory (their lineage) and the replicas'
-pools; a record kept in the same failure domain, created and stopped by the controller like the directory, outlives
-an ingress restart or an ingress replica per request, and expires together with its snapshot. A sweeper deletes
+Why an actor beside the directory rather than the ingress's memory or bare entries in Ray's internal KV: a record
+is worth only as much as the snapshot it names, whose lineage the directory keeps; a record kept like the directory's
+entries, created and stopped by the controller like the directory, outlives an ingress restart or an ingress replica
+per request, and expires together with its snapshot (which takes something to sweep). A sweeper deletes
 expired records and their snapshots (through the directory, which has the holding replica drop the pages); a record
 past its expiry is gone for readers even before the sweeper runs.
 

@@ -42,9 +42,9 @@ restarted at its address with the messages queued on it, and the connection reco
 pulls waiting there and its subscriptions there fail with a ``BusError`` saying so when the connection drops.
 A shard that does not come back (its node was lost) makes every call on its topics fail with a ``BusError`` once
 it has been unreachable for ``UNREACHABLE_S``. Pushed messages are kept by the client until the shard confirms it
-journaled them, and sent again to its restart
-(``inferlet._bus_socket``): each is queued exactly once. An inferlet that ends waits for that confirmation; one the
-bus never gives ends it with a ``BusError`` saying how many messages may be lost.
+journaled them, and sent again to its restart (``inferlet._bus_socket``): each is queued exactly once. An inferlet
+that ends waits for that confirmation; one the bus never gives ends it with a ``BusError`` saying how many messages
+may be lost.
 """
 
 from __future__ import annotations
