@@ -109,10 +109,10 @@ class Controller:
         _check_placements(config)
         self._auto_cpus = _automatic_cpus(config)
         # the control plane starts on the controller's node (the head's, for `pie start`) rather than on any worker.
-        # The market, the directory and the response store keep their state in the GCS, so where their node is lost
-        # Ray restarts them on another (soft); the launcher's program store is on this node's disk, so it stays (hard)
+        # The market, the directory, the response store and the launcher keep their state in the GCS, so where
+        # their node is lost Ray restarts them on another (soft)
         node = ray.get_runtime_context().get_node_id()
-        here, preferably_here = (NodeAffinitySchedulingStrategy(node, soft=soft) for soft in (False, True))
+        preferably_here = NodeAffinitySchedulingStrategy(node, soft=True)
         lifetime = "detached" if self._detached else None
         self.market = get_or_create_market(
             self._namespace, config.market.default_endowment, lifetime=lifetime, scheduling_strategy=preferably_here
@@ -133,7 +133,7 @@ class Controller:
             lifetime=lifetime,
             num_cpus=0,
             max_concurrency=100_000,
-            scheduling_strategy=here,
+            scheduling_strategy=preferably_here,
             max_restarts=-1,
         )
         self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision)

@@ -79,7 +79,9 @@ class Launcher:
         self._pool: HostPool | None = self._state.pool
         self._sandboxed = sandboxed
         capacity = config.program_store_mib << 20
-        self._programs = ProgramStore(store, capacity, stored=self._memory.holds, restore=saved is not None)
+        self._programs = ProgramStore(
+            store, capacity, stored=self._memory.holds, restore=saved is not None, blobs=self._memory.programs
+        )
         self._builtins = {name: Program.from_path(path) for name, path in BUILTINS.items()}
         self._builtin_ids = {program.id for program in self._builtins.values()}
         self._admission = Admission(config.admission_limits())

@@ -1,13 +1,14 @@
 """What a launcher that Ray restarts gets back, and from where.
 
-The launcher is restarted in place when its process dies (``max_restarts``). It keeps in the GCS's key-value store
-(``GcsStore``) what it cannot ask anyone for: where its program store is on disk and which user holds which
-program, the host pool the controller last gave it, the nodes being drained, and the launches waiting for an
-admission slot (saved when one starts waiting, deleted when it starts or ends: only an overloaded cluster writes
-them). The instances it asks of the hosts, which keep each one's events and inbox (``InferletHost.live``): those
-running, and those that ended as long as their host keeps their events (``[launcher] event_buffer`` /
-``keep_finished``), so endings reported while it was down are learned too. The cluster's own programs run by an
-ingress replica are its to finish; the launcher no longer counts them once they run.
+The launcher is restarted when its process dies (``max_restarts``), on another node if its own is lost. It keeps in
+the GCS's key-value store (``GcsStore``) what it cannot ask anyone for: where its program store is on disk, which
+user holds which program and the programs' content (a restart on another node reads them from there), the host pool
+the controller last gave it, the nodes being drained, and the launches waiting for an admission slot (saved when
+one starts waiting, deleted when it starts or ends: only an overloaded cluster writes them). The instances it asks
+of the hosts, which keep each one's events and inbox (``InferletHost.live``): those running, and those that ended as
+long as their host keeps their events (``[launcher] event_buffer`` / ``keep_finished``), so endings reported while
+it was down are learned too. The cluster's own programs run by an ingress replica are its to finish; the launcher no
+longer counts them once they run.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class LauncherMemory:
         self._state = GcsStore("pie-launcher", f"{key}/state")
         self.holds = GcsStore("pie-launcher", f"{key}/holds")
         self.waiting = GcsStore("pie-launcher", f"{key}/waiting")  # instance id -> WaitingLaunch
+        self.programs = GcsStore("pie-launcher", f"{key}/programs")  # program id -> Program (see ProgramStore)
 
     def load(self) -> LauncherState | None:
         return self._state.get(()) if self.restarted else None

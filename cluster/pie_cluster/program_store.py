@@ -10,7 +10,9 @@ launch of an evicted id answers "upload it first", as for any unknown id). Files
 them. A few recently launched programs stay decoded in memory, so a burst of launches reads the disk once.
 
 Who holds what is also written to a ``GcsStore`` when given one, so that a launcher Ray restarts reopens the same
-directory with the same holds (``restore``).
+directory with the same holds (``restore``); and so is every program's content (``blobs``, as Ray keeps its
+runtime_env packages), so that a launcher restarted on another node, whose disk does not have the files, reads them
+from there (and writes them to its disk again). A program's content leaves both when nobody holds it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ProgramStore:
         decoded: int = 32,
         stored: GcsStore | None = None,
         restore: bool = False,
+        blobs: GcsStore | None = None,
     ):
         self._root = root
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -53,6 +56,7 @@ class ProgramStore:
         self._decoded: OrderedDict[str, Program] = OrderedDict()
         self._decoded_limit = decoded
         self._stored = stored
+        self._blobs = blobs
         for (user,), sizes in (stored.load() if stored is not None and restore else {}).items():
             self._holds[user] = OrderedDict((program_id, _Hold(size)) for program_id, size in sizes)
             for program_id, _ in sizes:
@@ -121,8 +125,9 @@ class ProgramStore:
     def remove_all(self) -> None:
         """The cluster stops: every program leaves the disk, the store's directory with them."""
         shutil.rmtree(self._root, ignore_errors=True)
-        if self._stored is not None:
-            self._stored.clear()
+        for store in (self._stored, self._blobs):
+            if store is not None:
+                store.clear()
         self._holds.clear()
         self._owners.clear()
         self._decoded.clear()
@@ -132,6 +137,11 @@ class ProgramStore:
             self._stored.put((user,), [(program_id, hold.size) for program_id, hold in self._holds[user].items()])
 
     def _write(self, program: Program) -> None:
+        self._write_files(program)
+        if self._blobs is not None:
+            self._blobs.put(program.id, program)
+
+    def _write_files(self, program: Program) -> None:
         directory = self._root / program.id
         for rel, data in program.files.items():
             target = directory / _FILES / rel
@@ -149,6 +159,11 @@ class ProgramStore:
 
     def _load(self, program_id: str) -> Program:
         directory = self._root / program_id
+        if not (directory / _META).exists() and self._blobs is not None:  # restarted on another node's disk
+            program = self._blobs.get(program_id)
+            if program is not None:
+                self._write_files(program)
+                return program
         meta = json.loads((directory / _META).read_text(encoding="utf-8"))
         files = {rel: (directory / _FILES / rel).read_bytes() for rel in meta["files"]}
         return Program(
@@ -175,3 +190,5 @@ class ProgramStore:
             del self._owners[program_id]
             self._decoded.pop(program_id, None)
             shutil.rmtree(self._root / program_id, ignore_errors=True)
+            if self._blobs is not None:
+                self._blobs.delete(program_id)

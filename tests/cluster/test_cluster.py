@@ -210,10 +210,14 @@ def test_the_market_restarts_with_its_wallets_and_running_instances_finish(clust
     assert after["wallets"] == 0 and after["balanced"], after
 
 
-def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(cluster, launcher, ray_cluster):
-    """SIGKILL the launcher while an instance runs: Ray restarts it, it reopens its program store and asks the hosts
-    what runs, so the instance is listed and followed as before and finishes, and programs uploaded before launch."""
+def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
+    cluster, launcher, ray_cluster, store_parent
+):
+    """SIGKILL the launcher while an instance runs, and take its program files away as if it were restarted on
+    another node: Ray restarts it, it reads its programs back from the GCS and asks the hosts what runs, so the
+    instance is listed and followed as before and finishes, and programs uploaded before launch."""
     import os
+    import shutil
     import signal
 
     from pie_cluster.events import poll
@@ -228,6 +232,8 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(cl
     (actor,) = list_actors(ray_cluster.address, filters=[("name", "=", "pie-launcher"), ("state", "=", "ALIVE")])
     os.kill(actor["pid"], signal.SIGKILL)
     killed = time.monotonic()
+    for store in store_parent.iterdir():  # the restart's disk has none of the program files
+        shutil.rmtree(store)
     while True:
         try:
             listed = ray.get(launcher.list.remote("alice"), timeout=5)

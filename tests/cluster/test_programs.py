@@ -1,7 +1,8 @@
-"""Program uploads as an attacker would send them, and the launcher's on-disk program store.
+"""Program uploads as an attacker would send them, and the launcher's program store (on disk, and in the GCS).
 
-No Ray needed: ``Program.from_upload`` is exactly what the launcher runs on an upload, and ``load_main`` what a host
-runs on a launch (it writes a multi-file program's files to disk, where a hostile name would escape)."""
+No Ray needed but for the store's copy in the GCS: ``Program.from_upload`` is exactly what the launcher runs on an
+upload, and ``load_main`` what a host runs on a launch (it writes a multi-file program's files to disk, where a
+hostile name would escape)."""
 
 from __future__ import annotations
 
@@ -188,3 +189,25 @@ def test_removing_everything_takes_the_directory(tmp_path):
     store.put("alice", small("a"))
     store.remove_all()
     assert not root.exists() and len(store) == 0
+
+
+def test_a_store_reopened_on_a_disk_without_its_files_reads_them_from_the_gcs(tmp_path, ray_session):
+    """A launcher restarted on another node reopens its store there: the holds and the programs' content come from
+    the GCS's key-value store, the files are written to the new disk, and content nobody holds leaves both."""
+    from uuid import uuid4
+
+    from pie_cluster.durable import GcsStore
+
+    key = uuid4().hex
+    holds, blobs = GcsStore("pie-test-programs", f"{key}/holds"), GcsStore("pie-test-programs", f"{key}/blobs")
+    a, b = small("a"), small("b")
+    ProgramStore(tmp_path / "first", capacity_bytes=1 << 20, stored=holds, blobs=blobs).put("alice", a)
+
+    elsewhere = tmp_path / "second"
+    store = ProgramStore(elsewhere, capacity_bytes=1 << 20, stored=holds, restore=True, blobs=blobs)
+    assert store.get("alice", a.id) == a and (elsewhere / a.id).is_dir()
+    assert store.get("bob", a.id) is None  # still only hers
+    store.put("alice", b)
+    assert set(blobs.load()) == {a.id, b.id}
+    store.remove_all()
+    assert blobs.load() == {} and holds.load() == {}

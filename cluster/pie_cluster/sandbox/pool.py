@@ -60,7 +60,7 @@ class Worker:
     user: str | None = None  # None: the spare, not yet anyone's
     dedicated: bool = False
     instances: set[str] = field(default_factory=set)
-    programs: set[str] = field(default_factory=set)  # written into its /pie/programs
+    programs: dict[str, asyncio.Future] = field(default_factory=dict)  # program id -> its write into /pie/programs
     idle_since: float = field(default_factory=time.monotonic)
     retired: bool = False  # takes no new instances; ends when its last one does
     uid: int | None = None  # its own uid, when the host could give it one
@@ -96,9 +96,7 @@ class WorkerPool:
 
     async def start(self, user: str, program: Program, spec: InstanceSpec, isolated: bool) -> None:
         worker = await self._worker_for(user, isolated)
-        if program.id not in worker.programs:
-            await asyncio.to_thread(program.write_out, worker.directory / "programs" / program.id)
-            worker.programs.add(program.id)
+        await self._written(worker, program)
         instance_id, deadline_s = spec.setup.instance_id, spec.setup.deadline_s
         worker.instances.add(instance_id)
         self._by_instance[instance_id] = worker
@@ -106,6 +104,19 @@ class WorkerPool:
         if deadline_s is not None:  # the worker enforces it; this is for a program that swallows the cancel
             loop = asyncio.get_running_loop()
             loop.call_later(deadline_s + DEADLINE_GRACE_S, self._overdue, worker, instance_id)
+
+    async def _written(self, worker: Worker, program: Program) -> None:
+        """The program's files are in the worker's /pie/programs: written once, and every launch that comes while
+        they are being written waits for that write (a second write would truncate them under a reading worker)."""
+        writing = worker.programs.get(program.id)
+        if writing is None:
+            target = worker.directory / "programs" / program.id
+            writing = worker.programs[program.id] = asyncio.ensure_future(asyncio.to_thread(program.write_out, target))
+        try:
+            await asyncio.shield(writing)
+        except Exception:
+            worker.programs.pop(program.id, None)  # the next launch tries again
+            raise
 
     def abort(self, instance_id: str, reason: str) -> bool:
         worker = self._by_instance.get(instance_id)
