@@ -12,8 +12,9 @@ the node asked for, or — only when the sandbox is off — a dedicated host for
 Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended. Ray restarts it when
 its process dies, and it learns again what it had (``launcher_restart``).
 
-(Past 400 lines: it is one actor's whole API — programs, launches, the hosts' side, the ingress's admissions,
-draining — and the parts that hold no launcher state live in their own modules.)
+(Past 450 lines: it is one actor's whole API — programs, launches, the hosts' side, the ingress's admissions,
+draining, taking its state back after a restart — and the parts that hold no launcher state live in their own
+modules: what it saves and asks the hosts for is ``launcher_restart``.)
 """
 
 from __future__ import annotations

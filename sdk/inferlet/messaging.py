@@ -244,8 +244,8 @@ class _Bus:
     def _shard(self, topic: str) -> int:
         return zlib.crc32(f"{self._user}\0{topic}".encode()) % len(self._addresses)
 
-    def _call(self, connection: ShardConnection, token: int, timeout: float = CALL_TIMEOUT_S) -> None:
-        connection.wait_until(lambda: token in self._answered or self._refused is not None, timeout)
+    def _call(self, connection: ShardConnection, token: int) -> None:
+        connection.wait_until(lambda: token in self._answered or self._refused is not None, CALL_TIMEOUT_S)
         if self._refused is not None:
             raise self._refused
         self._answered.discard(token)

@@ -99,6 +99,32 @@ class Journal:
         self._path.unlink(missing_ok=True)
 
 
+class NoJournal(Journal):
+    """Keeps nothing: the queues of a ``Topics`` that need not outlive its process (a shard before it listens, a
+    test's own ``Topics``)."""
+
+    def __init__(self) -> None:
+        super().__init__(Path())
+
+    def queued(self, key: Key, message: str) -> None:
+        pass
+
+    def returned(self, key: Key, messages: list[str]) -> None:
+        pass
+
+    def pulled(self, key: Key) -> None:
+        pass
+
+    def applied(self, peer: bytes, seq: int | None) -> None:
+        pass
+
+    def flush(self, state: Callable[[], Replayed]) -> None:
+        pass
+
+    def remove(self) -> None:
+        pass
+
+
 def _apply(state: Replayed, record: list) -> None:
     queues = state.queues
     match record:

@@ -55,7 +55,7 @@ import ray
 import zmq
 from pie_workers.wire.capability import Capability, CapabilityError, verify
 
-from pie_cluster.bus.journal import Journal, Replayed
+from pie_cluster.bus.journal import Journal, NoJournal, Replayed
 from pie_cluster.bus.topics import Topics
 from pie_cluster.durable import GcsStore
 
@@ -105,7 +105,7 @@ class BusShard:
         self._secret = secret
         self._verified: dict[bytes, _Verified] = {}  # token -> what it proved (a cache, emptied past VERIFIED_CACHE)
         self._topics = Topics(self._queue_event)  # made again with its journal once the shard listens
-        self._journal: Journal | None = None
+        self._journal: Journal = NoJournal()  # its own once the shard listens
         self._applied: OrderedDict[bytes, int] = OrderedDict()  # peer -> its last numbered operation applied
         self._acks: set[bytes] = set()  # peers to acknowledge at the end of this burst
         self._resends: dict[bytes, int] = {}  # peer -> the number to send again from (this burst)
@@ -167,8 +167,7 @@ class BusShard:
             with contextlib.suppress(OSError):
                 os.unlink(self._ipc_path)
                 os.rmdir(Path(self._ipc_path).parent)
-        if self._journal is not None:
-            self._journal.remove()
+        self._journal.remove()
 
     # -- serving --
 
@@ -198,8 +197,7 @@ class BusShard:
             asyncio.get_running_loop().call_soon(self._serve)
 
     def _write_journal(self) -> None:
-        if self._journal is not None:
-            self._journal.flush(lambda: Replayed(self._topics.queued_messages(), self._applied))
+        self._journal.flush(lambda: Replayed(self._topics.queued_messages(), self._applied))
 
     def _in_order(self, peer: bytes, seq: int, first: int) -> bool:
         """Whether numbered operation ``seq`` of ``peer`` is the next one to apply (it then counts as applied)."""
@@ -223,8 +221,7 @@ class BusShard:
         for peer in self._acks:
             seq = self._applied.get(peer)
             if seq is not None:
-                if self._journal is not None:
-                    self._journal.applied(peer, seq)
+                self._journal.applied(peer, seq)
                 self._queue_event(peer, None, ["acked", seq])
         for peer, seq in self._resends.items():
             self._queue_event(peer, None, ["resend", seq])
@@ -296,8 +293,7 @@ class BusShard:
                 last = self._applied.pop(peer, None)
                 if last is not None:  # acknowledged here: past this, the peer is not known
                     self._queue_event(peer, user, ["acked", last])
-                    if self._journal is not None:
-                        self._journal.applied(peer, None)
+                    self._journal.applied(peer, None)
                 self._queue_event(peer, user, ["ok", token])
             case _:
                 raise ValueError(f"unknown bus operation {op!r}")

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pie_cluster.bus.journal import Journal
+from pie_cluster.bus.journal import Journal, NoJournal
 
 Key = tuple[str, str]  # (user, topic): users never share a key, which is all the namespacing there is
 Emit = Callable[[bytes, str, list], None]
@@ -38,7 +38,7 @@ class Topics:
     def __init__(self, emit: Emit, journal: Journal | None = None, queued: dict[Key, deque[str]] | None = None):
         """``journal``: told every change to a queue (``journal.py``); ``queued``: what its replay had queued."""
         self._emit = emit
-        self._journal = journal
+        self._journal = journal if journal is not None else NoJournal()
         self._queues: dict[Key, _Queue] = {key: _Queue(messages) for key, messages in (queued or {}).items()}
         self._subscribers: dict[Key, dict[tuple[bytes, int], None]] = {}
         self._held: dict[bytes, _Held] = {}
@@ -52,23 +52,20 @@ class Topics:
         """Hand ``message`` to the oldest waiting puller, else queue it."""
         if not self._hand_to_waiter(key, message):
             self._queues.setdefault(key, _Queue()).messages.append(message)
-            if self._journal is not None:
-                self._journal.queued(key, message)
+            self._journal.queued(key, message)
 
     def requeue(self, key: Key, messages: list[str]) -> None:
         """Messages that were pulled but not taken (oldest first) go back ahead of everything queued after them."""
         rest = [m for m in messages if not self._hand_to_waiter(key, m)]
         if rest:
             self._queues.setdefault(key, _Queue()).messages.extendleft(reversed(rest))
-            if self._journal is not None:
-                self._journal.returned(key, rest)
+            self._journal.returned(key, rest)
 
     def pull(self, peer: bytes, user: str, rid: int, key: Key) -> None:
         queue = self._queues.get(key)
         if queue is not None and queue.messages:
             message = queue.messages.popleft()
-            if self._journal is not None:
-                self._journal.pulled(key)
+            self._journal.pulled(key)
             self._forget_if_idle(key)
             self._emit(peer, key[0], ["pulled", rid, key[1], message])
             return
