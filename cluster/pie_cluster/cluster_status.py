@@ -41,6 +41,7 @@ def cluster_status(controller: Controller) -> dict:
         "drained": [{"node": node, "alive": alive.get(node, False)} for node in sorted(controller.drained)],
         "launcher": launcher if isinstance(launcher, dict) else {"state": launcher},
         "bus": bus if isinstance(bus, dict) else {"state": bus},
+        "bus_shards": [info.node_id for info in controller.bus.infos],  # each shard's node, in shard order
         "market": market if isinstance(market, dict) else {"state": market},
     }
 

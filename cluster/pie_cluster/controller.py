@@ -29,7 +29,7 @@ from pie_workers.tiny_model import EmbeddedModel
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pie_cluster.bus import start_bus
+from pie_cluster.bus import replace_shards, start_bus
 from pie_cluster.cluster_status import cluster_status
 from pie_cluster.config import ModelConfigEntry, PieConfig
 from pie_cluster.controller_state import (
@@ -97,6 +97,7 @@ class Controller:
             self._build()
         else:
             self._adopt(saved)
+        self._bus_published = True  # False: the hosts are yet to be given the bus shards' new addresses
         self.supervisor = Supervisor(config.supervision, self.replicas, self._new_replica, self._publish)
         threading.Thread(target=self._watch_nodes, name="node-watcher", daemon=True).start()
 
@@ -195,13 +196,30 @@ class Controller:
         )
 
     def _watch_nodes(self) -> None:
-        """A node that joins after the start gets a pooled host, and the launcher places launches there."""
+        """A node that joins after the start gets a pooled host, and the launcher places launches there; a bus
+        shard whose node is lost is made again on another."""
         while not self._stopping.wait(self.config.supervision.probe_every_s):
             for node in sorted(_alive_nodes() - set(self.hosts) - self.drained):
                 try:
                     self._add_host(node)
                 except Exception:  # e.g. the launcher does not answer: tried again on the next round
                     log.exception("starting an inferlet host on the new node %s failed", node)
+            try:
+                self._follow_bus()
+            except Exception:  # e.g. the launcher does not answer: tried again on the next round
+                log.exception("replacing the bus shards of a lost node failed")
+
+    def _follow_bus(self) -> None:
+        """Replace the bus shards whose node is lost and hand the hosts their new addresses."""
+        alive = _alive_nodes()
+        lost = [info.index for info in self.bus.infos if info.node_id not in alive]
+        if lost:
+            self.bus = replace_shards(self.bus, lost, sorted(alive - self.drained), self.secret, self._deadline)
+            log.warning("bus shards %s replaced on other nodes (theirs were lost)", lost)
+            self._bus_published = False
+        if not self._bus_published:
+            self._publish()
+            self._bus_published = True
 
     def _add_host(self, node: str) -> None:
         with self.hosting:
@@ -233,7 +251,7 @@ class Controller:
         }
 
     def _publish(self) -> None:
-        """A replica was replaced: hosts and the launcher get the new addresses."""
+        """A replica was replaced or a bus shard moved: hosts and the launcher get the new addresses."""
         with self.hosting:
             services = self._services(list(self.hosts))
             for node, host in self.hosts.items():

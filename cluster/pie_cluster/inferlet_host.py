@@ -109,10 +109,10 @@ class InferletHost:
         return {"sandbox": "bubblewrap", **self._sandbox.pool.stats()}
 
     async def set_services(self, services: NodeServices) -> None:
-        """What new instances reach from now on (a replica was replaced: its addresses changed)."""
+        """What new instances reach from now on (a replica was replaced or a bus shard moved: addresses changed)."""
         self.services, self._endpoints = services, None
         if self._sandbox is not None:
-            self._sandbox.services_changed()
+            self._sandbox.services_changed(services.bus)
 
     async def lifetime(self) -> None:
         """Never answers: the launcher keeps this call open to learn at once that the host died (it fails)."""

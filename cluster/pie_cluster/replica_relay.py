@@ -69,7 +69,7 @@ class ReplicaRelays:
         while loop.time() < deadline:
             for address in await loop.run_in_executor(None, self._candidates, model):
                 with contextlib.suppress(OSError, asyncio.TimeoutError):
-                    upstream = await asyncio.wait_for(_connect(address), CONNECT_S)
+                    upstream = await asyncio.wait_for(connect(address), CONNECT_S)
                     await splice(reader, writer, *upstream)
                     return
             await asyncio.sleep(RETRY_S)
@@ -81,7 +81,7 @@ class ReplicaRelays:
         self._servers.clear()
 
 
-async def _connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     kind, _, where = address.partition("://")
     if kind == "ipc":
         return await asyncio.open_unix_connection(where)

@@ -24,6 +24,8 @@ FRAME_OPS = 1024  # operations waiting to be sent that make the client send at o
 CALL_TIMEOUT_S = 10.0  # how long subscribe waits for the bus to register it
 CLOSE_TIMEOUT_S = 2.0  # how long an ending inferlet waits for each shard to confirm its withdrawal
 UNREACHABLE_S = 30.0  # a shard not connected this long is unreachable: calls on it fail until it connects again
+HEARTBEAT_S = 5.0  # ZeroMQ pings the shard this often over an idle connection ...
+HEARTBEAT_TIMEOUT_S = 15.0  # ... and drops it (then connects again) when nothing came back for this long
 NUMBERED = ("push", "requeue")  # operations that hand the shard a message: kept until it acknowledges them
 
 
@@ -57,7 +59,12 @@ class ShardConnection:
         self._sock.setsockopt(zmq.ROUTING_ID, identity)
         self._sock.setsockopt(zmq.SNDTIMEO, int(CALL_TIMEOUT_S * 1000))  # backpressure, but never hang for good
         self._sock.setsockopt(zmq.LINGER, int(CLOSE_TIMEOUT_S * 1000))  # give back pulled messages after close
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # a node lost without closing its connections (no TCP reset) is noticed by the pings; the connection then
+        # goes through its relay again to wherever the shard was restarted
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
+        # connected once the shard answered the handshake: a relay accepts a connection before it found the shard
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
         self.address = address
         self._loop.add_reader(self._sock.FD, self.drain)
@@ -133,10 +140,10 @@ class ShardConnection:
         not come within ``UNREACHABLE_S`` makes the shard unreachable."""
         while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected, self.unreachable = True, False
                 self._unreachable_check.cancel()
-            elif event == zmq.EVENT_DISCONNECTED:
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 self.drops += 1
                 if self.unacked:

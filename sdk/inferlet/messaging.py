@@ -274,6 +274,13 @@ class _Bus:
                     self._withdrawn(event[1])
                 else:
                     self._answered.add(event[1])
+            elif kind == "lost":  # the shard restarted on another node without the messages of this pull's topic
+                _, rid, why = event
+                pull = self._pulls.pop(rid, None)
+                if pull is not None:
+                    _HANDOFFS.forget(self._local_key(pull.topic), self, rid)
+                    if not pull.answer.done():
+                        pull.answer.set_exception(BusError(why))
             elif kind == "acked":
                 connection.acked(event[1])
             elif kind == "resend":

@@ -41,6 +41,6 @@ Why this shape:
   peer's routing id must be one of the capability's instance, so no inferlet can act as another's connection.
 """
 
-from pie_cluster.bus.handle import Bus, find_bus, start_bus
+from pie_cluster.bus.handle import Bus, find_bus, replace_shards, start_bus
 
-__all__ = ["Bus", "find_bus", "start_bus"]
+__all__ = ["Bus", "find_bus", "replace_shards", "start_bus"]

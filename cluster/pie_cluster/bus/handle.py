@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -11,6 +12,7 @@ from pie_cluster.bus.shard import BusShard, ShardInfo, secret_id
 
 DEFAULT_NAME = "pie-bus"
 DEFAULT_SHARDS = 2
+NAME_FREED_S = 10.0  # how long a killed shard's name may take to be free for its replacement
 
 _ShardActor = ray.remote(BusShard)
 
@@ -21,6 +23,9 @@ class Bus:
 
     shards: tuple  # actor handles, in shard order
     infos: tuple[ShardInfo, ...]
+    name: str = DEFAULT_NAME
+    namespace: str | None = None
+    detached: bool = True
 
     def addresses(self, node_id: str | None = None) -> tuple[str, ...]:
         """What goes into an inferlet's ``Runtime.bus``: one address per shard, ipc where the shard shares the
@@ -59,28 +64,59 @@ def start_bus(
     if shards < 1:
         raise ValueError(f"a bus needs at least one shard, not {shards}")
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-
-    def shard(index: int):
-        options = {
-            "name": f"{name}-{index}",
-            "namespace": namespace,
-            "get_if_exists": True,
-            "num_cpus": 0,
-            "max_restarts": -1,  # restarted at its addresses (see shard.py), so on its node: it must not move
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
-        }
-        if detached:
-            options["lifetime"] = "detached"
-        return _ShardActor.options(**options).remote(index, shards, secret)
-
-    first = shard(0)
+    bus = Bus((), (), name, namespace, detached)
+    first = _shard_actor(bus, 0, shards, nodes[0], secret)
     info = ray.get(first.start.remote())
     if info.count != shards:
         raise ValueError(f"the bus {name!r} already runs with {info.count} shards, not {shards}")
     if info.secret_id != secret_id(secret):
         raise ValueError(f"the bus {name!r} already runs under another cluster secret")
-    rest = [shard(i) for i in range(1, shards)]
-    return Bus((first, *rest), (info, *ray.get([s.start.remote() for s in rest])))
+    rest = [_shard_actor(bus, i, shards, nodes[i % len(nodes)], secret) for i in range(1, shards)]
+    return replace(bus, shards=(first, *rest), infos=(info, *ray.get([s.start.remote() for s in rest])))
+
+
+def replace_shards(bus: Bus, lost: list[int], nodes: list[str], secret: bytes, timeout: float) -> Bus:
+    """``bus`` with shards ``lost`` (their node is lost) made again, each on the one of ``nodes`` with the fewest
+    shards. Ray restarts a dead shard on its own node only (it is pinned there, with its addresses and journal), so
+    one whose node is lost is killed for good and replaced; the replacement reports what was queued there as lost
+    (``queued_topics.py``) and listens at new addresses, which the hosts must be given."""
+    shards, infos = list(bus.shards), list(bus.infos)
+    for index in lost:
+        _kill_for_good(bus, index)
+        node = min(nodes, key=lambda n: sum(info.node_id == n for info in infos))
+        replaces = bus.shards[index]._actor_id.hex()
+        shards[index] = _shard_actor(bus, index, len(infos), node, secret, replaces)
+        infos[index] = ray.get(shards[index].start.remote(), timeout=timeout)
+    return replace(bus, shards=tuple(shards), infos=tuple(infos))
+
+
+def _kill_for_good(bus: Bus, index: int) -> None:
+    """Kill shard ``index`` and wait until its name is free for its replacement."""
+    dead = bus.shards[index]
+    ray.kill(dead, no_restart=True)
+    deadline = time.monotonic() + NAME_FREED_S
+    while time.monotonic() < deadline:
+        try:
+            if ray.get_actor(f"{bus.name}-{index}", namespace=bus.namespace)._actor_id != dead._actor_id:
+                return
+        except ValueError:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"bus shard {index} was killed, but its name was not free within {NAME_FREED_S:g} s")
+
+
+def _shard_actor(bus: Bus, index: int, count: int, node: str, secret: bytes, replaces: str | None = None):
+    options = {
+        "name": f"{bus.name}-{index}",
+        "namespace": bus.namespace,
+        "get_if_exists": True,
+        "num_cpus": 0,
+        "max_restarts": -1,  # restarted at its addresses (see shard.py), so on its node: it must not move
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False),
+    }
+    if bus.detached:
+        options["lifetime"] = "detached"
+    return _ShardActor.options(**options).remote(index, count, secret, replaces)
 
 
 def find_bus(name: str = DEFAULT_NAME, namespace: str | None = None) -> Bus:
@@ -91,4 +127,4 @@ def find_bus(name: str = DEFAULT_NAME, namespace: str | None = None) -> Bus:
         raise LookupError(f"no message bus {name!r} is running: start one with start_bus()") from None
     info = ray.get(first.start.remote())
     rest = [ray.get_actor(f"{name}-{i}", namespace=namespace) for i in range(1, info.count)]
-    return Bus((first, *rest), (info, *ray.get([s.start.remote() for s in rest])))
+    return Bus((first, *rest), (info, *ray.get([s.start.remote() for s in rest])), name, namespace)

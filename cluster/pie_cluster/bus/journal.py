@@ -40,6 +40,11 @@ class Journal:
         self._records = 0  # in the file
         self._queued = 0  # messages the records leave queued
         self._fd = -1
+        self._filled: set[Key] = set()  # topics messages were queued on since ``take_filled``
+
+    def take_filled(self) -> set[Key]:
+        filled, self._filled = self._filled, set()
+        return filled
 
     def replay(self) -> Replayed:
         """What the file describes (nothing if there is no file); then append to it from there on."""
@@ -58,10 +63,12 @@ class Journal:
     def queued(self, key: Key, message: str) -> None:
         self._pending.append(["+", *key, message])
         self._queued += 1
+        self._filled.add(key)
 
     def returned(self, key: Key, messages: list[str]) -> None:
         self._pending.append(["<", *key, messages])
         self._queued += len(messages)
+        self._filled.add(key)
 
     def pulled(self, key: Key) -> None:
         self._pending.append(["-", *key])

@@ -56,6 +56,7 @@ import zmq
 from pie_workers.wire.capability import Capability, CapabilityError, verify
 
 from pie_cluster.bus.journal import Journal, NoJournal, Replayed
+from pie_cluster.bus.queued_topics import SHRINK_S, QueuedTopics
 from pie_cluster.bus.topics import Topics
 from pie_cluster.durable import GcsStore
 
@@ -98,7 +99,8 @@ class _Outbox:
 
 
 class BusShard:
-    def __init__(self, index: int, count: int, secret: bytes):
+    def __init__(self, index: int, count: int, secret: bytes, replaces: str | None = None):
+        """``replaces``: the actor id of the shard this one replaces, whose node was lost (``handle.py``)."""
         if not secret:
             raise ValueError("a bus shard needs the cluster's secret to verify its clients' capabilities")
         self.index, self.count = index, count
@@ -111,18 +113,21 @@ class BusShard:
         self._resends: dict[bytes, int] = {}  # peer -> the number to send again from (this burst)
         self._asked: dict[bytes, int] = {}  # peer -> the number it was asked to send again from, until it does
         self._outgoing: dict[bytes, _Outbox] = {}
+        self._queued_topics: QueuedTopics | None = None  # once it listens
+        self._shrinking: asyncio.TimerHandle | None = None
         self._sock: zmq.Socket | None = None
         self._ipc_path = ""
         self._info: ShardInfo | None = None
         self._stored = GcsStore("pie-bus", ray.get_runtime_context().get_actor_id())  # the same after a restart
+        self._replaced = GcsStore("pie-bus", replaces) if replaces else None
         if ray.get_runtime_context().was_current_actor_reconstructed:  # nobody calls start again: listen now
             self._listen(self._stored.get(()))
-            log.warning("bus shard %d restarted at %s: what it held before is lost", index, self._info.tcp)
+            log.warning("bus shard %d restarted at %s", index, self._info.tcp)
 
     async def start(self) -> ShardInfo:
         """Bind and start serving (once; later calls just report where the shard listens)."""
         if self._info is None:
-            self._listen(None)
+            self._listen(self._replaced.get(()) if self._replaced is not None else None)
         return self._info
 
     def _listen(self, before: ShardInfo | None) -> None:
@@ -132,6 +137,15 @@ class BusShard:
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
         ip, node = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        moved = before is not None and before.node_id != node  # its node was lost, with its journal
+        self._queued_topics = QueuedTopics(self._stored, self._replaced if moved else None)
+        if moved:
+            log.warning(
+                "bus shard %d replaces one whose node was lost: messages queued on %d topics were lost with node %s",
+                self.index,
+                self._queued_topics.lost,
+                before.node_id,
+            )
         if before is not None and before.node_id == node:
             tcp, self._ipc_path = before.tcp, before.ipc.removeprefix("ipc://")
             sock.bind(tcp)
@@ -153,6 +167,7 @@ class BusShard:
         self._topics = Topics(self._queue_event, self._journal, replayed.queues)
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.FD, self._serve)
+        self._shrink()
         self._info = ShardInfo(self.index, self.count, node, tcp, f"ipc://{self._ipc_path}", secret_id(self._secret))
         self._stored.put((), self._info)
 
@@ -160,6 +175,8 @@ class BusShard:
         return self._topics.stats(user)
 
     async def stop(self) -> None:
+        if self._shrinking is not None:
+            self._shrinking.cancel()
         if self._sock is not None:
             asyncio.get_running_loop().remove_reader(self._sock.FD)
             self._sock.close()
@@ -196,7 +213,12 @@ class BusShard:
         if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             asyncio.get_running_loop().call_soon(self._serve)
 
+    def _shrink(self) -> None:
+        self._queued_topics.shrink(self._topics.holds)
+        self._shrinking = asyncio.get_running_loop().call_later(SHRINK_S, self._shrink)
+
     def _write_journal(self) -> None:
+        self._queued_topics.cover(self._journal.take_filled())  # before anything is acknowledged
         self._journal.flush(lambda: Replayed(self._topics.queued_messages(), self._applied))
 
     def _in_order(self, peer: bytes, seq: int, first: int) -> bool:
@@ -272,7 +294,10 @@ class BusShard:
                 if self._in_order(peer, seq, first):
                     topics.push((user, topic), message)
             case ["pull", str(topic), int(rid)]:
-                topics.pull(peer, user, rid, (user, topic))
+                if self._queued_topics.take_lost((user, topic)):
+                    self._queue_event(peer, user, ["lost", rid, _lost(topic)])
+                else:
+                    topics.pull(peer, user, rid, (user, topic))
             case ["cast", str(topic), str(message)]:
                 topics.broadcast((user, topic), message)
             case ["cancel", int(rid)]:
@@ -323,6 +348,13 @@ class BusShard:
                 returned.setdefault(event[2], []).append(event[3])
         for topic, messages in returned.items():
             self._topics.requeue((box.user, topic), messages)
+
+
+def _lost(topic: str) -> str:
+    return (
+        f"messages queued on topic {topic!r} may have been lost: the bus shard that held them was restarted on "
+        "another node after its node was lost (pull again for the messages pushed since)"
+    )
 
 
 def secret_id(secret: bytes) -> str:

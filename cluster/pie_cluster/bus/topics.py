@@ -43,6 +43,11 @@ class Topics:
         self._subscribers: dict[Key, dict[tuple[bytes, int], None]] = {}
         self._held: dict[bytes, _Held] = {}
 
+    def holds(self, key: Key) -> bool:
+        """Whether messages are queued on ``key``."""
+        queue = self._queues.get(key)
+        return queue is not None and bool(queue.messages)
+
     def queued_messages(self) -> dict[Key, deque[str]]:
         return {key: queue.messages for key, queue in self._queues.items() if queue.messages}
 

@@ -58,9 +58,11 @@ class Sandbox:
             self._ended(setup.instance_id)
             raise
 
-    def services_changed(self) -> None:
-        """A replica was replaced: the next launch builds the view anew (and the pool retires the workers)."""
+    def services_changed(self, bus: tuple[str, ...]) -> None:
+        """A replica was replaced or a bus shard moved: the next launch builds the view anew (and the pool retires
+        the workers); the running workers' bus sockets reconnect through their relays to where the shards are now."""
         self._view = None
+        self._relays.point_bus(bus)
 
     def _emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
         """Events go out as they come, an ending once the instance's wallet is closed: a client that sees how it
