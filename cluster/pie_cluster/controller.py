@@ -48,6 +48,7 @@ from pie_cluster.inferlet_host import InferletHost, NodeServices
 from pie_cluster.instance_record import HostPool
 from pie_cluster.launcher import Launcher
 from pie_cluster.market import get_or_create_market
+from pie_cluster.preferred_node import preferring
 from pie_cluster.responses_store import get_or_create_store
 from pie_cluster.supervisor import Supervisor
 
@@ -111,18 +112,15 @@ class Controller:
         self._auto_cpus = _automatic_cpus(config)
         # the control plane starts on the controller's node (the head's, for `pie start`) rather than on any worker.
         # The market, the directory, the response store and the launcher keep their state in the GCS, so where
-        # their node is lost Ray restarts them on another (soft)
-        node = ray.get_runtime_context().get_node_id()
-        preferably_here = NodeAffinitySchedulingStrategy(node, soft=True)
+        # their node is lost Ray restarts them on another
+        here = preferring(ray.get_runtime_context().get_node_id())
         lifetime = "detached" if self._detached else None
         self.market = get_or_create_market(
-            self._namespace, config.market.default_endowment, lifetime=lifetime, scheduling_strategy=preferably_here
+            self._namespace, config.market.default_endowment, lifetime=lifetime, placement=here
         )
-        self.directory = get_or_create_directory(
-            self._namespace, lifetime=lifetime, scheduling_strategy=preferably_here
-        )
+        self.directory = get_or_create_directory(self._namespace, lifetime=lifetime, placement=here)
         self.responses = get_or_create_store(
-            self._namespace, config.responses, self.directory, lifetime=lifetime, scheduling_strategy=preferably_here
+            self._namespace, config.responses, self.directory, lifetime=lifetime, placement=here
         )
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
@@ -134,8 +132,8 @@ class Controller:
             lifetime=lifetime,
             num_cpus=0,
             max_concurrency=100_000,
-            scheduling_strategy=preferably_here,
             max_restarts=-1,
+            **here,
         )
         self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision)
         services = self._services(nodes)
@@ -358,11 +356,12 @@ def start_controller(config: PieConfig, detached: bool = True):
     the caller's node (`pie start` runs on the head)."""
     # beside the caller (the head, for `pie start`); a restartable one may go elsewhere, and is restarted on another
     # node when that one is lost (its state is in the GCS); one that is not would die with any node it landed on
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=detached)
+    node = ray.get_runtime_context().get_node_id()
     options = {"name": CONTROLLER, "num_cpus": 0, "max_concurrency": 16, "get_if_exists": True}
-    options["scheduling_strategy"] = here
     if detached:  # outlives the command, and is restarted (adopting what it built) when its process dies
-        options |= {"lifetime": "detached", "max_restarts": -1, "max_task_retries": -1}
+        options |= {"lifetime": "detached", "max_restarts": -1, "max_task_retries": -1, **preferring(node)}
+    else:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     controller = ray.remote(Controller).options(**options).remote(config, restartable=detached)
     ray.get(controller.ready.remote())
     return controller

@@ -145,7 +145,7 @@ def _tell(replica, method: str, *args) -> None:
         getattr(replica, method).remote(*args)
 
 
-def get_or_create_directory(namespace: str, lifetime: str | None = None, scheduling_strategy=None):
+def get_or_create_directory(namespace: str, lifetime: str | None = None, placement: dict | None = None):
     """The directory of ``namespace``, restarted by Ray whenever its process dies (its entries are durable)."""
     options = {
         "name": DIRECTORY,
@@ -155,6 +155,4 @@ def get_or_create_directory(namespace: str, lifetime: str | None = None, schedul
         "num_cpus": 0,
         "max_restarts": -1,
     }
-    if scheduling_strategy is not None:
-        options["scheduling_strategy"] = scheduling_strategy
-    return ray.remote(UserDirectory).options(**options).remote(namespace)
+    return ray.remote(UserDirectory).options(**options, **(placement or {})).remote(namespace)

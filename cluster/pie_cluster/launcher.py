@@ -313,7 +313,7 @@ class Launcher:
         await self._lose([i for i in self._running() if i.node_id == node and i.runner is None], reason)
 
     def _dedicated_host(self, node: str, program: Program):
-        options = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+        options = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
         if program.runtime_env:
             options["runtime_env"] = program.runtime_env
         launcher = ray.get_runtime_context().current_actor

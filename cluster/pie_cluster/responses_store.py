@@ -156,7 +156,7 @@ class ResponseStore:
 
 
 def get_or_create_store(
-    namespace: str, config: ResponsesConfig, directory, lifetime: str | None = None, scheduling_strategy=None
+    namespace: str, config: ResponsesConfig, directory, lifetime: str | None = None, placement: dict | None = None
 ):
     """The response store of ``namespace``, restarted by Ray whenever its process dies (its records are durable);
     calls in flight then are sent again to the restart."""
@@ -169,6 +169,4 @@ def get_or_create_store(
         "max_restarts": -1,
         "max_task_retries": -1,
     }
-    if scheduling_strategy is not None:
-        options["scheduling_strategy"] = scheduling_strategy
-    return ray.remote(ResponseStore).options(**options).remote(config, directory, namespace)
+    return ray.remote(ResponseStore).options(**options, **(placement or {})).remote(config, directory, namespace)

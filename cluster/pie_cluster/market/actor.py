@@ -97,11 +97,10 @@ def get_or_create_market(
     namespace: str = "pie",
     default_endowment: float = DEFAULT_ENDOWMENT,
     lifetime: str | None = None,
-    scheduling_strategy=None,
+    placement: dict | None = None,
 ) -> ray.actor.ActorHandle:
     """The market named ``MARKET_NAME`` in ``namespace``, started here if no one has started it yet
-    (``lifetime="detached"`` lets it outlive the job that started it; ``scheduling_strategy``: where it runs)."""
+    (``lifetime="detached"`` lets it outlive the job that started it; ``placement``: actor options saying where
+    it runs)."""
     options = {"name": MARKET_NAME, "namespace": namespace, "get_if_exists": True, "lifetime": lifetime}
-    if scheduling_strategy is not None:
-        options["scheduling_strategy"] = scheduling_strategy
-    return MarketActor.options(**options).remote(default_endowment)
+    return MarketActor.options(**options, **(placement or {})).remote(default_endowment)
