@@ -72,8 +72,10 @@ def test_a_killed_dedicated_host_ends_its_instance_with_an_error(launcher):
     program = ray.get(launcher.upload.remote("alice", "parked.zip", data))["program"]
     instance = launch(launcher, program)
     (event,) = poll(launcher, "alice", instance, 0, 60.0)["events"]
+    killed = time.monotonic()
     os.kill(int(event[2]), signal.SIGKILL)
     last = run_to_end(launcher, instance)[-1]
+    print(f"the instance ended with its dedicated host's death {time.monotonic() - killed:.1f} s after the SIGKILL")
     assert last[1] == "error" and "dedicated inferlet host" in last[2] and "died" in last[2], last
     for _ in range(100):
         if ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0:

@@ -14,6 +14,7 @@ MARKET_S = 10.0  # the market: an instance's wallet opened or closed
 DIRECTORY_S = 30.0  # the user directory: a snapshot's lineage, an adapter's weights
 CONTROLLER_S = 300.0  # the controller: `pie status` (which itself waits up to a probe deadline for each part)
 HOST_S = 30.0  # an inferlet host: taking an instance, an abort, a change of services
+BUS_S = 60.0  # a bus shard: started (a process to make), stopped, asked where it listens
 RESPONSE_STORE_S = 10.0  # the Responses API's record store: a record read, written or removed
 DEDICATED_START_S = 600.0  # a dedicated host made for one instance: started, its runtime_env installed, ready
 

@@ -27,6 +27,8 @@ from pie_workers.model_dir import ModelSource, description_files, local_model_di
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 
+STOP_S = 30.0  # a rank's stop: one that does not answer in time is killed as it is
+
 
 @dataclass(frozen=True)
 class ReplicaInfo:
@@ -241,9 +243,9 @@ class Replica:
     def shutdown(self) -> None:
         """Stop the engine and the ranks, and give their resources back (also when a rank died: Ray frees a dead
         actor's CPUs, but not the placement group's bundle)."""
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.leader.stop.remote())
-            ray.get(self._following)
+        with contextlib.suppress(ray.exceptions.RayError):  # a hung rank (GetTimeoutError too) is killed as it is
+            ray.get(self.leader.stop.remote(), timeout=STOP_S)
+            ray.get(self._following, timeout=STOP_S)
         for r in self.ranks:
             ray.kill(r)
         if self._own_placement:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 
 import ray
+import ray.exceptions
+from pie_workers.deadlines import BUS_S, NoAnswer, answered
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus.shard import BusShard, ShardInfo, secret_id
@@ -44,7 +47,8 @@ class Bus:
 
     def shutdown(self) -> None:
         """Stop and kill every shard; whatever was queued is gone."""
-        ray.get([s.stop.remote() for s in self.shards])
+        with contextlib.suppress(ray.exceptions.RayError, NoAnswer):  # one dead or hung is killed as it is
+            answered([s.stop.remote() for s in self.shards], "the bus shards", BUS_S)
         for shard in self.shards:
             ray.kill(shard)
 
@@ -66,13 +70,14 @@ def start_bus(
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     bus = Bus((), (), name, namespace, detached)
     first = _shard_actor(bus, 0, shards, nodes[0], secret)
-    info = ray.get(first.start.remote())
+    info = answered(first.start.remote(), "bus shard 0", BUS_S)
     if info.count != shards:
         raise ValueError(f"the bus {name!r} already runs with {info.count} shards, not {shards}")
     if info.secret_id != secret_id(secret):
         raise ValueError(f"the bus {name!r} already runs under another cluster secret")
     rest = [_shard_actor(bus, i, shards, nodes[i % len(nodes)], secret) for i in range(1, shards)]
-    return replace(bus, shards=(first, *rest), infos=(info, *ray.get([s.start.remote() for s in rest])))
+    infos = answered([s.start.remote() for s in rest], "the bus shards", BUS_S)
+    return replace(bus, shards=(first, *rest), infos=(info, *infos))
 
 
 def replace_shards(bus: Bus, lost: list[int], nodes: list[str], secret: bytes, timeout: float) -> Bus:
@@ -125,6 +130,7 @@ def find_bus(name: str = DEFAULT_NAME, namespace: str | None = None) -> Bus:
         first = ray.get_actor(f"{name}-0", namespace=namespace)
     except ValueError:
         raise LookupError(f"no message bus {name!r} is running: start one with start_bus()") from None
-    info = ray.get(first.start.remote())
+    info = answered(first.start.remote(), "bus shard 0", BUS_S)
     rest = [ray.get_actor(f"{name}-{i}", namespace=namespace) for i in range(1, info.count)]
-    return Bus((first, *rest), (info, *ray.get([s.start.remote() for s in rest])), name, namespace)
+    infos = answered([s.start.remote() for s in rest], "the bus shards", BUS_S)
+    return Bus((first, *rest), (info, *infos), name, namespace)

@@ -23,6 +23,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+from pie_workers.deadlines import MARKET_S, answer
 from pie_workers.engine.record import EngineContexts
 from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchScheduler
@@ -71,7 +72,7 @@ class MarketLink:
         report = self.report(settle_made)
         if report is None:
             return None
-        decision, accounts = await self.market.settle_and_read.remote(report)
+        decision, accounts = await answer(self.market.settle_and_read.remote(report), "the market", MARKET_S)
         self.apply(decision)
         self.accounts.update(accounts)
         return decision
@@ -79,7 +80,7 @@ class MarketLink:
     async def account(self, process: str) -> dict | None:
         """The process's latest account (fetched now if no round has read it yet); None if it never joined."""
         if process not in self.accounts:
-            self.accounts.update(await self.market.accounts.remote([process]))
+            self.accounts.update(await answer(self.market.accounts.remote([process]), "the market", MARKET_S))
         return self.accounts.get(process)
 
     def forget(self, process: str) -> None:
