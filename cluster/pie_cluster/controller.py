@@ -41,7 +41,7 @@ from pie_cluster.controller_state import (
     kill_orphans,
     kill_saved,
 )
-from pie_cluster.cpu_share import ModelShape, automatic_cpus_per_rank, node_room
+from pie_cluster.cpu_share import automatic_cpus_for
 from pie_cluster.directory import get_or_create_directory
 from pie_cluster.drain import drain_node
 from pie_cluster.inferlet_host import InferletHost, NodeServices
@@ -72,16 +72,6 @@ def _check_placements(config: PieConfig) -> None:
             )
 
 
-def _automatic_cpus(config: PieConfig) -> int:
-    """The CPUs per rank of the models that leave ``cpus_per_rank`` unset, from what the nodes spare now."""
-    shapes = [
-        ModelShape(e.tensor_parallel, e.replicas, e.placement, e.cpus_per_rank, e.resources) for e in config.model
-    ]
-    if all(e.cpus_per_rank is not None for e in config.model):
-        return 1  # unused
-    return automatic_cpus_per_rank(node_room(), shapes)
-
-
 class Controller:
     """Builds the cluster, or, restarted by Ray (``restartable``), adopts the one it had built (controller_state.py)."""
 
@@ -109,7 +99,7 @@ class Controller:
         self.drained: set[str] = set()  # nodes `pie drain` released: no host is started there again
         self.restarts = 0
         _check_placements(config)
-        self._auto_cpus = _automatic_cpus(config)
+        self._auto_cpus = automatic_cpus_for(config.model)
         # the control plane starts on the controller's node (the head's, for `pie start`) rather than on any worker.
         # The market, the directory, the response store and the launcher keep their state in the GCS, so where
         # their node is lost Ray restarts them on another

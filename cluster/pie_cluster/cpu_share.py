@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pie_cluster.config import ModelConfigEntry
+
 
 @dataclass(frozen=True)
 class NodeRoom:
@@ -81,6 +83,15 @@ def places(nodes: Sequence[NodeRoom], models: Sequence[ModelShape], share: int) 
                 room[i][k] -= v
             used.add(i)
     return True
+
+
+def automatic_cpus_for(models: Sequence[ModelConfigEntry]) -> int:
+    """The CPUs per rank of the ``[[model]]`` entries that leave ``cpus_per_rank`` unset, from what the connected
+    cluster's nodes spare now."""
+    if all(e.cpus_per_rank is not None for e in models):
+        return 1  # unused
+    shapes = [ModelShape(e.tensor_parallel, e.replicas, e.placement, e.cpus_per_rank, e.resources) for e in models]
+    return automatic_cpus_per_rank(node_room(), shapes)
 
 
 def usable_cpus() -> int:

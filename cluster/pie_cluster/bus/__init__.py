@@ -32,8 +32,10 @@ Why this shape:
   the messages in that frame are requeued. A shard journals its queues on its node's disk and acknowledges pushes
   after the write, and clients send unacknowledged pushes again (``shard.py``), so Ray's restart of a dead shard at
   its addresses keeps its queued messages; clients reconnect by themselves, and their pulls and subscriptions on it
-  fail with a ``BusError`` saying so. What is lost: messages in flight inside an inferlet's process that dies, and
-  a shard's queues with its node (calls on its topics then fail once it has been unreachable for a while).
+  fail with a ``BusError`` saying so. A shard whose node is lost is made again on another by the controller
+  (``replace_shards``); sandboxed inferlets reach it through their host's relay, which follows it. What is lost:
+  messages in flight inside an inferlet's process that dies, and a shard's queues with its node, which its
+  replacement reports (``queued_topics.py``: the first pull on each topic that held messages fails saying so).
 * Overflow: subscription buffers live in the subscribing inferlet (1024 unread; the oldest is dropped and counted),
   so a slow reader never slows the shard or other subscribers. Queues are unbounded, as in Pie.
 * Namespacing: every frame carries the instance's capability (minted by the trusted host with the cluster's

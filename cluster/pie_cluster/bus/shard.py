@@ -15,7 +15,8 @@ operations, applied in order::
 
 Each frame back is the list of every event the peer has coming from one burst: ``["pulled", rid, topic, message]``,
 ``["cast", sid, message]``, ``["ok", id]`` answering ``sub`` (id = sid) and ``close`` (id = token), ``["acked",
-seq]`` and ``["resend", seq]`` (numbered operations are missing from ``seq`` on).
+seq]`` and ``["resend", seq]`` (numbered operations are missing from ``seq`` on), ``["lost", rid, why]`` (pull
+``rid``'s topic held messages lost with the node of the shard this one replaces).
 
 Operations that hand the shard a message are numbered per peer (``seq``; ``first``: the lowest the peer has not seen
 acknowledged). The shard applies them once each, in order: one it already applied is ignored, one past a gap is
@@ -34,6 +35,10 @@ then on is applied. Its queued messages it reads back from its journal on the no
 waiting pulls and subscriptions the dead one held are gone, and each client fails its pulls and subscriptions on
 that shard with an error saying so when its connection drops (``inferlet.messaging``), rather than waiting
 forever. What a client had pushed that the dead process had not yet journaled, the client sends again.
+
+A shard whose node is lost cannot be restarted there; the controller makes another in its place on a live node
+(``handle.replace_shards``), told the actor it replaces, which listens at new addresses and fails the first pull on
+each topic the lost one recorded as holding messages (``queued_topics.py``).
 """
 
 from __future__ import annotations
