@@ -4,7 +4,8 @@
 The GCS keeps its tables in a Redis server started here (Ray's GCS fault tolerance: ``RAY_REDIS_ADDRESS``), so a
 GCS that is killed and started again finds the cluster's actors, names and placement groups where it left them.
 Before the kill: a program is uploaded, one instance saves a snapshot and waits half way through its generation,
-and the market holds its wallet. The GCS is then down for ``OUTAGE_S``; once it is back, the script measures how
+the market holds its wallet, and ``LOAD`` instances start generating and messaging in rounds until after the GCS is
+back. The GCS is then down for ``OUTAGE_S``; once it is back, the script measures how
 long until a new launch runs to its end, lets the waiting instance finish, and opens the snapshot from a new one.
 """
 
@@ -20,6 +21,24 @@ import time
 from pathlib import Path
 
 OUTAGE_S = 5.0
+LOAD = 4  # instances generating and messaging through the outage
+
+BUSY = """
+import time
+from inferlet import Context, Model, Sampler, messaging
+
+async def main(input):
+    model, rounds, differed = Model.load("default"), 0, 0
+    until = time.monotonic() + input["seconds"]
+    while time.monotonic() < until:
+        with Context(model) as ctx:
+            ctx.user("what outlives the GCS?").cue()
+            tokens = await ctx.generate(Sampler.argmax(), max_tokens=4, stop=[]).collect_tokens()
+        differed += tokens != input["expected"][:4]
+        messaging.push(input["topic"], str(rounds))
+        rounds += int(await messaging.pull(input["topic"]) == str(rounds))
+    return [rounds, differed]
+"""
 
 PROGRAM = """
 from inferlet import Context, Model, Sampler, session
@@ -77,6 +96,11 @@ def main() -> None:
             since, seen = got["next"], [e[1] for e in got["events"]]
         host = ray.get(launcher.locate.remote("alice", waiting))["host"]
         market = ray.get(controller.status.remote())["market"]
+        busy, load = upload(launcher, BUSY), []
+        for i in range(LOAD):  # they run from before the kill until after the GCS is back
+            work = {"seconds": OUTAGE_S + 4, "expected": expected, "topic": f"load-{i}"}
+            load.append(launch(launcher, busy, work))
+        time.sleep(1.0)
 
         cluster.head_node.kill_gcs_server()
         time.sleep(OUTAGE_S)
@@ -94,6 +118,7 @@ def main() -> None:
         ray.get(host.send.remote("alice", waiting, "message", "go on"))
         waited = run_to_end(launcher, waiting)[-1]
         reopened = run_to_end(launcher, launch(launcher, program, {"open": True}))[-1]
+        loaded = [run_to_end(launcher, instance)[-1] for instance in load]
         status = ray.get(controller.status.remote())
         print(
             json.dumps(
@@ -102,6 +127,7 @@ def main() -> None:
                     "fresh": fresh,
                     "waited": waited,
                     "reopened": reopened,
+                    "load": loaded,
                     "serving_again_s": round(serving_again_s, 2),
                     "listed": sorted(i["id"] for i in ray.get(launcher.list.remote("alice"))),
                     "waiting_id": waiting,

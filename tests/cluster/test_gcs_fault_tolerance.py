@@ -31,5 +31,10 @@ def test_the_cluster_serves_again_after_the_gcs_restarts_with_its_instances_snap
     assert seen["waited"][1:] == ["return", json.dumps(expected)], seen  # the instance running across it finished
     assert seen["reopened"][1:] == ["return", json.dumps(expected)], seen  # the snapshot saved before opens
     assert seen["waiting_id"] in seen["listed"], seen
+    for ending in seen["load"]:  # generating and messaging all through the outage, every round as before it
+        assert ending[1] == "return", ending
+        rounds, differed = json.loads(ending[2])
+        assert rounds > 0 and differed == 0, ending
+    print(f"instances under load through the outage ran {[json.loads(e[2])[0] for e in seen['load']]} rounds")
     assert seen["market_before"]["wallets"] == 1 and seen["market_after"]["balanced"], seen
     assert seen["replicas"] == ["serving"], seen
