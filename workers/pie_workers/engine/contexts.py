@@ -3,7 +3,9 @@
 A context is a :class:`~pie_workers.engine.holding.Holding` with an id, its owner (the user) and the inferlet run
 that made it; a snapshot is a holding kept under a name in its owner's namespace, outliving the run. The table
 creates, forks, saves, opens and destroys them, records the tokens a forward pass wrote, and answers what a forward
-pass, the residency manager and the market read from them.
+pass, the residency manager and the market read from them. A snapshot whose lineage the cluster's directory also
+keeps (``mirrored``) may be let go of when memory is short, least recently used first: its name lives on there, and
+the next open recomputes it (adopting its prefix pages while they are still cached).
 
 Every operation validates before it mutates: an error leaves pages, references and lineage exactly as they were.
 """
@@ -11,6 +13,7 @@ Every operation validates before it mutates: an error leaves pages, references a
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -39,12 +42,17 @@ class _Context(Holding):
     instance: str | None = None
 
 
+@dataclass(slots=True, eq=False)
+class _Snapshot(Holding):
+    mirrored: bool = False  # its lineage is in the cluster's directory: this copy may be let go of
+
+
 class ContextTable:
     def __init__(self, store: PageStore):
         self.store = store
         self.page_size = store.page_size
         self._contexts: dict[int, _Context] = {}
-        self._snapshots: dict[tuple[str, str], Holding] = {}
+        self._snapshots: OrderedDict[tuple[str, str], _Snapshot] = OrderedDict()  # least recently used first
         self._next_id = 1
 
     # -- lifetime -----------------------------------------------------------------------------------------------
@@ -181,8 +189,21 @@ class ContextTable:
         if (c.owner, name) in self._snapshots:
             raise ContextError(f"snapshot {name!r} already exists for user {c.owner!r}")
         snap, copies = c.clone(self.store, pages_for(len(c.lineage), self.page_size))
-        self._snapshots[c.owner, name] = snap
+        self._snapshots[c.owner, name] = _Snapshot(snap.owner, snap.tail, snap.working, snap.lineage)
         return copies
+
+    def mirrored(self, owner: str, name: str) -> None:
+        """The directory now keeps the snapshot's lineage: this replica may let go of its pages."""
+        self._snapshots[owner, name].mirrored = True
+
+    def let_go_of_snapshot(self) -> bool:
+        """Drop the least recently used mirrored snapshot's pages here (its name and lineage stay in the
+        directory); False if there is none."""
+        key = next((key for key, snap in self._snapshots.items() if snap.mirrored), None)
+        if key is None:
+            return False
+        self._snapshots.pop(key).drop(self.store)
+        return True
 
     def snapshot(self, ctx: int) -> tuple[str, PageCopies]:
         """Like ``save`` with a generated name, unique among the owner's snapshots."""
@@ -198,6 +219,7 @@ class ContextTable:
         if snap is None:
             return None
         child, copies = snap.clone(self.store, len(snap.working))
+        self._snapshots.move_to_end((owner, name))
         return self._add(child, owner, instance), copies
 
     def take(self, owner: str, name: str, instance: str | None = None) -> int | None:

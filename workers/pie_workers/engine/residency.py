@@ -20,8 +20,9 @@ Allocation stays local and immediate while the pool has room and nobody is waiti
 The ordering property: a context is suspended only to make room for one bidding more per page (or as much, once it
 has been idle), or by its own choice when it has to wait. So it can be suspended while a lower per-page bidder stays
 resident only until that bidder's next pass begins (when it had one in flight) or when its KV cannot be recomputed
-(written under a custom attention mask, an adapter or a zo seed: such contexts are never suspended). Snapshots are
-never suspended.
+(written under a custom attention mask, an adapter or a zo seed: such contexts are never suspended). Snapshots bid
+nothing and are idle by nature: when memory is short they go first, least recently used first, where the cluster's
+directory keeps their lineage (the next open recomputes them); others are never let go of.
 
 Passes take their pages through here too (``reserve``, or ``grant`` once ``try_now`` allowed them), and every page a
 context's process makes is charged to it; ``restore`` brings a suspended context back before its next operation.
@@ -328,6 +329,8 @@ class Residency:
         self.wake()
 
     def _make_room(self, requester: EngineContext | None, pages: int) -> None:
+        while self.store.available < pages and self.contexts.let_go_of_snapshot():
+            pass
         if self.store.available >= pages:
             return
         bid, idle_since = self.bid(requester), self.scheduler.batches_fired - IDLE_BATCHES

@@ -299,6 +299,8 @@ class ReplicaEngine:
         if not await self.directory.register(session.username, name, lineage):
             self.contexts.delete(session.username, name)
             raise ContextError(f"snapshot {name!r} already exists for user {session.username!r}")
+        if lineage is not None:  # recomputable from there: memory may be taken back from it here
+            self.contexts.mirrored(session.username, name)
 
     async def op_open(self, session: Session, name: str, known: int = -1) -> dict | None:
         """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short, or when
@@ -307,11 +309,10 @@ class ReplicaEngine:
             pages = self.contexts.view_snapshot(session.username, name).working_pages
         except ContextError:
             return await self._from_elsewhere(session, name, self.directory and self.directory.lookup, known)
-        text = None
-        if self.residency.try_now(None, pages):
-            ctx, copies = self.contexts.open(session.username, name, session.key)
+        text = self.contexts.snapshot_text(session.username, name)  # making room may let go of this very snapshot
+        if self.residency.try_now(None, pages) and (opened := self.contexts.open(session.username, name, session.key)):
+            (ctx, copies), text = opened, None
         else:
-            text = self.contexts.snapshot_text(session.username, name)
             if text is None:
                 raise OutOfPages(pages, self.store.available, self.store.num_pages)
             ctx, copies = self.contexts.create(session.username, session.key), []
@@ -402,7 +403,7 @@ class ReplicaEngine:
     # -- stats ---------------------------------------------------------------------------------------------------
 
     async def op_stats(self, session: Session | None) -> dict:
-        s = self.store.stats()
+        s, table = self.store.stats(), self.contexts.stats()
         steps = self.passes.steps
         return {
             "free": s.free,
@@ -410,7 +411,8 @@ class ReplicaEngine:
             "committed": s.committed,
             "cached": s.cached,
             "total": s.total,
-            "contexts": self.contexts.stats().contexts,
+            "contexts": table.contexts,
+            "snapshots": table.snapshots,  # held here (others may be named in the directory)
             "queued": self.scheduler.queued,
             "suspended": sum(state.suspended is not None for state in self.records),
             "suspensions": self.residency.suspensions,
