@@ -146,6 +146,13 @@ class Context:
         self.check_live()
         return self._link.call_sync("snapshot", self._ref)
 
+    def save_and_release(self, name: str) -> None:
+        """``save(name)`` then ``release()``, in one step that moves the pages into the snapshot instead of copying
+        the partly filled one (a copy waits for the replica's next batch): for a context that ends with its save."""
+        self.check_live()
+        self._link.call_sync("keep", self._ref, name)
+        self._forget()
+
     # -- filling -------------------------------------------------------------------------------------------------
 
     def append(self, tokens: list[int]) -> Context:

@@ -69,10 +69,10 @@ def _output(choice: Choice) -> list[OutputItem]:
 
 
 async def _save(ctx: Context, name: str) -> None:
-    """Save the conversation in a thread. Opening and saving copy the last, partly filled page, which waits for the
-    replica's next batch: a blocking call would hold every other turn this process serves for that long. Cancelled
-    meanwhile (the turn was aborted), it lets the save finish and deletes it, so that nothing outlives the turn."""
-    saving = asyncio.ensure_future(asyncio.to_thread(ctx.save, name))
+    """Save the conversation and end the context, moving its pages into the snapshot, in a thread: a blocking call
+    would hold every other turn this process serves for the replica's answer. Cancelled meanwhile (the turn was
+    aborted), it lets the save finish and deletes it, so that nothing outlives the turn."""
+    saving = asyncio.ensure_future(asyncio.to_thread(ctx.save_and_release, name))
     try:
         await asyncio.shield(saving)
     except asyncio.CancelledError:

@@ -25,7 +25,7 @@ from pie_workers.wire.messages import PassReply, PassRequest, decode, encode
 from sdk_host import TRUST
 
 PAGES = 64
-OPS = ["create", "destroy", "close", "fork", "save", "snapshot", "open", "take", "delete", "truncate", "stats",
+OPS = ["create", "destroy", "close", "fork", "save", "keep", "snapshot", "open", "take", "delete", "truncate", "stats",
        "account", "suspend", "set_bid", "forward", "adapter_create", "adapter_load", "no-such-op"]  # fmt: skip
 
 

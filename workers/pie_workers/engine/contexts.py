@@ -192,6 +192,19 @@ class ContextTable:
         self._snapshots[c.owner, name] = _Snapshot(snap.owner, snap.tail, snap.working, snap.lineage)
         return copies
 
+    def keep(self, ctx: int, name: str) -> None:
+        """The context becomes snapshot ``name``: its pages that hold tokens change hands, nothing is copied, and
+        the context ends (the rest of its working pages are freed)."""
+        c = self._get(ctx)
+        if not name:
+            raise ContextError("a snapshot name cannot be empty")
+        if (c.owner, name) in self._snapshots:
+            raise ContextError(f"snapshot {name!r} already exists for user {c.owner!r}")
+        del self._contexts[ctx]
+        used = pages_for(len(c.lineage), self.page_size)
+        self.store.free(c.working[used:])
+        self._snapshots[c.owner, name] = _Snapshot(c.owner, c.tail, c.working[:used], c.lineage)
+
     def mirrored(self, owner: str, name: str) -> None:
         """The directory now keeps the snapshot's lineage: this replica may let go of its pages."""
         self._snapshots[owner, name].mirrored = True

@@ -118,6 +118,14 @@ class EngineContexts:
     def destroy(self, record: EngineContext) -> None:
         """End the context: its pages, its host memory, and what a pass still waiting for its gate could follow."""
         self.table.destroy(record.id)
+        self._forget(record)
+
+    def keep(self, record: EngineContext, name: str) -> None:
+        """End the resident context by making it snapshot ``name`` (``ContextTable.keep``)."""
+        self.table.keep(record.id, name)
+        self._forget(record)
+
+    def _forget(self, record: EngineContext) -> None:
         del self._live[record.id]
         if record.suspended is not None and record.suspended.host:
             self.free_host.extend(record.suspended.host)

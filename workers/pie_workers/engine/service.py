@@ -35,6 +35,7 @@ from pie_workers.engine.record import EngineContext, EngineContexts, Session, Se
 from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.engine.settle import truncate
+from pie_workers.engine.snapshot_ops import SnapshotOperations
 from pie_workers.runner import GroupBroken, ModelRunner
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 from pie_workers.wire.messages import AccountReply, ContextReply, PassRequest, decode, encode
@@ -42,7 +43,7 @@ from pie_workers.wire.messages import AccountReply, ContextReply, PassRequest, d
 log = logging.getLogger(__name__)
 
 
-class ReplicaEngine:
+class ReplicaEngine(SnapshotOperations):
     def __init__(
         self,
         runner: ModelRunner,
@@ -82,6 +83,7 @@ class ReplicaEngine:
             "restore": self.op_restore,
             "save": self.op_save,
             "snapshot": self.op_snapshot,
+            "keep": self.op_keep,
             "open": self.op_open,
             "take": self.op_take,
             "delete": self.op_delete,
@@ -274,87 +276,6 @@ class ReplicaEngine:
             reply.tail, reply.tail_positions = self.residency.tail(state, known)
         reply.recomputable = recomputable
         return encode(reply)
-
-    async def op_save(self, session: Session, ctx: int, name: str) -> None:
-        async with self._turn(session, ctx) as state:
-            await self.residency.restore_for_snapshot(state)
-            copies = self.contexts.save(ctx, name)
-        await self._run_copies(copies)
-        await self._register(session, name)
-
-    async def op_snapshot(self, session: Session, ctx: int) -> str:
-        async with self._turn(session, ctx) as state:
-            await self.residency.restore_for_snapshot(state)
-            name, copies = self.contexts.snapshot(ctx)
-        await self._run_copies(copies)
-        await self._register(session, name)
-        return name
-
-    async def _register(self, session: Session, name: str) -> None:
-        """Enter a snapshot just saved here in the cluster's directory; a name another replica holds is refused
-        there as it would be here (and the copy just made is dropped)."""
-        if self.directory is None:
-            return
-        lineage = self.contexts.snapshot_text(session.username, name)
-        if not await self.directory.register(session.username, name, lineage):
-            self.contexts.delete(session.username, name)
-            raise ContextError(f"snapshot {name!r} already exists for user {session.username!r}")
-        if lineage is not None:  # recomputable from there: memory may be taken back from it here
-            self.contexts.mirrored(session.username, name)
-
-    async def op_open(self, session: Session, name: str, known: int = -1) -> dict | None:
-        """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short, or when
-        the snapshot was saved on another replica (recomputed from the lineage the directory keeps)."""
-        try:
-            pages = self.contexts.view_snapshot(session.username, name).working_pages
-        except ContextError:
-            return await self._from_elsewhere(session, name, self.directory and self.directory.lookup, known)
-        text = self.contexts.snapshot_text(session.username, name)  # making room may let go of this very snapshot
-        if self.residency.try_now(None, pages) and (opened := self.contexts.open(session.username, name, session.key)):
-            (ctx, copies), text = opened, None
-        else:
-            if text is None:
-                raise OutOfPages(pages, self.store.available, self.store.num_pages)
-            ctx, copies = self.contexts.create(session.username, session.key), []
-        state = self._adopt(session, ctx, new_pages=True)
-        if text is not None:
-            self.residency.add_suspended(state, *text)
-        await self._run_copies(copies)
-        return self._made(state, known, text is not None or self.contexts.recomputable(ctx))
-
-    async def op_take(self, session: Session, name: str, known: int = -1) -> dict | None:
-        ctx = self.contexts.take(session.username, name, session.key)
-        if ctx is None:
-            return await self._from_elsewhere(session, name, self.directory and self.directory.remove, known)
-        if self.directory is not None:
-            await self.directory.remove(session.username, name)
-        return self._made(self._adopt(session, ctx), known, self.contexts.recomputable(ctx))
-
-    async def _from_elsewhere(self, session: Session, name: str, ask, known: int) -> dict | None:
-        """A snapshot this replica does not hold, from its lineage in the directory (``ask``: look it up, or
-        take it); a context that is recomputed on its first pass. None if the name is unknown."""
-        lineage = await ask(session.username, name) if ask else None
-        if lineage is None:
-            return None
-        text, committed = lineage
-        if text is None:
-            raise ContextError(
-                f"snapshot {name!r} is held by another replica and was written under a custom attention mask, an "
-                "adapter or a zo seed, so it cannot be recomputed here"
-            )
-        state = self.records.create(session)
-        self.residency.add_suspended(state, [tuple(t) for t in text], committed)
-        return self._made(state, known)
-
-    async def op_delete(self, session: Session, name: str) -> None:
-        try:
-            self.contexts.delete(session.username, name)
-        except ContextError:
-            if self.directory is None or await self.directory.remove(session.username, name) is None:
-                raise
-            return
-        if self.directory is not None:
-            await self.directory.remove(session.username, name)
 
     async def op_truncate(self, session: Session, ctx: int, n: int) -> int:
         async with self._turn(session, ctx) as state:

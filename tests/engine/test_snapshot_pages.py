@@ -1,7 +1,9 @@
-"""Snapshots give their memory back when it is short, where the cluster's directory keeps their lineage: a stored
-conversation between turns (a Responses API response, an inferlet's ``save``) holds no pages that a running
-inferlet needs. The replica lets go of the least recently used snapshot's pages first; its name stays in the
-directory and its next open recomputes it, with the same greedy tokens as before."""
+"""A snapshot's pages on the replica that holds it. They are given back when memory is short, where the cluster's
+directory keeps the lineage: a stored conversation between turns (a Responses API response, an inferlet's ``save``)
+holds no pages that a running inferlet needs. The replica lets go of the least recently used snapshot's pages first;
+its name stays in the directory and its next open recomputes it, with the same greedy tokens as before. And a
+context that ends with its save can hand its pages to the snapshot instead of copying them (``save_and_release``).
+"""
 
 from __future__ import annotations
 
@@ -78,3 +80,32 @@ def test_idle_snapshots_yield_their_pages_and_reopen_the_same(mirrored):
 
     after = [mirrored.run(continue_conversation, {"name": f"conversation-{i}"}) for i in range(SAVED)]
     assert after == before
+
+
+async def save_two_ways(input):
+    """The same conversation saved with a copy, and kept by moving its pages; both opened and continued."""
+    model = Model.load("default")
+    names = {"copied": f"copied-{input['run']}", "moved": f"moved-{input['run']}"}
+    for how, name in names.items():
+        ctx = Context(model)
+        ctx.append(text(9, 40))
+        await ctx.flush()
+        if how == "copied":
+            ctx.save(name)
+            ctx.release()
+        else:
+            ctx.save_and_release(name)
+    out = {}
+    for how, name in names.items():
+        with Context.open(model, name) as ctx:
+            out[how] = await ctx.generate(Sampler.argmax(), max_tokens=8, stop=[]).collect_tokens()
+        Context.delete(model, name)
+    return out
+
+
+def test_a_context_kept_by_moving_its_pages_opens_like_one_saved(mirrored):
+    before = ray.get(mirrored.replica.leader.engine_stats.remote())
+    continued = mirrored.run(save_two_ways, {"run": uuid.uuid4().hex[:6]})
+    assert continued["moved"] == continued["copied"]
+    after = ray.get(mirrored.replica.leader.engine_stats.remote())
+    assert after["contexts"] == 0 and after["snapshots"] == before["snapshots"]
