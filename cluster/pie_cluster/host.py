@@ -21,6 +21,15 @@ from pie_cluster.stdio import Sink
 
 log = logging.getLogger(__name__)
 
+_running: dict[str, Runtime] = {}  # instance id -> runtime, of the inferlets running in this process
+
+
+def move_bus(addresses: Sequence[str]) -> None:
+    """The bus shards listen at ``addresses`` now (one whose node was lost was made again elsewhere): the inferlets
+    running in this process connect there (sandboxed ones reach shards through relays that follow them)."""
+    for runtime in list(_running.values()):
+        runtime.move_bus(tuple(addresses))
+
 
 def load_program(path: str | Path) -> Main:
     """The ``async def main(input)`` of a program file or directory (see ``pie_cluster.programs``)."""
@@ -67,12 +76,14 @@ async def run_inferlet(
         token_budget=token_budget,
     )
     token = install(runtime)
+    _running[runtime.instance_id] = runtime
     captured = stdio.capture(output) if output is not None else None
     try:
         if market is not None:
             await answer(market.join.remote(runtime.instance_id, endowment), "the market", MARKET_S)
         return await main(input)
     finally:
+        _running.pop(runtime.instance_id, None)
         try:
             runtime.close()
         finally:

@@ -22,7 +22,7 @@ from pie_workers.wire import capability
 from pie_cluster import stdio
 from pie_cluster.config import ChannelLimits, SandboxConfig
 from pie_cluster.events import Channels
-from pie_cluster.host import InstanceSetup, serve_instance
+from pie_cluster.host import InstanceSetup, move_bus, serve_instance
 from pie_cluster.model_files import local_endpoints
 from pie_cluster.programs import Program
 from pie_cluster.replica_relay import ReplicaRelays, failing_over
@@ -113,6 +113,8 @@ class InferletHost:
         self.services, self._endpoints = services, None
         if self._sandbox is not None:
             self._sandbox.services_changed(services.bus)
+        else:
+            move_bus(services.bus)
 
     async def lifetime(self) -> None:
         """Never answers: the launcher keeps this call open to learn at once that the host died (it fails)."""

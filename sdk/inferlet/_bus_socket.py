@@ -12,6 +12,7 @@ unacknowledged, so a shard that no longer knows the peer knows where it starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -114,6 +115,16 @@ class ShardConnection:
                 self._outbox.append(op)
         if self._outbox:
             self._loop.call_soon(self.flush)
+
+    def move_to(self, address: str) -> None:
+        """Connect to the shard at ``address`` instead (it was made again elsewhere): what was not acknowledged goes
+        again, there (what was queued towards the old address is dropped with it)."""
+        with contextlib.suppress(zmq.ZMQError):  # not connected there any more
+            self._sock.disconnect(self.address)
+        self._sock.connect(address)
+        self.address = address
+        if self.unacked:
+            self.resend(self.unacked[0][0])
 
     def wait_until(self, done: Callable[[], bool], timeout: float) -> None:
         """Send what is queued and block the loop until ``done()`` (a synchronous call's answer, or a refusal, has

@@ -223,6 +223,13 @@ class _Bus:
         connection.close()
         return f"{len(connection.unacked)} on shard {connection.address}" if connection.unacked else ""
 
+    def move(self, addresses: tuple[str, ...]) -> None:
+        """The shards listen at ``addresses`` now (``Runtime.move_bus``)."""
+        self._addresses = addresses
+        for shard, connection in self._connections.items():
+            if connection.address != addresses[shard]:
+                connection.move_to(addresses[shard])
+
     # -- internals --
 
     def _connection(self, topic: str) -> ShardConnection:

@@ -79,6 +79,13 @@ class Runtime:
                 f"token budget exhausted: {self.tokens_generated} tokens generated, the budget is {self.token_budget}"
             )
 
+    def move_bus(self, addresses: tuple[str, ...]) -> None:
+        """The bus shards listen at ``addresses`` now (one whose node was lost was made again elsewhere): the bus
+        client's sockets to the moved ones connect there (what they had not got confirmed goes again)."""
+        self.bus = tuple(addresses)
+        if self.bus_client is not None:
+            self.bus_client.move(self.bus)
+
     def on_close(self, close: Callable[[], None]) -> None:
         """Run ``close`` when the inferlet ends (last registered, first run). Features that hold something for the
         inferlet (its bus client, its MCP sessions) register here, so the runtime need not know them."""

@@ -13,10 +13,10 @@ import time
 import zlib
 
 import ray
-from bus_calls import BUS, wait_for_stats
+from bus_calls import BUS, NOTHING_HELD, wait_for_stats
 from inferlet import _bus_socket, messaging
 from pie_cluster.bus import start_bus
-from pie_cluster.host import run_inferlet
+from pie_cluster.host import move_bus, run_inferlet
 from ray.util.state import list_actors
 from sdk_host import TRUST
 
@@ -178,3 +178,38 @@ def test_a_shard_that_does_not_come_back_fails_calls_on_its_topics_instead_of_ha
     assert len(errors) == 3, errors
     assert "went away" in errors[0]
     assert all("has not been reachable for 1 s" in e for e in errors[1:]), errors
+
+
+def test_an_inferlet_running_in_this_process_follows_its_shard_to_new_addresses(bus, user):
+    """What a host with the sandbox off does when the controller made a lost node's shard again elsewhere
+    (``host.move_bus``): the running inferlet's socket connects to the new address, and what it pushes from then on
+    is queued there."""
+    elsewhere = start_bus(1, name="pie-bus-test-elsewhere", detached=False, secret=TRUST.secret)
+    connected, moved, pushed, go = (asyncio.Event() for _ in range(4))
+
+    async def mover(input):
+        messaging.push("jobs", "before")  # through the first bus
+        assert await messaging.pull("jobs") == "before"
+        connected.set()
+        await moved.wait()
+        messaging.push("jobs", "after")
+        pushed.set()
+        await go.wait()
+        return await messaging.pull("jobs")
+
+    async def main():
+        running = asyncio.ensure_future(run_inferlet(mover, {}, {}, user, **TRUST.instance(user), bus=bus.addresses()))
+        await connected.wait()
+        move_bus(elsewhere.addresses() * len(bus.shards))  # every shard of the first bus now listens there
+        moved.set()
+        await pushed.wait()
+        await asyncio.wait_for(wait_for_stats(elsewhere, user, queued=1), 30)
+        queued_before = bus.stats(user)["queued"]
+        go.set()
+        return queued_before, await asyncio.wait_for(running, 60)
+
+    try:
+        assert asyncio.run(main()) == (0, "after")
+        assert elsewhere.stats(user) == NOTHING_HELD and bus.stats(user) == NOTHING_HELD
+    finally:
+        elsewhere.shutdown()

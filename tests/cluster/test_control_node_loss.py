@@ -18,13 +18,13 @@ import zlib
 
 import pytest
 import ray
+from halves import wait_for_message
 from launching import launch, run_to_end, upload
 from pie_cluster.bus import find_bus
 from pie_cluster.bus.queued_topics import SHRINK_S
 from pie_cluster.config import AuthConfig, BusConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.controller import CONTROLLER, LAUNCHER, start_controller
 from pie_cluster.directory import DIRECTORY
-from pie_cluster.events import poll
 from pie_cluster.market.actor import MARKET_NAME
 from pie_cluster.responses_store import RESPONSES
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -103,17 +103,6 @@ def alive_nodes() -> set[str]:
 def node_of(address: str, name: str) -> str:
     (actor,) = list_actors(address, filters=[("name", "=", name), ("state", "=", "ALIVE")])
     return actor["node_id"]
-
-
-def wait_for_message(launcher, instance: str) -> None:
-    since, deadline = 0, time.monotonic() + 120
-    while time.monotonic() < deadline:
-        got = poll(launcher, USER, instance, since, 2.0)
-        if any(e[1] == "message" for e in got["events"]):
-            return
-        assert not got["done"], got["events"]
-        since = got["next"]
-    raise AssertionError(f"{instance} did not get going")
 
 
 def tell(launcher, instance: str) -> None:
