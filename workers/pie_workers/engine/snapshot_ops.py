@@ -56,14 +56,19 @@ class SnapshotOperations:
     async def op_open(self, session: Session, name: str, known: int = -1) -> dict | None:
         """A copy of the snapshot; born suspended (recomputed on its first pass) when memory is short, or when
         the snapshot was saved on another replica (recomputed from the lineage the directory keeps)."""
+        lookup = self.directory and self.directory.lookup
         try:
             pages = self.contexts.view_snapshot(session.username, name).working_pages
         except ContextError:
-            return await self._from_elsewhere(session, name, self.directory and self.directory.lookup, known)
-        text = self.contexts.snapshot_text(session.username, name)  # making room may let go of this very snapshot
-        if self.residency.try_now(None, pages) and (opened := self.contexts.open(session.username, name, session.key)):
-            (ctx, copies), text = opened, None
+            return await self._from_elsewhere(session, name, lookup, known)
+        text = None
+        if self.residency.try_now(None, pages):
+            opened = self.contexts.open(session.username, name, session.key)
+            if opened is None:  # making room let go of this very snapshot: the directory has its lineage
+                return await self._from_elsewhere(session, name, lookup, known)
+            ctx, copies = opened
         else:
+            text = self.contexts.snapshot_text(session.username, name)
             if text is None:
                 raise OutOfPages(pages, self.store.available, self.store.num_pages)
             ctx, copies = self.contexts.create(session.username, session.key), []
