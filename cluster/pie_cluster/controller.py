@@ -187,19 +187,19 @@ class Controller:
         """A node that joins after the start gets a pooled host, and the launcher places launches there; a bus
         shard whose node is lost is made again on another."""
         while not self._stopping.wait(self.config.supervision.probe_every_s):
-            for node in sorted(_alive_nodes() - set(self.hosts) - self.drained):
+            alive = _alive_nodes()
+            for node in sorted(alive - set(self.hosts) - self.drained):
                 try:
                     self._add_host(node)
                 except Exception:  # e.g. the launcher does not answer: tried again on the next round
                     log.exception("starting an inferlet host on the new node %s failed", node)
             try:
-                self._follow_bus()
+                self._follow_bus(alive)
             except Exception:  # e.g. the launcher does not answer: tried again on the next round
                 log.exception("replacing the bus shards of a lost node failed")
 
-    def _follow_bus(self) -> None:
-        """Replace the bus shards whose node is lost and hand the hosts their new addresses."""
-        alive = _alive_nodes()
+    def _follow_bus(self, alive: set[str]) -> None:
+        """Replace the bus shards whose node is not ``alive`` and hand the hosts their new addresses."""
         lost = [info.index for info in self.bus.infos if info.node_id not in alive]
         if lost:
             self.bus = replace_shards(self.bus, lost, sorted(alive - self.drained), self.secret, self._deadline)
