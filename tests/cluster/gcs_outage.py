@@ -32,30 +32,12 @@ async def main(input):
     until = time.monotonic() + input["seconds"]
     while time.monotonic() < until:
         with Context(model) as ctx:
-            ctx.user("what outlives the GCS?").cue()
+            ctx.user("what outlives a failure?").cue()  # the prompt of SAVES_AND_WAITS
             tokens = await ctx.generate(Sampler.argmax(), max_tokens=4, stop=[]).collect_tokens()
         differed += tokens != input["expected"][:4]
         messaging.push(input["topic"], str(rounds))
         rounds += int(await messaging.pull(input["topic"]) == str(rounds))
     return [rounds, differed]
-"""
-
-PROGRAM = """
-from inferlet import Context, Model, Sampler, session
-
-async def main(input):
-    model = Model.load("default")
-    if input.get("open"):
-        ctx = Context.open(model, "before")
-        return await ctx.generate(Sampler.argmax(), max_tokens=8, stop=[]).collect_tokens()
-    ctx = Context(model)
-    ctx.user("what outlives the GCS?").cue()
-    await ctx.flush()
-    if input.get("save"):
-        ctx.save("before")
-        session.send("saved")
-        await session.receive()
-    return await ctx.generate(Sampler.argmax(), max_tokens=8, stop=[]).collect_tokens()
 """
 
 
@@ -75,7 +57,7 @@ def main() -> None:
     os.environ["RAY_REDIS_ADDRESS"] = f"127.0.0.1:{port}"
     os.environ["RAY_external_storage_namespace"] = "pie-gcs-outage"  # noqa: SIM112 (Ray reads this spelling)
     import ray
-    from launching import launch, run_to_end, upload
+    from launching import SAVES_AND_WAITS, launch, run_to_end, upload
     from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
     from pie_cluster.controller import start_controller
     from pie_cluster.events import poll
@@ -87,7 +69,7 @@ def main() -> None:
         config = PieConfig(auth=AuthConfig(enabled=False), model=[ModelConfigEntry(pages=128, cpus_per_rank=1)])
         controller = start_controller(config, detached=False)
         launcher = ray.get_actor("pie-launcher")
-        program = upload(launcher, PROGRAM)
+        program = upload(launcher, SAVES_AND_WAITS)
         expected = json.loads(run_to_end(launcher, launch(launcher, program))[-1][2])
         waiting = launch(launcher, program, {"save": True})
         since, seen = 0, []

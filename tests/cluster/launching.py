@@ -35,6 +35,27 @@ def engine_stats(cluster) -> list[dict]:
     return ray.get(cluster.status.remote())["replicas"]
 
 
+# A greedy generation of 8 tokens; with ``{"save": True}`` it saves its prompt as snapshot "before" and waits for a
+# message half way, with ``{"open": True}`` it generates from that snapshot instead: what a test that breaks
+# something in the middle checks afterwards (the same tokens, and the snapshot).
+SAVES_AND_WAITS = """
+from inferlet import Context, Model, Sampler, session
+
+async def main(input):
+    model = Model.load("default")
+    if input.get("open"):
+        ctx = Context.open(model, "before")
+        return await ctx.generate(Sampler.argmax(), max_tokens=8, stop=[]).collect_tokens()
+    ctx = Context(model)
+    ctx.user("what outlives a failure?").cue()
+    await ctx.flush()
+    if input.get("save"):
+        ctx.save("before")
+        session.send("saved")
+        await session.receive()
+    return await ctx.generate(Sampler.argmax(), max_tokens=8, stop=[]).collect_tokens()
+"""
+
 # A program that generates until it is stopped (subscribed to a topic, so it holds a bus session too), or with
 # ``{"how": "raise"}`` raises after its first pass.
 LONG = """

@@ -19,7 +19,7 @@ import zlib
 import pytest
 import ray
 from halves import wait_for_message
-from launching import launch, run_to_end, upload
+from launching import SAVES_AND_WAITS, launch, run_to_end, upload
 from pie_cluster.bus import find_bus
 from pie_cluster.bus.queued_topics import SHRINK_S
 from pie_cluster.config import AuthConfig, BusConfig, ModelConfigEntry, PieConfig, SupervisionConfig
@@ -33,23 +33,6 @@ from ray.util.state import list_actors
 SHARDS = 3
 USER = "alice"  # the launcher's tests' user: auth is off
 
-GENERATE = """
-from inferlet import Context, Model, Sampler, session
-
-async def main(input):
-    model = Model.load("default")
-    if input.get("open"):
-        ctx = Context.open(model, "before the loss")
-        return await ctx.generate(Sampler.argmax(), max_tokens=8, stop=[]).collect_tokens()
-    ctx = Context(model)
-    ctx.user("what outlives its control plane?").cue()
-    await ctx.flush()
-    if input.get("save"):
-        ctx.save("before the loss")
-        session.send("saved")
-        await session.receive()
-    return await ctx.generate(Sampler.argmax(), max_tokens=8, stop=[]).collect_tokens()
-"""
 
 FILL = """
 from inferlet import messaging
@@ -139,7 +122,7 @@ def test_the_control_plane_s_machine_is_lost_and_the_cluster_serves_on(ray_clust
         topics = {"lost": topic_on(shard, "lost"), "live": topic_on(shard, "live")}
         near, far = sorted(survivors)
 
-        generate = upload(launcher, GENERATE)
+        generate = upload(launcher, SAVES_AND_WAITS)
         expected = returned(launcher, launch(launcher, generate))
         assert returned(launcher, launch(launcher, upload(launcher, FILL), topics)) == "filled"
         waiting = launch(launcher, generate, {"save": True}, node_id=near)
