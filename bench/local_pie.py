@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import ray
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, ResponsesConfig, SandboxConfig
 from pie_cluster.controller import LAUNCHER, start_controller
 from pie_cluster.http_app import serve_http, stop_http
 from pie_cluster.local_ray import NAMESPACE, serve_env
@@ -36,11 +36,13 @@ def local_pie(
     replicas: int = 1,
     routing: str = "prefix",
     backend: str = "auto",
+    responses: ResponsesConfig | None = None,
 ) -> Iterator[LocalPie]:
     """``sandbox``: how uploaded programs run (``off``: in the trusted host, the baseline the sandbox is measured
     against); ``cpus_per_rank`` None: the automatic share, as a config that leaves it unset; ``backend``: the
     model's kernels (``[[model]] backend``); ``model_dir``: a Hugging Face directory to serve (None: the embedded
-    tiny model); ``replicas`` of it, over which the ingress spreads OpenAI requests by ``routing``."""
+    tiny model); ``replicas`` of it, over which the ingress spreads OpenAI requests by ``routing``;
+    ``responses``: the Responses API's settings (None: the defaults)."""
     ray.init(  # address="local": a Ray of its own, even where another one runs on this machine
         address="local",
         num_cpus=4,
@@ -60,11 +62,15 @@ def local_pie(
             backend=backend,
             path=str(model_dir) if model_dir is not None else None,
         )
-        config = PieConfig(auth=AuthConfig(enabled=False), model=[entry], sandbox=SandboxConfig(mode=sandbox))
-        controller = start_controller(config, detached=False)
-        url = serve_http(
-            config.auth, NAMESPACE, config.server.model_copy(update={"port": free_port(), "routing": routing})
+        config = PieConfig(
+            auth=AuthConfig(enabled=False),
+            model=[entry],
+            sandbox=SandboxConfig(mode=sandbox),
+            responses=responses or ResponsesConfig(),
         )
+        controller = start_controller(config, detached=False)
+        server = config.server.model_copy(update={"port": free_port(), "routing": routing})
+        url = serve_http(config.auth, NAMESPACE, server, config.responses)
         wait_healthy(url)
         yield LocalPie(url, ray.get_actor(LAUNCHER))
     finally:

@@ -131,7 +131,7 @@ def start(
         start_controller(cfg)
         overrides = {"host": host, "port": port}
         server = cfg.server.model_copy(update={k: v for k, v in overrides.items() if v is not None})
-        url = serve_http(cfg.auth, ray.get_runtime_context().namespace, server)
+        url = serve_http(cfg.auth, ray.get_runtime_context().namespace, server, cfg.responses)
     token = next(iter(cfg.auth.tokens), None) if cfg.auth.enabled and len(cfg.auth.tokens) == 1 else None
     save_state({"address": gcs, "url": url, "dashboard": dashboard, "started_ray": started, "token": token})
     console.print(f"[green]✓[/green] Pie is up: {url}  (Ray at {gcs})")

@@ -141,10 +141,15 @@ class ResponsesConfig(_Strict):
     """The Responses API's stored responses (``[responses]``): each keeps its conversation's KV context as a
     snapshot, and both are deleted ``ttl_s`` after the response was made. A stored turn keeps its pages resident for
     ``resident_s``; then they become prefix cache, which memory pressure evicts, and a continuation recomputes what
-    is gone from the token lineage."""
+    is gone from the token lineage. Before the snapshot, the turn's program may park (``park_s``, ``max_parked``):
+    its next turn then continues the live context in the ingress it parked in."""
 
     ttl_s: float = Field(86400.0, gt=0)
     resident_s: float = Field(300.0, ge=0)
+    # a stored turn's program waits this long in the ingress, its context live, for the conversation's next turn
+    # (0: every turn saves its snapshot and ends); at most max_parked wait per ingress replica, the oldest saved first
+    park_s: float = Field(30.0, ge=0)
+    max_parked: int = Field(256, ge=0)
 
 
 class SupervisionConfig(_Strict):

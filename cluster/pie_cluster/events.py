@@ -71,6 +71,13 @@ class EventLog:
             got.append(self.terminal)
         return got
 
+    async def finished(self) -> Event:
+        """The terminal event, once there is one."""
+        while self.terminal is None:
+            self._changed.clear()
+            await self._changed.wait()
+        return self.terminal
+
     async def wait(self, index: int, timeout: float) -> list[Event]:
         """Events from ``index`` on, waiting up to ``timeout`` seconds for the first one (long poll)."""
         loop = asyncio.get_running_loop()

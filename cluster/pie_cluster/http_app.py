@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
-from pie_cluster.config import AuthConfig, ServerConfig
+from pie_cluster.config import AuthConfig, ResponsesConfig, ServerConfig
 from pie_cluster.events import TERMINAL, follow
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest, describe_errors
@@ -155,10 +155,11 @@ app.include_router(responses_router)
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class PieIngress(OpenAIRoutes, ResponsesRoutes):
-    def __init__(self, auth: AuthConfig, namespace: str, routing: str = "prefix"):
+    def __init__(self, auth: AuthConfig, namespace: str, routing: str = "prefix", responses: ResponsesConfig = None):
         self._auth, self._namespace = auth, namespace
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
         self._local = LocalInstances(self._launcher, BUILTINS, routing)
+        self._parked = self._parking(responses or ResponsesConfig())
         self._registry = CollectorRegistry()
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)
@@ -300,11 +301,12 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         return {"aborted": aborted}
 
 
-def serve_http(auth: AuthConfig, namespace: str, server: ServerConfig) -> str:
+def serve_http(auth: AuthConfig, namespace: str, server: ServerConfig, responses: ResponsesConfig | None = None) -> str:
     """Deploy the app on Ray Serve (proxy on the head node) with ``server``'s replicas; returns its base URL."""
     serve.start(http_options={"host": server.host, "port": server.port, "location": "HeadOnly"})
     deployment = PieIngress.options(**server.deployment_options())
-    serve.run(deployment.bind(auth, namespace, server.routing), name="pie", route_prefix="/", blocking=False)
+    bound = deployment.bind(auth, namespace, server.routing, responses or ResponsesConfig())
+    serve.run(bound, name="pie", route_prefix="/", blocking=False)
     host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
     return f"http://{host}:{server.port}"
 

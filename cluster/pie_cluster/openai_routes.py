@@ -14,7 +14,7 @@ The routes live in a mixin of the ingress deployment (``PieIngress``), on a rout
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Annotated
@@ -59,12 +59,14 @@ def error_status(message: str) -> int:
 
 @dataclass
 class Served:
-    """The instance serving one request: whose, its id, its channel when it runs in this process, its clock."""
+    """The instance serving one request: whose, its id, its channel when it runs in this process, its clock, and
+    its first event that belongs to this request (a parked program serves several, one after the other)."""
 
     user: str
     instance: str
     channel: Channel | None
     clock: RequestClock
+    since: int = 0
 
 
 class OpenAIRoutes:
@@ -121,25 +123,42 @@ class OpenAIRoutes:
                 elif kind == "error":
                     yield error_event(value, error_status(value))
 
-    async def _events(self, served: Served) -> AsyncIterator[tuple[str, str]]:
-        """The instance's events, until its terminal one. Closed before that (the client went away, and the
-        handler or the stream was cancelled), it aborts the instance, which frees everything it holds. Its clock
-        goes to the ingress's histograms at the end."""
+    async def _events(
+        self, served: Served, ends_request: Callable[[str], bool] | None = None
+    ) -> AsyncIterator[tuple[str, str]]:
+        """The instance's events, until its terminal one, or (``ends_request``) a message that ends this request
+        while the instance goes on. Closed before either (the client went away, and the handler or the stream was
+        cancelled), it aborts the instance, which frees everything it holds. Its clock goes to the ingress's
+        histograms at the end."""
         channel, clock = served.channel, served.clock
-        followed = follow(self._launcher, served.user, served.instance, abort_on_close=channel is None, channel=channel)
+        followed = follow(
+            self._launcher,
+            served.user,
+            served.instance,
+            served.since,
+            abort_on_close=channel is None,
+            channel=channel,
+        )
+        answered, first = False, served.since == 0  # a parked program's later requests have no start of their own
         try:
             async with aclosing(followed) as batches:
                 async for events in batches:
-                    for _, kind, value in events:
-                        if kind == "message":
+                    for index, kind, value in events:
+                        answered = kind == "message" and ends_request is not None and ends_request(value)
+                        if kind == "message" and not answered:
                             clock.mark_token()
-                        elif kind in TERMINAL:
+                        elif kind in TERMINAL or answered:
                             clock.mark_ended()
+                        if answered:
+                            served.since = index + 1  # before the yield: the consumer may park it at once
                         yield kind, value
+                        if answered:
+                            return
         finally:
             if channel is not None:
-                clock.started, clock.first_pass = channel.started, channel.first_pass
-                if not channel.log.done:
+                if first:
+                    clock.started, clock.first_pass = channel.started, channel.first_pass
+                if not channel.log.done and not answered:
                     self._local.abort(served.instance, "its client went away")
             self._request_metrics.observe(clock)
 

@@ -6,10 +6,17 @@ response (``store``, the default) keeps its conversation as a KV snapshot named 
 cluster's response store (``responses_store``), so ``previous_response_id`` continues the live context: only the
 new input items are prefilled, on any replica, also after the ingress restarted. Another user's id is 404, as an
 unknown one. A turn that fails, is cancelled or loses its client leaves no snapshot behind.
+
+A stored turn's program parks in this process after answering (``parked_conversations``): a continuation that lands
+here is sent to it and prefills only its new input on the live context, with no launch and no snapshot; the
+snapshot is saved when the conversation idles. A continuation whose context is neither parked here nor saved yet
+(parked in another ingress replica, or in one that died, or a second branch from the same response) renders the
+stored history instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -17,14 +24,16 @@ from contextlib import aclosing
 import ray
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
-from inferlet.responses_schema import Continued, ResponsesRequest, Turn, snapshot_name
+from inferlet.responses_schema import Continued, Parked, ResponsesRequest, Turn, snapshot_name
 from pie_workers.deadlines import LAUNCHER_S, RESPONSE_STORE_S, NoAnswer, answer
 from ray.exceptions import RayActorError
 
+from pie_cluster.config import ResponsesConfig
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import RESPONSES_PROGRAM
 from pie_cluster.openai_requests import OpenAIError, check_grammars
 from pie_cluster.openai_routes import OpenAIUser, Served, error_status
+from pie_cluster.parked_conversations import ParkedConversations, ParkedTurn
 from pie_cluster.prefix_routing import Prompt
 from pie_cluster.request_metrics import RequestClock
 from pie_cluster.responses_api import (
@@ -48,6 +57,7 @@ class _Turn:
         self.user, self.request, self.id, self.record = user, request, response_id, record
         self.created_at = time.time()
         self.done = False
+        self.parked: Served | None = None  # its program, parked after answering
 
 
 class ResponsesRoutes:
@@ -67,17 +77,15 @@ class ResponsesRoutes:
             param = "text" if e.param == "response_format" else e.param
             raise OpenAIError(400, e.message.replace("response_format", "text.format"), param=param) from None
         response_id = new_response_id()
-        continued, history = await self._continued(user, body)
-        program_input = Turn(request=body, response_id=response_id, continued=continued, history=history)
-        launch = LaunchRequest(program=RESPONSES_PROGRAM, input=program_input.model_dump(mode="json", by_alias=True))
-        # placed by instructions, history and items, and a continued context where the response it continues went
-        # (its text is not here)
-        items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
-        parts = [body.instructions or "", *history, *items]
-        prompt = Prompt.of(body.model, parts, tag=response_id, follows=body.previous_response_id)
-        served = await self._start(user, launch, RequestClock("responses", body.model), named=False, prompt=prompt)
+        previous = await self._previous(user, body)
+        parked = previous and self._parked.take(previous.id, user, body.header())
+        if parked:
+            served = self._continue_parked(parked, body, previous, response_id)
+        else:
+            served = await self._launch_turn(user, body, previous, response_id)
         record = None
         if body.store:
+            items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
             record = ResponseRecord(
                 response_id, user, body.model, {}, body.previous_response_id, body.header(), items, served.instance
             )
@@ -103,6 +111,7 @@ class ResponsesRoutes:
 
     @router.delete(RESPONSES_PATH + "/{response_id}")
     async def delete_response(self, response_id: str, user: OpenAIUser) -> dict:
+        self._parked.discard(response_id, user)
         if await self._ask(self._store().delete.remote(user, response_id)) is None:
             raise self._unknown(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
@@ -122,18 +131,62 @@ class ResponsesRoutes:
 
     # -- serving a turn ----------------------------------------------------------------------------------------
 
-    async def _continued(self, user: str, body: ResponsesRequest) -> tuple[Continued | None, list[dict]]:
-        """The stored context to continue, or (its header differs from this request's) the history to render."""
+    async def _previous(self, user: str, body: ResponsesRequest) -> ResponseRecord | None:
+        """The finished response a continuation continues (None: it continues none)."""
         if body.previous_response_id is None:
-            return None, []
+            return None
         previous = await self._record(user, body.previous_response_id, param="previous_response_id")
         if previous.status not in ("completed", "incomplete"):
             message = f"previous_response_id {previous.id} is {previous.status}; only a finished one continues"
             raise OpenAIError(400, message, param="previous_response_id")
-        if previous.header != body.header():
-            return None, await self._ask(self._store().history.remote(user, previous.id))
-        name = snapshot_name(previous.id)
-        return Continued(snapshot=name, pending=previous.pending, call_names=previous.call_names), []
+        return previous
+
+    async def _launch_turn(
+        self, user: str, body: ResponsesRequest, previous: ResponseRecord | None, response_id: str
+    ) -> Served:
+        """A new instance of the Responses program for the turn: continuing the saved context, or rendering the
+        history (the header changed, or the context was never saved)."""
+        continued, history = None, []
+        if previous is not None and previous.header == body.header() and previous.saved:
+            continued = Continued(
+                snapshot=snapshot_name(previous.id), pending=previous.pending, call_names=previous.call_names
+            )
+        elif previous is not None:
+            history = await self._ask(self._store().history.remote(user, previous.id))
+        park = body.store and self._parked.park_s > 0
+        program_input = Turn(request=body, response_id=response_id, continued=continued, history=history, park=park)
+        launch = LaunchRequest(program=RESPONSES_PROGRAM, input=program_input.model_dump(mode="json", by_alias=True))
+        # placed by instructions, history and items, and a continued context where the response it continues went
+        # (its text is not here)
+        items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
+        parts = [body.instructions or "", *history, *items]
+        prompt = Prompt.of(body.model, parts, tag=response_id, follows=continued and previous.id)
+        return await self._start(user, launch, RequestClock("responses", body.model), named=False, prompt=prompt)
+
+    def _continue_parked(
+        self, parked: ParkedTurn, body: ResponsesRequest, previous: ResponseRecord, response_id: str
+    ) -> Served:
+        """The turn sent to the program parked after ``previous``: its context is live, with the closing tokens of
+        the last turn still buffered there."""
+        continued = Continued(snapshot=snapshot_name(previous.id), call_names=previous.call_names)
+        turn = Turn(request=body, response_id=response_id, continued=continued, park=body.store)
+        parked.channel.put("message", turn.model_dump_json(by_alias=True))
+        clock = RequestClock("responses", body.model)
+        clock.mark_admitted()
+        return Served(parked.user, parked.instance, parked.channel, clock, since=parked.since)
+
+    def _parking(self, config: ResponsesConfig) -> ParkedConversations:
+        return ParkedConversations(config.park_s, config.max_parked, self._saving)
+
+    def _saving(self, parked: ParkedTurn) -> None:
+        """An idle conversation's program was told to save its snapshot: once it has, the record says so (a
+        continuation anywhere then opens it)."""
+
+        async def saved() -> None:
+            if (await parked.channel.log.finished()).kind == "return":
+                self._store().saved.remote(parked.user, parked.model, parked.response_id)
+
+        asyncio.get_running_loop().create_task(saved())
 
     async def _streamed_turn(self, turn: _Turn, served: Served) -> AsyncIterator[str]:
         stream = ResponseStream(turn.request, turn.id, turn.created_at)
@@ -166,8 +219,15 @@ class ResponsesRoutes:
             record = turn.record
             record.body, record.pending, record.instance = body, report.pending, None
             record.call_names = {item.call_id: item.name for item in report.output if item.type == "function_call"}
+            record.saved = turn.parked is None
             await self._ask(self._store().put.remote(record))
         turn.done = True
+        if turn.parked is not None:
+            served, request = turn.parked, turn.request
+            parked = ParkedTurn(
+                turn.id, turn.user, request.model, request.header(), served.instance, served.channel, served.since
+            )
+            self._parked.park(parked)
         return body
 
     def _failure(self, turn: _Turn, message: str) -> OpenAIError:
@@ -186,10 +246,16 @@ class ResponsesRoutes:
         """The instance's events (closing early aborts it); a turn that did not finish leaves its record failed and
         no snapshot behind."""
         try:
-            async with aclosing(self._events(served)) as events:
-                async for event in events:
-                    yield event
+            async with aclosing(self._events(served, _parks)) as events:
+                async for kind, value in events:
+                    if kind == "message" and _parks(value):
+                        turn.parked = served
+                        yield "return", Parked.model_validate_json(value).parked.model_dump_json()
+                    else:
+                        yield kind, value
         finally:
+            if turn.parked is not None and not turn.done:
+                ParkedConversations.dismiss(turn.parked.channel)
             if not turn.done and turn.record is not None:
                 if turn.record.status == "in_progress":
                     self._failed_body(turn, OpenAIError(500, "the turn did not finish: its client went away"))
@@ -217,3 +283,8 @@ class ResponsesRoutes:
         if self._store_handle is None:
             self._store_handle = ray.get_actor(RESPONSES, namespace=self._namespace)
         return self._store_handle
+
+
+def _parks(message: str) -> bool:
+    """Whether a message of the Responses program is its ``Parked`` report (the others are streamed ``Piece``s)."""
+    return message.startswith('{"parked":')

@@ -53,6 +53,7 @@ class ResponseRecord:
     call_names: dict[str, str] = field(default_factory=dict)  # the output's calls by call id
     expires_at: float = 0.0
     resident_until: float = 0.0  # its snapshot's pages are released after this (0: released already)
+    saved: bool = True  # its snapshot exists (False while its program is parked: then the history renders it)
 
     @property
     def status(self) -> str:
@@ -87,6 +88,17 @@ class ResponseStore:
         record.expires_at = now + self._config.ttl_s
         record.resident_until = now + self._config.resident_s
         self._records[record.id] = record
+
+    async def saved(self, user: str, model: str, response_id: str) -> None:
+        """The parked program of a response saved its snapshot; a record deleted meanwhile has it removed."""
+        record = await self.get(user, response_id)
+        if record is None:
+            with contextlib.suppress(ray.exceptions.RayError):
+                self._directory.remove.remote(model, user, snapshot_name(response_id))
+            return
+        record.saved = True
+        record.resident_until = time.time() + self._config.resident_s
+        self._saved(record)
 
     async def get(self, user: str, response_id: str) -> ResponseRecord | None:
         """The user's record (another user's, or an expired one, is None)."""

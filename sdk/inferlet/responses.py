@@ -10,6 +10,11 @@ is generated.
 
 The closing tokens of the turn (the last sampled token and the template's turn end) are not run before the reply
 leaves: the report hands them back as ``pending`` and the next turn prefills them with its input, in one pass.
+
+A turn asked to ``park`` does not end: it sends its report as a ``Parked`` message and waits on its session with
+the context live, so the conversation's next turn (the ingress sends it here) costs no launch, no snapshot to open
+and none to save, only its new input's prefill; the ingress tells it to save the snapshot when the conversation
+idles. Its context is an ordinary one meanwhile, priced by the market and suspended under memory pressure.
 """
 
 from __future__ import annotations
@@ -18,15 +23,18 @@ import asyncio
 import contextlib
 import uuid
 
-from inferlet import completions
+from inferlet import completions, session
 from inferlet.context import Context
 from inferlet.model import Model
 from inferlet.openai_schema import ChatCompletionRequest, Choice
 from inferlet.responses_schema import (
+    DISCARD,
+    SAVE,
     FunctionCallItem,
     MessageItem,
     OutputItem,
     OutputText,
+    Parked,
     Turn,
     TurnReport,
     TurnUsage,
@@ -44,11 +52,17 @@ async def _opened(model: Model, turn: Turn) -> tuple[Context, list[int], ChatCom
     ctx = await asyncio.to_thread(Context.open, model, continued.snapshot)  # off the event loop: see serve
     if ctx is None:
         raise LookupError(f"the conversation of previous_response_id {request.previous_response_id} is gone")
-    call_names = dict(continued.call_names)
+    chat, tokens = _new_input(model, turn)
+    return ctx, continued.pending + tokens, chat
+
+
+def _new_input(model: Model, turn: Turn) -> tuple[ChatCompletionRequest, list[int]]:
+    """A continuation's chat request, and the tokens of its new items and the cue (what follows the stored
+    conversation's closing tokens)."""
+    request, call_names = turn.request, dict(turn.continued.call_names)
     chat = request.as_chat(request.items, call_names)
     new_turns = chat.messages[1:] if request.instructions else chat.messages  # the instructions are in the KV
-    tokens = continued.pending + completions.chat_turns(model, new_turns, call_names) + model.instruct.cue()
-    return ctx, tokens, chat
+    return chat, completions.chat_turns(model, new_turns, call_names) + model.instruct.cue()
 
 
 def _output(choice: Choice) -> list[OutputItem]:
@@ -82,25 +96,39 @@ async def _save(ctx: Context, name: str) -> None:
         raise
 
 
-async def serve(input: dict) -> dict:
+async def serve(input: dict) -> dict | None:
     """The built-in Responses handler: one turn, generated on the continued (or a fresh) context, saved when the
-    request stores it."""
+    request stores it; or, parked, every turn of the conversation sent here until it idles."""
     turn = Turn.model_validate(input)
-    request = turn.request
-    model = Model.load(request.model)
+    model = Model.load(turn.request.model)
     ctx, tokens, chat = await _opened(model, turn)
-    cached = ctx.seq_len
     try:
-        choice = await completions.run_choice(model, chat, ctx, 0, tokens, keep=True)
-        pending: list[int] = []
-        if request.store:
-            ctx.seal()
-            pending = ctx.buffer()
-            await _save(ctx, snapshot_name(turn.response_id))
+        while True:
+            report = await _generate(model, turn, ctx, tokens, chat)
+            if not (turn.park and turn.request.store):
+                if turn.request.store:
+                    await _save(ctx, snapshot_name(turn.response_id))
+                return report.model_dump(mode="json", exclude_none=True)
+            session.send(Parked(parked=report).model_dump_json(exclude_none=True))
+            word = await session.receive()
+            if word == SAVE:
+                await _save(ctx, snapshot_name(turn.response_id))
+            if word in (SAVE, DISCARD):
+                return None
+            turn = Turn.model_validate_json(word)
+            chat, tokens = _new_input(model, turn)  # the closing tokens are still in the context's buffer
     finally:
         await ctx.release_async()
-    usage = TurnUsage(input_tokens=cached + len(tokens), cached_tokens=cached, output_tokens=choice.completion_tokens)
-    report = TurnReport(
-        output=_output(choice), usage=usage, incomplete=choice.finish_reason == "length", pending=pending
-    )
-    return report.model_dump(mode="json", exclude_none=True)
+
+
+async def _generate(model: Model, turn: Turn, ctx: Context, tokens: list[int], chat) -> TurnReport:
+    """One turn on ``ctx``: its output, usage and (stored) the closing tokens, left buffered in ``ctx``."""
+    request = turn.request
+    cached, fed = ctx.seq_len, len(ctx.buffer()) + len(tokens)
+    choice = await completions.run_choice(model, chat, ctx, 0, tokens, keep=True)
+    pending: list[int] = []
+    if request.store:
+        ctx.seal()
+        pending = ctx.buffer()
+    usage = TurnUsage(input_tokens=cached + fed, cached_tokens=cached, output_tokens=choice.completion_tokens)
+    return TurnReport(output=_output(choice), usage=usage, incomplete=choice.finish_reason == "length", pending=pending)

@@ -245,12 +245,14 @@ class Continued(_Strict):
 
 class Turn(_Strict):
     """The program's input: the request, the response's id, and either the context to continue or the whole
-    history to render before the input (a continuation whose header changed)."""
+    history to render before the input (a continuation whose header changed, or whose context was never saved).
+    ``park``: after the turn, keep the context live and wait for the conversation's next turn (``Parked``)."""
 
     request: ResponsesRequest
     response_id: str = Field(pattern=RESPONSE_ID_PATTERN)
     continued: Continued | None = None
     history: list[Item] = Field(default_factory=list)
+    park: bool = False
 
 
 def snapshot_name(response_id: str) -> str:
@@ -272,3 +274,14 @@ class TurnReport(_Strict):
     usage: TurnUsage
     incomplete: bool = False
     pending: list[int] = Field(default_factory=list)
+
+
+class Parked(_Strict):
+    """The message a parked program sends when a turn is done: its report. It then waits on its session for the
+    next ``Turn`` of the conversation (only its new input is prefilled: the context is live), or for ``SAVE``
+    (the conversation idled: save it as the response's snapshot and end) or ``DISCARD`` (it was deleted: end)."""
+
+    parked: TurnReport
+
+
+SAVE, DISCARD = "save", "discard"

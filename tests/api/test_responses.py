@@ -1,7 +1,8 @@
 """The Responses API on a `pie start`ed cluster, driven by the official `openai` client and by an OpenAI Agents SDK
 agent: items and string input, continuation by ``previous_response_id`` from the live KV context (only the new
-input prefilled, also after the replica holding it died, the ingress or the response store restarted), streaming
-events in order, function tools round trips, JSON output, ownership, expiry, and the error shapes.
+input prefilled: parked in the ingress, then saved as a snapshot; also after the replica holding it died, the
+ingress or the response store restarted), streaming events in order, function tools round trips, JSON output,
+ownership, expiry, and the error shapes.
 
 The tiny model's text is gibberish; what is checked is the protocol, the structure and greedy determinism.
 """
@@ -21,12 +22,14 @@ import pytest
 from inferlet.responses_schema import snapshot_name
 from pie_cluster.client import PieClient
 from pie_cluster.launch_request import LaunchRequest
+from pie_cluster.responses_store import RESPONSES
 from pie_procs import engine_status, started_pie
 from pydantic import Field
 
 MODEL = "default"
 TTL_S = 40
 RESIDENT_S = 3  # a stored turn keeps its pages this long
+PARK_S = 2  # a stored turn's program waits this long for the next turn, then saves the snapshot
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -40,7 +43,7 @@ def pie(ray_cluster, tmp_path_factory):
     yield from started_pie(
         ray_cluster,
         tmp_path_factory.mktemp("pie-responses"),
-        f"[responses]\nttl_s = {TTL_S}\nresident_s = {RESIDENT_S}\n",
+        f"[responses]\nttl_s = {TTL_S}\nresident_s = {RESIDENT_S}\npark_s = {PARK_S}\n",
     )
 
 
@@ -76,6 +79,31 @@ def has_context(pie, tmp_path_factory):
         return value == "present"
 
     return probe
+
+
+def saved(response_id: str) -> bool:
+    """Whether the response's record says its snapshot is saved, within a few park times (its program parks
+    first, and saves when the conversation idles)."""
+    import ray
+
+    store = ray.get_actor(RESPONSES, namespace="pie")
+    for _ in range(40):
+        if ray.get(store.get.remote("alice", response_id)).saved:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def resent(api, instructions: str | None, turns: list[tuple[str, object]], text: str) -> str:
+    """What the chat route answers when the conversation (each turn's input and response) is sent whole: what
+    a continuation that renders the history must answer (its text is tokenized again, so it may differ from a
+    continued context, which holds the tokens as they were sampled)."""
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    for said, response in turns:
+        messages += [{"role": "user", "content": said}, {"role": "assistant", "content": response.output_text}]
+    messages.append({"role": "user", "content": text})
+    chat = api.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+    return chat.choices[0].message.content
 
 
 def greedy(api, **kw):
@@ -128,9 +156,13 @@ def test_store_false_is_not_retrievable_and_get_delete_cancel_answer_in_openai_s
     with pytest.raises(openai.BadRequestError) as e:
         api.responses.cancel(stored.id)  # finished already
     assert "in progress" in e.value.message
-    assert has_context(stored.id)
+    assert saved(stored.id) and has_context(stored.id)
     api.responses.delete(stored.id)
     assert not has_context(stored.id)
+    parked = greedy(api, input="hi")  # deleted while its program is parked: it ends without saving
+    api.responses.delete(parked.id)
+    time.sleep(PARK_S + 2)
+    assert not has_context(parked.id)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(stored.id)
     with pytest.raises(openai.NotFoundError):
@@ -290,6 +322,7 @@ def test_a_continuation_after_the_replica_died_recomputes_the_context_and_gives_
     from ray.util.state import list_actors
 
     first = greedy(api, input="Remember this.", max_output_tokens=6)
+    time.sleep(PARK_S + 1)  # saved as a snapshot on the replica about to die
     unbroken = greedy(api, input="Go on.", previous_response_id=first.id)
     restarts = engine_status(pie)["replica_restarts"]
     (rank,) = list_actors(
@@ -333,10 +366,16 @@ def test_a_client_that_goes_away_mid_stream_leaves_a_failed_record_and_no_contex
     assert not has_context(response_id)
 
 
-def test_stored_responses_survive_the_ingress_restarting(pie, api, ray_cluster):
+def test_stored_responses_survive_the_ingress_restarting(pie, api, ray_cluster, has_context):
+    """One conversation saved as a snapshot continues from it; one whose program was parked in the killed ingress
+    renders its stored history."""
     from ray.util.state import list_actors
 
     first = greedy(api, input="Keep this.")
+    assert saved(first.id)
+    second = greedy(api, input="Go on.", previous_response_id=first.id)
+    parked_answer = greedy(api, input="More.", previous_response_id=second.id)
+    assert parked_answer.usage.input_tokens_details.cached_tokens > second.usage.input_tokens
     (ingress,) = list_actors(
         ray_cluster.address,
         filters=[("class_name", "=", "ServeReplica:pie:PieIngress"), ("state", "=", "ALIVE")],
@@ -352,6 +391,24 @@ def test_stored_responses_survive_the_ingress_restarting(pie, api, ray_cluster):
     assert again.output_text == first.output_text
     continued = greedy(api, input="More.", previous_response_id=first.id)
     assert continued.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    rendered = greedy(api, input="More.", previous_response_id=second.id)
+    assert rendered.usage.input_tokens_details.cached_tokens == 0
+    assert rendered.output_text == resent(api, None, [("Keep this.", first), ("Go on.", second)], "More.")
+
+
+def test_a_stored_turn_parks_with_its_context_live_then_saves_it_when_idle(api, has_context):
+    """A continuation while the turn's program is parked prefills only its new input with nothing saved; a second
+    branch from the same response renders the history; an idle one is saved, then continued from its snapshot."""
+    first = greedy(api, input="Plan a trip.", instructions="Be brief.")
+    second = greedy(api, input="Where to?", instructions="Be brief.", previous_response_id=first.id)
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens - 1
+    assert not has_context(first.id)  # its context moved on to the second turn, live
+    branch = greedy(api, input="Where to?", instructions="Be brief.", previous_response_id=first.id)
+    assert branch.usage.input_tokens_details.cached_tokens == 0
+    assert branch.output_text == resent(api, "Be brief.", [("Plan a trip.", first)], "Where to?")
+    assert saved(second.id)
+    third = greedy(api, input="When?", instructions="Be brief.", previous_response_id=second.id)
+    assert third.usage.input_tokens_details.cached_tokens >= second.usage.input_tokens + second.usage.output_tokens - 1
 
 
 def test_stored_responses_survive_the_response_store_restarting(pie, api, ray_cluster):
@@ -375,9 +432,13 @@ def test_stored_responses_survive_the_response_store_restarting(pie, api, ray_cl
 
 def test_an_idle_turn_releases_its_pages_and_still_continues_with_the_same_tokens(pie, api):
     first = greedy(api, input="Hold this.", max_output_tokens=40, extra_body={"ignore_eos": True})
+    assert saved(first.id)  # continued from its snapshot, which stays
     resident = greedy(api, input="Go on.", previous_response_id=first.id)
-    time.sleep(RESIDENT_S + 2)  # every turn is idle now: its pages are the replica's prefix cache
-    (replica,) = engine_status(pie)["replicas"]
+    for _ in range(40):  # every turn idles: saved after PARK_S, then its pages are the replica's prefix cache
+        time.sleep(0.5)
+        (replica,) = engine_status(pie)["replicas"]
+        if replica["pages_used"] == 0:
+            break
     assert replica["pages_used"] == 0 and replica["pages_cached"] > 0, replica
     recomputed = greedy(api, input="Go on.", previous_response_id=first.id)
     assert recomputed.output_text == resident.output_text
@@ -385,7 +446,7 @@ def test_an_idle_turn_releases_its_pages_and_still_continues_with_the_same_token
 
 def test_stored_responses_expire_with_their_context(api, has_context):
     stored = greedy(api, input="short lived")
-    assert has_context(stored.id)
+    assert saved(stored.id) and has_context(stored.id)
     time.sleep(TTL_S + 2)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(stored.id)
