@@ -159,7 +159,7 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         self._auth, self._namespace = auth, namespace
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
         self._local = LocalInstances(self._launcher, BUILTINS, routing)
-        self._parked = self._parking(responses or ResponsesConfig())
+        self._init_responses(responses or ResponsesConfig())
         self._registry = CollectorRegistry()
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)

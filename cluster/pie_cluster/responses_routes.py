@@ -28,6 +28,7 @@ from inferlet.responses_schema import Continued, Parked, ResponsesRequest, Turn,
 from pie_workers.deadlines import LAUNCHER_S, RESPONSE_STORE_S, NoAnswer, answer
 from ray.exceptions import RayActorError
 
+from pie_cluster.coalesced_calls import CoalescedCalls
 from pie_cluster.config import ResponsesConfig
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher import RESPONSES_PROGRAM
@@ -53,8 +54,9 @@ RESPONSES_PATH = "/v1/responses"
 class _Turn:
     """One turn being served: the request, its id and record (None when not stored)."""
 
-    def __init__(self, user: str, request: ResponsesRequest, response_id: str, record: ResponseRecord | None):
-        self.user, self.request, self.id, self.record = user, request, response_id, record
+    def __init__(self, user: str, request: ResponsesRequest, response_id: str):
+        self.user, self.request, self.id = user, request, response_id
+        self.record: ResponseRecord | None = None
         self.created_at = time.time()
         self.done = False
         self.parked: Served | None = None  # its program, parked after answering
@@ -65,6 +67,8 @@ class ResponsesRoutes:
 
     _namespace: str
     _store_handle = None
+    _store_batches: dict[str, CoalescedCalls]
+    _parked: ParkedConversations
 
     @router.post(RESPONSES_PATH)
     async def create_response(self, body: ResponsesRequest, user: OpenAIUser):
@@ -77,22 +81,16 @@ class ResponsesRoutes:
             param = "text" if e.param == "response_format" else e.param
             raise OpenAIError(400, e.message.replace("response_format", "text.format"), param=param) from None
         response_id = new_response_id()
-        previous = await self._previous(user, body)
-        parked = previous and self._parked.take(previous.id, user, body.header())
+        parked = body.previous_response_id and self._parked.take(body.previous_response_id, user, body.header())
         if parked:
-            served = self._continue_parked(parked, body, previous, response_id)
+            turn, served = await self._continue_parked(parked, user, body, response_id)
         else:
+            previous = await self._previous(user, body)
             served = await self._launch_turn(user, body, previous, response_id)
-        record = None
-        if body.store:
-            items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
-            record = ResponseRecord(
-                response_id, user, body.model, {}, body.previous_response_id, body.header(), items, served.instance
-            )
-        turn = _Turn(user, body, response_id, record)
-        if record is not None:
-            record.body = response_object(body, response_id, turn.created_at)
-            self._store().put.remote(record)  # not awaited: the store never lets it overwrite the finished record
+            turn = _Turn(user, body, response_id)
+            turn.record = self._new_record(turn, served.instance)
+            if turn.record is not None:  # not awaited: the store never lets it overwrite the finished record
+                self._store().put.remote(turn.record)
         if body.stream:
             return StreamingResponse(self._streamed_turn(turn, served), media_type="text/event-stream")
         async with aclosing(self._turn_events(turn, served)) as events:
@@ -163,20 +161,44 @@ class ResponsesRoutes:
         prompt = Prompt.of(body.model, parts, tag=response_id, follows=continued and previous.id)
         return await self._start(user, launch, RequestClock("responses", body.model), named=False, prompt=prompt)
 
-    def _continue_parked(
-        self, parked: ParkedTurn, body: ResponsesRequest, previous: ResponseRecord, response_id: str
-    ) -> Served:
-        """The turn sent to the program parked after ``previous``: its context is live, with the closing tokens of
-        the last turn still buffered there."""
+    async def _continue_parked(
+        self, parked: ParkedTurn, user: str, body: ResponsesRequest, response_id: str
+    ) -> tuple[_Turn, Served]:
+        """The turn sent to the program parked after the response it continues, whose context is live with the
+        closing tokens of that turn still buffered there. One call to the store checks that response and records
+        this one in progress; a response gone meanwhile (deleted through another ingress, expired) ends the
+        program and answers as for any unknown id."""
+        turn = _Turn(user, body, response_id)
+        turn.record = self._new_record(turn, parked.instance)
+        previous = await self._asked(self._batched("begin_many")((user, parked.response_id, turn.record)))
+        if previous is None or previous.status not in ("completed", "incomplete"):
+            ParkedConversations.dismiss(parked.channel)
+            if previous is None:
+                raise self._unknown(parked.response_id, "previous_response_id")
+            message = f"previous_response_id {previous.id} is {previous.status}; only a finished one continues"
+            raise OpenAIError(400, message, param="previous_response_id")
         continued = Continued(snapshot=snapshot_name(previous.id), call_names=previous.call_names)
-        turn = Turn(request=body, response_id=response_id, continued=continued, park=body.store)
-        parked.channel.put("message", turn.model_dump_json(by_alias=True))
+        program_input = Turn(request=body, response_id=response_id, continued=continued, park=body.store)
+        parked.channel.put("message", program_input.model_dump_json(by_alias=True))
         clock = RequestClock("responses", body.model)
         clock.mark_admitted()
-        return Served(parked.user, parked.instance, parked.channel, clock, since=parked.since)
+        return turn, Served(parked.user, parked.instance, parked.channel, clock, since=parked.since)
 
-    def _parking(self, config: ResponsesConfig) -> ParkedConversations:
-        return ParkedConversations(config.park_s, config.max_parked, self._saving)
+    @staticmethod
+    def _new_record(turn: _Turn, instance: str) -> ResponseRecord | None:
+        """A stored turn's record, in progress, served by ``instance`` (None: the request does not store it)."""
+        body = turn.request
+        if not body.store:
+            return None
+        items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
+        record = ResponseRecord(turn.id, turn.user, body.model, {}, body.previous_response_id, body.header(), items)
+        record.instance, record.body = instance, response_object(body, turn.id, turn.created_at)
+        return record
+
+    def _init_responses(self, config: ResponsesConfig) -> None:
+        """Called by the ingress's constructor."""
+        self._parked = ParkedConversations(config.park_s, config.max_parked, self._saving)
+        self._store_batches = {}
 
     def _saving(self, parked: ParkedTurn) -> None:
         """An idle conversation's program was told to save its snapshot: once it has, the record says so (a
@@ -220,7 +242,7 @@ class ResponsesRoutes:
             record.body, record.pending, record.instance = body, report.pending, None
             record.call_names = {item.call_id: item.name for item in report.output if item.type == "function_call"}
             record.saved = turn.parked is None
-            await self._ask(self._store().put.remote(record))
+            await self._asked(self._batched("put_many")(record))
         turn.done = True
         if turn.parked is not None:
             served, request = turn.parked, turn.request
@@ -273,10 +295,21 @@ class ResponsesRoutes:
 
     async def _ask(self, ref):
         """The store's answer to a call; 503 when it does not answer in time or is gone."""
+        return await self._asked(answer(ref, "the response store", RESPONSE_STORE_S))
+
+    async def _asked(self, answered):
         try:
-            return await answer(ref, "the response store", RESPONSE_STORE_S)
+            return await answered
         except (NoAnswer, RayActorError) as e:
             raise OpenAIError(503, f"the response store is not reachable: {e}") from None
+
+    def _batched(self, method: str) -> CoalescedCalls:
+        """The store's batch ``method``, called once per event-loop turn for all the turns that call it then."""
+        if method not in self._store_batches:
+            self._store_batches[method] = CoalescedCalls(
+                getattr(self._store(), method), "the response store", RESPONSE_STORE_S
+            )
+        return self._store_batches[method]
 
     def _store(self):
         """The cluster's response store (looked up on first use: it is the controller's, made after the app)."""

@@ -89,6 +89,22 @@ class ResponseStore:
         record.resident_until = now + self._config.resident_s
         self._records[record.id] = record
 
+    async def put_many(self, records: list[ResponseRecord]) -> list[None]:
+        """``put`` each (what the ingress's turns finishing together send as one call)."""
+        return [await self.put(record) for record in records]
+
+    async def begin_many(self, continuations: list[tuple[str, str, ResponseRecord | None]]) -> list:
+        """For each ``(user, previous_id, record)``, a continuation's two steps in one: the user's response it
+        continues (None: none such), and, when that one is finished, ``record`` (the continuation, in progress)
+        put."""
+        found = []
+        for user, previous_id, record in continuations:
+            previous = await self.get(user, previous_id)
+            if record is not None and previous is not None and previous.status in ("completed", "incomplete"):
+                await self.put(record)
+            found.append(previous)
+        return found
+
     async def saved(self, user: str, model: str, response_id: str) -> None:
         """The parked program of a response saved its snapshot; a record deleted meanwhile has it removed."""
         record = await self.get(user, response_id)
