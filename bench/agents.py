@@ -48,6 +48,7 @@ import ray
 import vllm_peer
 from agents_report import SYSTEMS, Cell, Cells, reason, report
 from local_pie import LocalPie, local_pie
+from pie_cluster.config import ResponsesConfig
 from pie_cluster.events import follow
 from pie_cluster.launch_request import LaunchRequest
 from pie_workers.tiny_model import default_model_path
@@ -365,7 +366,7 @@ def measure(args, console: Console) -> tuple[Cells, list[str]]:
     asked = {"vllm", "vllm-responses"} & set(args.systems)
     vllm = VllmServer(vllm_peer.available() if asked else "not asked for")
     cells: Cells = {}
-    with local_pie(pages=args.pages) as pie, closing(vllm):
+    with local_pie(pages=args.pages, responses=ResponsesConfig(park_s=args.park_s)) as pie, closing(vllm):
         program = ray.get(pie.launcher.upload.remote("bench", "agent.py", AGENT_PROGRAM.encode()))["program"]
         bench = Bench(args, pie, program, vllm)
         warm_up(bench, console)
@@ -399,6 +400,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="react,swarm")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--pages", type=int, default=16384, help="KV pages of our replica")
+    park = "our Responses API's [responses] park_s (0: each turn launches an instance and saves a snapshot)"
+    ap.add_argument("--park-s", type=float, default=30.0, help=park)
     ap.add_argument("--rounds", type=int, default=3, help="rounds per cell; the tables report their median")
     ap.add_argument("--cell-timeout", type=float, default=600, help="seconds one round of one cell may take")
     ap.add_argument("--settle", type=float, default=3.0, help="idle seconds before each round of each cell")

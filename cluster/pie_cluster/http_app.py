@@ -166,6 +166,11 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         self._running = Gauge("pie_instances_running", "instances running cluster-wide", registry=self._registry)
         self._request_metrics = RequestMetrics(self._registry)
 
+    async def __del__(self) -> None:
+        """Serve is stopping this replica: the conversations parked here are saved as snapshots first, so another
+        replica continues them from there rather than rendering their history again."""
+        await self._save_parked()
+
     def user_for(self, authorization: str | None) -> str:
         if not self._auth.enabled:
             return LOCAL_USER

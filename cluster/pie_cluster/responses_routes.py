@@ -17,6 +17,7 @@ stored history instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -199,6 +200,7 @@ class ResponsesRoutes:
         """Called by the ingress's constructor."""
         self._parked = ParkedConversations(config.park_s, config.max_parked, self._saving)
         self._store_batches = {}
+        self._savings: set[asyncio.Task] = set()
 
     def _saving(self, parked: ParkedTurn) -> None:
         """An idle conversation's program was told to save its snapshot: once it has, the record says so (a
@@ -206,9 +208,19 @@ class ResponsesRoutes:
 
         async def saved() -> None:
             if (await parked.channel.log.finished()).kind == "return":
-                self._store().saved.remote(parked.user, parked.model, parked.response_id)
+                ref = self._store().saved.remote(parked.user, parked.model, parked.response_id)
+                with contextlib.suppress(OpenAIError):  # the store is gone: the history renders it instead
+                    await self._ask(ref)
 
-        asyncio.get_running_loop().create_task(saved())
+        task = asyncio.get_running_loop().create_task(saved())
+        self._savings.add(task)
+        task.add_done_callback(self._savings.discard)
+
+    async def _save_parked(self, within_s: float = 10.0) -> None:
+        """Have every parked conversation saved (this ingress replica is stopping), waiting ``within_s`` at most."""
+        self._parked.close()
+        if self._savings:
+            await asyncio.wait(list(self._savings), timeout=within_s)
 
     async def _streamed_turn(self, turn: _Turn, served: Served) -> AsyncIterator[str]:
         stream = ResponseStream(turn.request, turn.id, turn.created_at)
