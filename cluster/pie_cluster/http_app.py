@@ -155,7 +155,9 @@ app.include_router(responses_router)
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class PieIngress(OpenAIRoutes, ResponsesRoutes):
-    def __init__(self, auth: AuthConfig, namespace: str, routing: str = "prefix", responses: ResponsesConfig = None):
+    def __init__(
+        self, auth: AuthConfig, namespace: str, routing: str = "prefix", responses: ResponsesConfig | None = None
+    ):
         self._auth, self._namespace = auth, namespace
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
         self._local = LocalInstances(self._launcher, BUILTINS, routing)

@@ -12,6 +12,10 @@ Its records are durable like the directory's entries: each change is written thr
 the records it had, so a stored conversation continues after its death, and, with GCS fault tolerance, after the
 GCS's restart.
 
+A record's snapshot does not exist yet while the turn's program is parked in the ingress that served it, its
+context live (``saved`` False: a continuation elsewhere renders the history); the ingress reports ``saved`` once
+the program, idle, has saved it.
+
 Snapshots are not contexts: the market neither prices nor suspends them, so a stored conversation would hold its
 pages until it expires. The store therefore keeps a turn resident only for ``resident_s``: then the directory has
 its holder release the pages while the name stays (``UserDirectory.release``). Releasing a turn as soon as it is
