@@ -61,7 +61,7 @@ def response_object(request: ResponsesRequest, response_id: str, created_at: flo
         "truncation": request.truncation or "disabled",
         "metadata": request.metadata or {},
         "store": request.store,
-        "background": False,
+        "background": request.background,
         "user": request.user,
     }
     return body | fields

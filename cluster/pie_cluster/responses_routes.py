@@ -94,6 +94,9 @@ class ResponsesRoutes:
                 self._store().put.remote(turn.record)
         if body.stream:
             return StreamingResponse(self._streamed_turn(turn, served), media_type="text/event-stream")
+        if body.background:
+            self._in_background(self._background_turn(turn, served))
+            return turn.record.body
         async with aclosing(self._turn_events(turn, served)) as events:
             async for kind, value in events:
                 if kind == "return":
@@ -200,7 +203,7 @@ class ResponsesRoutes:
         """Called by the ingress's constructor."""
         self._parked = ParkedConversations(config.park_s, config.max_parked, self._saving)
         self._store_batches = {}
-        self._savings: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # background turns, and saves of parked conversations
 
     def _saving(self, parked: ParkedTurn) -> None:
         """An idle conversation's program was told to save its snapshot: once it has, the record says so (a
@@ -212,15 +215,30 @@ class ResponsesRoutes:
                 with contextlib.suppress(OpenAIError):  # the store is gone: the history renders it instead
                     await self._ask(ref)
 
-        task = asyncio.get_running_loop().create_task(saved())
-        self._savings.add(task)
-        task.add_done_callback(self._savings.discard)
+        self._in_background(saved())
 
     async def _save_parked(self, within_s: float = 10.0) -> None:
-        """Have every parked conversation saved (this ingress replica is stopping), waiting ``within_s`` at most."""
+        """Have every parked conversation saved (this ingress replica is stopping), waiting ``within_s`` at most
+        for that and for the background turns."""
         self._parked.close()
-        if self._savings:
-            await asyncio.wait(list(self._savings), timeout=within_s)
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=within_s)
+
+    async def _background_turn(self, turn: _Turn, served: Served) -> None:
+        """A background turn, finished with no client waiting: its record is what GET reads."""
+        async with aclosing(self._turn_events(turn, served)) as events:
+            async for kind, value in events:
+                if kind == "return":
+                    with contextlib.suppress(OpenAIError):  # written failed by _turn_events
+                        await self._finish(turn, value)
+                elif kind == "error":
+                    self._failed_body(turn, self._failure(turn, value))
+
+    def _in_background(self, work) -> None:
+        """Run ``work`` on this process's loop, held until it ends (the loop keeps only weak references)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _streamed_turn(self, turn: _Turn, served: Served) -> AsyncIterator[str]:
         stream = ResponseStream(turn.request, turn.id, turn.created_at)

@@ -15,7 +15,7 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from inferlet.openai_schema import (
     ChatCompletionRequest,
@@ -163,12 +163,21 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     stream: bool = False
-    background: Literal[False] | None = Field(None, description="background responses are not built")
+    background: bool = Field(False, description="answer at once, in progress; the turn finishes on its own")
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=256, description="accepted, has no effect")
     truncation: Literal["disabled", "auto"] | None = Field(None, description="nothing is ever truncated")
     include: list[str] | None = None
     ignore_eos: bool = Field(False, description="as vLLM's chat routes: generate max_output_tokens whatever comes")
+
+    @field_validator("background")
+    @classmethod
+    def _stored_unstreamed(cls, background: bool, info: ValidationInfo) -> bool:
+        if background and not info.data.get("store", True):
+            raise ValueError("background responses must be stored (store: true): they are read back with GET")
+        if background and info.data.get("stream"):
+            raise ValueError("background responses cannot be streamed here: read them back with GET")
+        return background
 
     @field_validator("include")
     @classmethod

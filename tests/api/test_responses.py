@@ -1,8 +1,8 @@
 """The Responses API on a `pie start`ed cluster, driven by the official `openai` client and by an OpenAI Agents SDK
 agent: items and string input, continuation by ``previous_response_id`` from the live KV context (only the new
 input prefilled: parked in the ingress, then saved as a snapshot; also after the replica holding it died, the
-ingress or the response store restarted), streaming events in order, function tools round trips, JSON output,
-ownership, expiry, and the error shapes.
+ingress or the response store restarted), streaming events in order, background responses, function tools round
+trips, JSON output, ownership, expiry, and the error shapes.
 
 The tiny model's text is gibberish; what is checked is the protocol, the structure and greedy determinism.
 """
@@ -206,7 +206,8 @@ def test_another_users_response_is_404_and_a_missing_token_is_401(pie, api):
     ("body", "param", "words"),
     [
         ({"input": "x", "bogus": 1}, "bogus", "bogus"),
-        ({"input": "x", "background": True}, "background", "background"),
+        ({"input": "x", "background": True, "store": False}, "background", "must be stored"),
+        ({"input": "x", "background": True, "stream": True}, "background", "cannot be streamed"),
         ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "not supported"),
         ({"input": [{"type": "image", "url": "x"}]}, "input", "input"),
         ({"input": "x", "previous_response_id": "nope"}, "previous_response_id", "previous_response_id"),
@@ -220,6 +221,26 @@ def test_bad_requests_are_400_naming_the_field(pie, body, param, words):
     assert got.status_code == 400, got.text
     error = got.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"]
+
+
+def test_a_background_response_answers_at_once_and_finishes_on_its_own(api):
+    started = greedy(api, input="Tell me about paged attention.", background=True)
+    assert started.background is True and started.status == "in_progress" and started.output == []
+    for _ in range(120):
+        done = api.responses.retrieve(started.id)
+        if done.status != "in_progress":
+            break
+        time.sleep(0.25)
+    assert done.status in ("completed", "incomplete") and done.background is True
+    assert done.output_text == greedy(api, input="Tell me about paged attention.", store=False).output_text
+    continued = greedy(api, input="Go on.", previous_response_id=done.id, background=True)
+    for _ in range(120):
+        again = api.responses.retrieve(continued.id)
+        if again.status != "in_progress":
+            break
+        time.sleep(0.25)
+    assert again.status in ("completed", "incomplete")
+    assert again.usage.input_tokens_details.cached_tokens >= done.usage.input_tokens
 
 
 def test_streaming_events_arrive_in_order_and_equal_the_whole_response(api):
