@@ -229,8 +229,10 @@ class ResponsesRoutes:
         async with aclosing(self._turn_events(turn, served)) as events:
             async for kind, value in events:
                 if kind == "return":
-                    with contextlib.suppress(OpenAIError):  # written failed by _turn_events
+                    try:
                         await self._finish(turn, value)
+                    except OpenAIError as e:  # the record is written failed, with this, by _turn_events
+                        self._failed_body(turn, e)
                 elif kind == "error":
                     self._failed_body(turn, self._failure(turn, value))
 
