@@ -14,10 +14,10 @@ from pie_workers.deadlines import answer
 
 
 class CoalescedCalls:
-    def __init__(self, method, part: str, deadline_s: float):
-        """``method``: an actor method taking a list of arguments and answering a list of results, in order;
-        ``part`` and ``deadline_s``: as for ``answer``, per batch."""
-        self._method, self._part, self._deadline_s = method, part, deadline_s
+    def __init__(self, method, part: str, deadline_s: float, *leading: Any):
+        """``method``: an actor method taking a list of arguments (after ``leading``, the same for every batch) and
+        answering a list of results, in order; ``part`` and ``deadline_s``: as for ``answer``, per batch."""
+        self._method, self._part, self._deadline_s, self._leading = method, part, deadline_s, leading
         self._pending: list[tuple[Any, asyncio.Future]] = []
         self._answering: set[asyncio.Task] = set()  # held: the loop keeps only weak references to tasks
 
@@ -31,7 +31,7 @@ class CoalescedCalls:
 
     def _send(self) -> None:
         batch, self._pending = self._pending, []
-        ref = self._method.remote([argument for argument, _ in batch])
+        ref = self._method.remote(*self._leading, [argument for argument, _ in batch])
         task = asyncio.get_running_loop().create_task(self._answer(ref, [future for _, future in batch]))
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)

@@ -13,11 +13,11 @@ from typing import Any
 
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint, Runtime, SessionIO, install, uninstall
-from pie_workers.deadlines import MARKET_S, answer
 
 from pie_cluster import stdio
 from pie_cluster.programs import Main, Program, ProgramError
 from pie_cluster.stdio import Sink
+from pie_cluster.wallet_calls import wallet_calls
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ async def run_inferlet(
     captured = stdio.capture(output) if output is not None else None
     try:
         if market is not None:
-            await answer(market.join.remote(runtime.instance_id, endowment), "the market", MARKET_S)
+            await wallet_calls(market).join(runtime.instance_id, endowment)
         return await main(input)
     finally:
         _running.pop(runtime.instance_id, None)
@@ -94,7 +94,7 @@ async def run_inferlet(
                 # a market that cannot close the wallet now (restarting) must not fail an instance that finished;
                 # Ray's errors are caught as any (this module is imported in sandboxed workers, which have no Ray)
                 try:
-                    await asyncio.shield(answer(market.leave.remote(runtime.instance_id), "the market", MARKET_S))
+                    await asyncio.shield(wallet_calls(market).leave(runtime.instance_id))
                 except Exception as e:
                     log.warning("the market did not close the wallet of %s: %s", runtime.instance_id, e)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import ray
 import ray.exceptions
-from pie_workers.deadlines import DEDICATED_START_S, HOST_S, LAUNCHER_S, MARKET_S, NoAnswer, answer
+from pie_workers.deadlines import DEDICATED_START_S, HOST_S, MARKET_S, NoAnswer, answer
 from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -184,10 +184,9 @@ class Launcher:
     async def _lose(self, lost: list[InstanceRecord], message: str) -> None:
         """Instances whose host died: their wallets close and they end with ``message``."""
         market = next(iter(self._pool.services.values())).market  # one market: every node's services name it
-        for instance in lost:
-            if market is not None:
-                with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
-                    await answer(market.leave.remote(instance.id), "the market", MARKET_S)
+        if market is not None:
+            with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
+                await answer(market.leave_many.remote([i.id for i in lost]), "the market", MARKET_S)
         for instance in lost:
             self._finish(instance, "error", message)
 
@@ -377,18 +376,31 @@ class Launcher:
 
     # -- instances that an ingress replica runs itself ----------------------------------------------------------
 
-    async def admit(self, user: str, program: str, input: dict, node: str, runner: str, handle) -> dict | None:
-        """Admit an instance of one of the cluster's own programs that ``runner`` (an ingress replica on ``node``,
-        actor ``handle``) runs in its own process: no host, no event relay. Returns its id and limits once it may
-        run (waiting a while if queued: then ``queued`` is true and ``admitted`` waits on), or None when this node
-        has no view of the models (the runner launches it on a host instead). Raises ``Overloaded``."""
+    async def admit_many(self, node: str, runner: str, handle, requests: list[tuple[str, str, dict]]) -> list:
+        """Admit instances of the cluster's own programs that ``runner`` (an ingress replica on ``node``, actor
+        ``handle``) runs in its own process: no host, no event relay. ``requests`` are ``(user, program, input)``,
+        those of one event-loop turn of the runner (``local_instances.py`` coalesces them). Each answer is the
+        instance's id and limits (``queued`` true when it waits for a slot: ``admitted`` waits on), None when this
+        node has no view of the models (the runner launches it on a host instead), or the exception that refused it
+        (``Overloaded``, a program that is not the cluster's)."""
         self.calls["admit"] += 1
         if self._pool is None:
             raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
+        if node not in self._pool.services:
+            return [None] * len(requests)
+        answers = []
+        for user, program, input in requests:
+            try:
+                instance = self._admit(user, program, input, node, runner, handle)
+            except (Overloaded, ValueError) as e:
+                answers.append(e)
+                continue
+            answers.append(await self._admission_answer(instance, 0.0))
+        return answers
+
+    def _admit(self, user: str, program: str, input: dict, node: str, runner: str, handle) -> InstanceRecord:
         if program not in self._builtins:
             raise ValueError(f"{program!r} is not one of the cluster's own programs")
-        if node not in self._pool.services:
-            return None
         instance_id = uuid.uuid4().hex
         runs_now = self._admission.admit(user, instance_id)
         instance = InstanceRecord(instance_id, user, self._builtins[program], dict(input), node, None, False)
@@ -399,7 +411,7 @@ class Launcher:
         self._runners.seen(runner, handle)
         self._run_or_wait(instance, runs_now, handle)
         self.launched += 1
-        return await self._admission_answer(instance, LAUNCHER_S / 2)
+        return instance
 
     async def admitted(self, runner: str, instance_id: str, wait: float) -> dict:
         """For a runner whose ``admit`` came back queued: waits up to ``wait`` s more for the slot."""
@@ -409,8 +421,9 @@ class Launcher:
         return await self._admission_answer(instance, wait)
 
     async def _admission_answer(self, instance: InstanceRecord, wait: float) -> dict:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(instance.settled.wait(), min(max(wait, 0.0), 60.0))
+        if wait > 0 and not instance.settled.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(instance.settled.wait(), min(wait, 60.0))
         return {
             "id": instance.id,
             "queued": not instance.settled.is_set(),

@@ -29,6 +29,7 @@ from inferlet.runtime import ModelEndpoint
 from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from pie_workers.wire import capability
 
+from pie_cluster.coalesced_calls import CoalescedCalls
 from pie_cluster.config import ChannelLimits
 from pie_cluster.events import Channel, Channels
 from pie_cluster.host import InstanceSetup, serve_instance
@@ -103,6 +104,9 @@ class LocalInstances:
         self._listening: asyncio.Task | None = None
         self._router = PrefixRouter(routing)
         self._relays = ReplicaRelays(self._replica_addresses)
+        # the admissions of one event-loop turn (a burst of requests) go to the launcher as one call
+        runner = (self._node, self.name, self._actor)
+        self._admit = CoalescedCalls(launcher.admit_many, "the launcher", LAUNCHER_S, *runner)
 
     async def start(
         self, user: str, program: str, input: dict, prompt: Prompt | None = None
@@ -110,15 +114,13 @@ class LocalInstances:
         """Admit and start an instance of ``program`` for ``user``; its id and channel, or None when this node
         cannot run it (no view of the models here: launch it on a host). ``prompt``: its model and prompt text, to
         place it on one of the model's replicas (None: the node's default one). Raises what ``admit`` raises."""
-        if self._listening is None:
-            self._listening = asyncio.get_running_loop().create_task(self._listen_for_aborts())
-        admitted = await answer(
-            self._launcher.admit.remote(user, program, input, self._node, self.name, self._actor),
-            "the launcher",
-            LAUNCHER_S,
-        )
+        admitted = await self._admit((user, program, input))
+        if isinstance(admitted, Exception):  # refused (overloaded): this request's own answer
+            raise admitted
         if admitted is None:
             return None
+        if self._listening is None:  # once admitted: the launcher knows this runner from then on
+            self._listening = asyncio.get_running_loop().create_task(self._listen_for_aborts())
         instance_id = admitted["id"]
         while admitted["queued"]:
             ref = self._launcher.admitted.remote(self.name, instance_id, LAUNCHER_S)

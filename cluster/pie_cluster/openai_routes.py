@@ -26,6 +26,7 @@ from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
+from pie_cluster.admission import Overloaded
 from pie_cluster.events import TERMINAL, Channel, follow
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest
@@ -178,8 +179,8 @@ class OpenAIRoutes:
             return Served(user, launched, None, clock)
         except NoAnswer as e:
             raise OpenAIError(503, str(e)) from None
-        except RayTaskError as e:
-            http = launcher_error(e.cause)
+        except (RayTaskError, Overloaded, ValueError) as e:  # the last two: this request's own admission answer
+            http = launcher_error(e.cause if isinstance(e, RayTaskError) else e)
             param = "inferlet" if named and http.status_code == 404 else None
             raise OpenAIError(http.status_code, str(http.detail), param=param, headers=http.headers) from None
         except RayActorError:

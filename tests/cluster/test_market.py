@@ -4,9 +4,12 @@ cost 1 credit per page — plus the rules this implementation chose (leavers, in
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
-from pie_cluster.market import MICRO, PAGE_COST, Market, endowment_for, get_or_create_market
+from pie_cluster.market import DEFAULT_ENDOWMENT, MICRO, PAGE_COST, Market, endowment_for, get_or_create_market
+from pie_cluster.wallet_calls import wallet_calls
 
 # Pie's fixture: a budget of 160 tokens at 16 tokens per page endows 10 credits.
 BUDGET_160_TOKENS = endowment_for(160, 16)
@@ -299,5 +302,33 @@ def test_the_market_actor_settles_numpy_reports(ray_session):
         issued = ray.get(same.ledger.remote()).issued
         assert ray.get(same.join.remote("p", 5)) == 1000  # joining again (a call sent again after a restart):
         assert ray.get(same.ledger.remote()).issued == issued  # the wallet as it was, no credits issued twice
+    finally:
+        ray.kill(market)
+
+
+def test_a_burst_of_wallets_through_wallet_calls_opens_and_closes_each_once(ray_session):
+    """A host's burst of launches, coalesced into the market's batch calls (``test_coalesced_calls.py`` shows one
+    call per loop turn): each caller hears its own endowment back, a join sent again changes nothing, and closing
+    them all returns every credit."""
+    ray = ray_session
+    market = get_or_create_market(namespace="pie-test-wallets")
+    calls = wallet_calls(market)
+    assert wallet_calls(get_or_create_market(namespace="pie-test-wallets")) is calls  # one per market handle
+
+    async def burst() -> tuple[list[float], list[float], float]:
+        endowments = [None if i % 3 == 0 else float(10 + i) for i in range(24)]
+        joined = await asyncio.gather(*(calls.join(f"w{i}", e) for i, e in enumerate(endowments)))
+        again = await calls.join("w1", 999.0)
+        left = await asyncio.gather(*(calls.leave(f"w{i}") for i in range(24)))
+        return joined, left, again
+
+    try:
+        joined, left, again = asyncio.run(burst())
+        expected = [DEFAULT_ENDOWMENT if i % 3 == 0 else 10.0 + i for i in range(24)]
+        assert joined == expected and again == 11.0
+        assert left == expected  # nobody held pages: every wallet closes with what it opened with
+        ledger = ray.get(market.ledger.remote())
+        assert ledger.balanced and ray.get(market.summary.remote())["wallets"] == 0
+        assert ray.get(market.leave_many.remote(["w0", "never"])) == [0.0, 0.0]  # closing twice is harmless
     finally:
         ray.kill(market)

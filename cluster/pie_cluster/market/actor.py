@@ -1,9 +1,10 @@
 """The cluster's one market as a named Ray actor, and the way every component finds it.
 
 Ray restarts it when its process dies, and it comes back with its wallets: the market's state is written to the
-GCS's key-value store (``GcsStore``) as soon as a wallet opens or closes (a launch's and an ending's one GCS write),
-and at most ``SAVE_EVERY_S`` after a round (a write per round would put the GCS on every replica's step), so a
-restart loses at most that much of the rounds' rent and dividends. The books stay balanced: a saved state is one
+GCS's key-value store (``GcsStore``) as soon as wallets open or close (one GCS write per call; the wallets a process
+opens or closes in one event-loop turn come as one call, ``wallet_calls.py``), and at most ``SAVE_EVERY_S`` after a
+round (a write per round would put the GCS on every replica's step), so a restart loses at most that much of the
+rounds' rent and dividends. The books stay balanced: a saved state is one
 the market was in. Calls in flight when it died are sent again to the restarted one (joining and leaving twice are
 harmless).
 """
@@ -50,14 +51,28 @@ class MarketActor:
     async def join(self, process_id: str, endowment: float | None = None) -> float:
         """Open the process's wallet; a second join of the same process (a call sent again after a restart) finds
         it open and changes nothing."""
-        if (account := self._market.wallets.slot(process_id)) is not None:
-            return self._market.wallets.endowment[account] / MICRO
-        joined = self._market.join(process_id, endowment)
+        [joined] = await self.join_many([(process_id, endowment)])
+        return joined
+
+    async def join_many(self, joins: Sequence[tuple[str, float | None]]) -> list[float]:
+        """``join`` for each ``(process_id, endowment)``, with one write of the state for them all (a host's
+        launches in one event-loop turn come as one call: ``wallet_calls.py``)."""
+        joined = [self._join(process_id, endowment) for process_id, endowment in joins]
         self._save()  # at once: a wallet forgotten by a restart would be a launch's credits gone
         return joined
 
+    def _join(self, process_id: str, endowment: float | None) -> float:
+        if (account := self._market.wallets.slot(process_id)) is not None:
+            return self._market.wallets.endowment[account] / MICRO
+        return self._market.join(process_id, endowment)
+
     async def leave(self, process_id: str) -> float:
-        left = self._market.leave(process_id)
+        [left] = await self.leave_many([process_id])
+        return left
+
+    async def leave_many(self, process_ids: Sequence[str]) -> list[float]:
+        """``leave`` for each process, with one write of the state for them all."""
+        left = [self._market.leave(process_id) for process_id in process_ids]
         self._save()  # at once: a closed wallet that a restart reopened would stay open for good
         return left
 

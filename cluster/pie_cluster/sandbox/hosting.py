@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray.exceptions
 from pie_workers.cache import cache_root
-from pie_workers.deadlines import MARKET_S, NoAnswer, answer
+from pie_workers.deadlines import NoAnswer
 
 from pie_cluster.config import SandboxConfig
 from pie_cluster.host import InstanceSetup
@@ -27,6 +27,7 @@ from pie_cluster.sandbox.bwrap import probe
 from pie_cluster.sandbox.pool import HostSide, WorkerPool
 from pie_cluster.sandbox.protocol import InstanceSpec, ProgramRef
 from pie_cluster.sandbox.view import Relays, SandboxView, build_view
+from pie_cluster.wallet_calls import wallet_calls
 
 
 class Sandbox:
@@ -50,7 +51,7 @@ class Sandbox:
         spec = InstanceSpec(seen, ProgramRef(program.id, program.name, program.version, program.entry), input)
         market = self._host.services.market
         if market is not None:
-            await answer(market.join.remote(setup.instance_id, limits.endowment), "the market", MARKET_S)
+            await wallet_calls(market).join(setup.instance_id, limits.endowment)
             self._wallets.add(setup.instance_id)
         try:
             await self.pool.start(setup.username, program, spec, program.isolated)
@@ -94,7 +95,7 @@ class Sandbox:
 
     async def _leave(self, instance_id: str) -> None:
         with contextlib.suppress(ray.exceptions.RayError, NoAnswer):  # a wallet the market lost or cannot close now
-            await answer(self._host.services.market.leave.remote(instance_id), "the market", MARKET_S)
+            await wallet_calls(self._host.services.market).leave(instance_id)
 
 
 def _private_directory() -> Path:
