@@ -250,7 +250,7 @@ class Launcher:
         if instance.queued:
             self._memory.waiting.delete((instance.id,))
         instance.queued = False
-        if instance.runner is not None:  # its runner starts it as soon as ``admit`` answers
+        if instance.runner is not None:  # its runner starts it as soon as ``admit_many`` answers
             instance.settled.set()
             return
         if instance.dedicated:
@@ -414,7 +414,7 @@ class Launcher:
         return instance
 
     async def admitted(self, runner: str, instance_id: str, wait: float) -> dict:
-        """For a runner whose ``admit`` came back queued: waits up to ``wait`` s more for the slot."""
+        """For a runner whose admission came back queued: waits up to ``wait`` s more for the slot."""
         instance = self._instances.get(instance_id)
         if instance is None or instance.runner != runner:
             raise NotFound(f"no instance {instance_id!r}")
@@ -434,7 +434,7 @@ class Launcher:
 
     async def services_for(self, node: str) -> tuple[NodeServices, bytes, int]:
         """What instances a runner on ``node`` runs reach, the secret to mint their capabilities with, and the
-        version of both (``admit`` answers the current one: a runner holding another asks again)."""
+        version of both (``admit_many`` answers the current one: a runner holding another asks again)."""
         return self._pool.services[node], self._pool.secret, self._services_version
 
     async def waiting_aborts(self, runner: str, wait: float = 30.0) -> list[str]:

@@ -113,7 +113,8 @@ class LocalInstances:
     ) -> tuple[str, Channel] | None:
         """Admit and start an instance of ``program`` for ``user``; its id and channel, or None when this node
         cannot run it (no view of the models here: launch it on a host). ``prompt``: its model and prompt text, to
-        place it on one of the model's replicas (None: the node's default one). Raises what ``admit`` raises."""
+        place it on one of the model's replicas (None: the node's default one). Raises the launcher's refusal
+        (``Overloaded``)."""
         admitted = await self._admit((user, program, input))
         if isinstance(admitted, Exception):  # refused (overloaded): this request's own answer
             raise admitted
