@@ -22,8 +22,12 @@ class WalletCalls:
         self._leave = CoalescedCalls(market.leave_many, "the market", MARKET_S)
 
     async def join(self, process_id: str, endowment: float | None) -> float:
-        """Open ``process_id``'s wallet with ``endowment`` credits (None: the market's default)."""
-        return await self._join((process_id, endowment))
+        """Open ``process_id``'s wallet with ``endowment`` credits (None: the market's default); raises the
+        market's ``ValueError`` for an endowment out of range."""
+        joined = await self._join((process_id, endowment))
+        if isinstance(joined, ValueError):
+            raise joined
+        return joined
 
     async def leave(self, process_id: str) -> float:
         """Close its wallet; the credits taken out with it."""

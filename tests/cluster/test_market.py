@@ -330,5 +330,13 @@ def test_a_burst_of_wallets_through_wallet_calls_opens_and_closes_each_once(ray_
         ledger = ray.get(market.ledger.remote())
         assert ledger.balanced and ray.get(market.summary.remote())["wallets"] == 0
         assert ray.get(market.leave_many.remote(["w0", "never"])) == [0.0, 0.0]  # closing twice is harmless
+
+        async def one_bad() -> tuple[list, float]:
+            bad, good = calls.join("bad", -1.0), calls.join("good", 5.0)  # one batch
+            return await asyncio.gather(bad, good, return_exceptions=True), await calls.leave("good")
+
+        (bad, good), left = asyncio.run(one_bad())
+        assert isinstance(bad, ValueError) and "endowment" in str(bad)  # its own answer, not the batch's failure
+        assert good == 5.0 and left == 5.0
     finally:
         ray.kill(market)

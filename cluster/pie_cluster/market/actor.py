@@ -4,9 +4,8 @@ Ray restarts it when its process dies, and it comes back with its wallets: the m
 GCS's key-value store (``GcsStore``) as soon as wallets open or close (one GCS write per call; the wallets a process
 opens or closes in one event-loop turn come as one call, ``wallet_calls.py``), and at most ``SAVE_EVERY_S`` after a
 round (a write per round would put the GCS on every replica's step), so a restart loses at most that much of the
-rounds' rent and dividends. The books stay balanced: a saved state is one
-the market was in. Calls in flight when it died are sent again to the restarted one (joining and leaving twice are
-harmless).
+rounds' rent and dividends. The books stay balanced: a saved state is one the market was in. Calls in flight when it
+died are sent again to the restarted one (joining and leaving twice are harmless).
 """
 
 from __future__ import annotations
@@ -52,19 +51,25 @@ class MarketActor:
         """Open the process's wallet; a second join of the same process (a call sent again after a restart) finds
         it open and changes nothing."""
         [joined] = await self.join_many([(process_id, endowment)])
+        if isinstance(joined, ValueError):
+            raise joined
         return joined
 
-    async def join_many(self, joins: Sequence[tuple[str, float | None]]) -> list[float]:
+    async def join_many(self, joins: Sequence[tuple[str, float | None]]) -> list[float | ValueError]:
         """``join`` for each ``(process_id, endowment)``, with one write of the state for them all (a host's
-        launches in one event-loop turn come as one call: ``wallet_calls.py``)."""
+        launches in one event-loop turn come as one call: ``wallet_calls.py``); an endowment out of range is that
+        join's answer (the ``ValueError``), not the batch's failure."""
         joined = [self._join(process_id, endowment) for process_id, endowment in joins]
         self._save()  # at once: a wallet forgotten by a restart would be a launch's credits gone
         return joined
 
-    def _join(self, process_id: str, endowment: float | None) -> float:
+    def _join(self, process_id: str, endowment: float | None) -> float | ValueError:
         if (account := self._market.wallets.slot(process_id)) is not None:
             return self._market.wallets.endowment[account] / MICRO
-        return self._market.join(process_id, endowment)
+        try:
+            return self._market.join(process_id, endowment)
+        except ValueError as e:
+            return e
 
     async def leave(self, process_id: str) -> float:
         [left] = await self.leave_many([process_id])
