@@ -215,3 +215,21 @@ def test_a_manifests_runtime_env_is_refused_when_sandboxed(launcher):
 
     with pytest.raises(ProgramError, match=r"wider@0\.1\.0: pie.toml's \[inferlet.runtime_env\] is refused.*sandbox"):
         ray.get(launcher.upload.remote("alice", "wider.zip", data))
+
+
+def test_a_batch_of_admissions_answers_each_request_on_its_own(cluster, launcher):
+    """An ingress replica's admissions of one loop turn go as one ``admit_many``: a request the launcher refuses
+    gets its own error in its place, and the others in the batch are admitted all the same."""
+    from pie_cluster.launcher import OPENAI_PROGRAM
+
+    node = ray.get(cluster.nodes.remote())[0]
+    requests = [("alice", OPENAI_PROGRAM, {}), ("alice", "no-such-program", {}), ("bob", OPENAI_PROGRAM, {})]
+    first, refused, last = ray.get(launcher.admit_many.remote(node, "test-runner", launcher, requests))
+    assert isinstance(refused, ValueError) and "no-such-program" in str(refused)
+    for admitted in (first, last):
+        assert not admitted["queued"] and admitted["ending"] is None, admitted
+    ray.get(launcher.ended.remote([(first["id"], "return", ""), (last["id"], "return", "")]))
+    listed = {
+        i["id"]: i["status"] for i in ray.get(launcher.list.remote("alice")) + ray.get(launcher.list.remote("bob"))
+    }
+    assert listed[first["id"]] == listed[last["id"]] == "finished"
