@@ -257,7 +257,9 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true", help="measure our cluster only")
     ap.add_argument("--backend", default="auto", help="our model's backend ([[model]] backend)")
     ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
-    ap.add_argument("--overhead", type=int, default=30, help="sequential one-token requests per design (0: skip those tables)")
+    ap.add_argument(
+        "--overhead", type=int, default=30, help="sequential one-token requests per design (0: skip those tables)"
+    )
     add_out_option(ap)
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
