@@ -56,12 +56,14 @@ async def run_inferlet(
     market=None,
     endowment: float | None = None,
     token_budget: int | None = None,
+    opening_balance: float | None = None,
 ) -> Any:
     """Await ``main(input)`` as instance ``instance_id`` of ``username``, proven to replicas and bus shards by
     ``capability`` (minted for them by the trusted side); whatever happens, release what it holds on every replica and
     on the message bus (``bus``: the shard addresses from ``pie_cluster.bus.Bus.addresses()``), and close its
     wallet on ``market`` (the market actor, opened with ``endowment`` credits or its default). ``token_budget``: the
     tokens it may have the model generate; past it, its next pass raises ``TokenBudgetExhausted``.
+    ``opening_balance``: the credits of the wallet the trusted side opened for it (without ``market``).
 
     ``io`` serves ``inferlet.session``; ``output`` receives what the inferlet prints, ``(stream, text)`` (None: the
     process's own stdout/stderr); ``mcp_servers`` are the MCP servers ``inferlet.mcp`` may connect to."""
@@ -80,12 +82,14 @@ async def run_inferlet(
     captured = stdio.capture(output) if output is not None else None
     try:
         if market is not None:
-            await wallet_calls(market).join(runtime.instance_id, endowment)
+            opening_balance = await wallet_calls(market).join(runtime.instance_id, endowment)
+        if opening_balance is not None:
+            runtime.wallet_opened(opening_balance)
         return await main(input)
     finally:
         _running.pop(runtime.instance_id, None)
         try:
-            runtime.close()
+            await runtime.aclose()
         finally:
             if captured is not None:
                 stdio.release(captured)
@@ -111,6 +115,7 @@ class InstanceSetup:
     mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)
     deadline_s: float | None = None
     token_budget: int | None = None
+    opening_balance: float | None = None  # its wallet's credits, when the trusted side opened it before the start
 
 
 Emit = Callable[[str, "str | bytes"], None]  # (event kind, value) of one instance
@@ -145,6 +150,7 @@ async def serve_instance(
                 market=market,
                 endowment=endowment,
                 token_budget=setup.token_budget,
+                opening_balance=setup.opening_balance,
             )
         emit("return", encode_return(result))
     except asyncio.CancelledError:

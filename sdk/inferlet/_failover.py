@@ -243,6 +243,21 @@ class ReplicaLink:
         finally:
             self.channel.close()
 
+    async def aclose(self) -> None:
+        """``close`` without holding the event loop: the replica's answer (after it released the contexts and
+        settled their pages with the market) can take a forward pass and a market round, and the inferlets sharing
+        this process's loop go on meanwhile. The request is on its way once sent, so a cancelled wait still
+        releases."""
+        try:
+            if self._moving is not None:
+                self._moving.cancel()
+            await self.channel.call("close")
+        except ReplicaLost:
+            if not self.failover:
+                raise
+        finally:
+            self.channel.close()
+
 
 def _resolved(args: tuple) -> list:
     return [a() if callable(a) else a for a in args]

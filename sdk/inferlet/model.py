@@ -39,3 +39,7 @@ class Model:
         """Release every context this inferlet holds on the replica (snapshots survive), then hang up. The runtime
         does this when the inferlet ends."""
         self.link.close()
+
+    async def aclose(self) -> None:
+        """``close``, awaited without holding the event loop (the runtime's ``aclose``)."""
+        await self.link.aclose()

@@ -9,6 +9,7 @@ one process (each asyncio task sees its own runtime).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import time
@@ -66,6 +67,8 @@ class Runtime:
     token_budget: int | None = None  # tokens the model may generate for this inferlet; None: no limit
     tokens_generated: int = 0
     first_generated_at: float | None = None  # time.perf_counter() when a pass first generated for it (first pass)
+    opening_balance: float | None = None  # the credits its market wallet opened with (None: not known here)
+    opened_at: float = 0.0  # time.monotonic() when that wallet opened
     _closers: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def spend_tokens(self, n: int) -> None:
@@ -78,6 +81,11 @@ class Runtime:
             raise TokenBudgetExhausted(
                 f"token budget exhausted: {self.tokens_generated} tokens generated, the budget is {self.token_budget}"
             )
+
+    def wallet_opened(self, balance: float) -> None:
+        """Its market wallet opened just now with ``balance`` credits: ``inferlet.scheduling`` bids from that until
+        the replica's first reading of the wallet arrives."""
+        self.opening_balance, self.opened_at = balance, time.monotonic()
 
     def move_bus(self, addresses: tuple[str, ...]) -> None:
         """The bus shards listen at ``addresses`` now (one whose node was lost was made again elsewhere): the bus
@@ -99,6 +107,18 @@ class Runtime:
             self._closers.callback(model.close)  # run first: callbacks run last registered, first run
         self.models_loaded.clear()
         self._closers.close()
+
+    async def aclose(self) -> None:
+        """``close`` for a host that runs many inferlets on one event loop: the replicas release this one's
+        contexts concurrently while the loop serves the others, and each has answered when this returns."""
+        models, self.models_loaded = list(self.models_loaded.values()), {}
+        closed = await asyncio.gather(*(model.aclose() for model in models), return_exceptions=True)
+        try:
+            self._closers.close()
+        finally:
+            for outcome in closed:
+                if isinstance(outcome, BaseException):
+                    raise outcome
 
 
 blocking_wait: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext

@@ -14,10 +14,12 @@ import time
 
 from pie_workers.wire.messages import AccountReply, decode
 
+from inferlet import runtime
 from inferlet.model import Model
 
 PAGE_COST = 1.0  # credits per new KV page, burned when it is made
 _FRESH_S = 0.05  # a reading younger than this is reused (the market's round period)
+_OPENING_S = 0.5  # how long a new inferlet may bid from its wallet's opening balance while its reading is on the way
 
 
 def balance(model: Model) -> float:
@@ -75,10 +77,33 @@ async def step_readings(model: Model) -> dict | None:
     old)."""
     cache = _Readings.of(model)
     if cache.latest is None and cache.stale():
-        cache.store(await model.link.call("account"))
-    elif cache.stale() and cache.refreshing is None:
+        opening = _opening_readings()
+        if opening is None:
+            cache.store(await model.link.call("account"))
+            return cache.latest
+        if opening[1] > _FRESH_S and cache.refreshing is None:
+            cache.refreshing = asyncio.ensure_future(cache.refresh(model))
+        return opening[0]
+    if cache.stale() and cache.refreshing is None:
         cache.refreshing = asyncio.ensure_future(cache.refresh(model))
     return cache.latest
+
+
+def _opening_readings() -> tuple[dict, float] | None:
+    """What a wallet opened moments ago holds, and its age: a new inferlet's first steps bid from it rather than
+    wait for the replica to ask the market (a round trip before its first pass). Exact until the first round that
+    names it; used for up to ``_OPENING_S``, refreshed in the background after one round period."""
+    try:
+        current = runtime.current()
+    except RuntimeError:  # a model used outside an inferlet run
+        return None
+    if current.opening_balance is None:
+        return None
+    age = time.monotonic() - current.opened_at
+    if age > _OPENING_S:
+        return None
+    balance = current.opening_balance
+    return {"balance": balance, "endowment": balance, "dividend": 0.0, "paid": 0.0}, age
 
 
 class _Readings:

@@ -218,3 +218,44 @@ def test_pages_made_are_charged_to_their_maker_and_taking_a_snapshot_makes_none(
     after = ray.get(market.ledger.remote())
     assert made.burned - before.burned == (math.ceil(50 / 16) + 1) * 1_000_000
     assert after.burned == made.burned  # the snapshot's pages changed hands; nobody made them
+
+
+def test_a_new_inferlets_first_steps_bid_from_its_opening_balance(replica, market):
+    """The first steps bid from what the wallet opened with (no market round trip before the first pass); once a
+    round period has passed, from the replica's reading of the wallet."""
+
+    async def stepping(input):
+        model = Model.load("default")
+        bases, first_bid = [], None
+        with Context(model) as ctx:
+            ctx.user("An opening bid")
+            gen = ctx.generate(Sampler.argmax(), max_tokens=12)
+            async for step in gen:
+                await step.execute()
+                bases.append(dict(gen.state.bid_basis))
+                if first_bid is None:
+                    first_bid = ctx.bid
+                await asyncio.sleep(0.06)  # past a round period: the next step refreshes its reading
+        return {"bases": bases, "first_bid": first_bid}
+
+    [got] = run_all(replica, market, [(stepping, {}, 500.0)])
+    opening = got["bases"][0]
+    assert opening == {"balance": 500.0, "endowment": 500.0, "dividend": 0.0, "paid": 0.0}
+    assert got["first_bid"] > 0
+    assert "price" in got["bases"][-1] and got["bases"][-1]["endowment"] == 500.0  # the replica's reading
+
+
+def test_a_burst_of_endings_pays_for_every_page_before_the_wallets_close(replica, market):
+    """Endings that come together share the replica's settling round; each still pays its make cost before its
+    wallet closes (a page reported after would be nobody's, and the books would burn less)."""
+
+    async def writer(input):
+        with Context(Model.load("default")) as ctx:
+            ctx.append(long_text(input["seed"])[: 16 * 3])  # 3 pages, none shared with the others
+            await ctx.flush()
+
+    before = ray.get(market.ledger.remote())
+    run_all(replica, market, [(writer, {"seed": 20 + s}, 100.0) for s in range(12)])
+    after = ray.get(market.ledger.remote())
+    assert after.burned - before.burned == 12 * 3 * 1_000_000
+    assert after.balanced and after.held == before.held

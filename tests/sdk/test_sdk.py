@@ -275,3 +275,35 @@ def test_a_model_that_fails_to_close_does_not_keep_the_others_contexts(served, t
             run_inferlet(holds_both, {}, {**served.endpoints, "gone": gone}, "alice", **TRUST.instance("alice"))
         )
     assert served.stats()["contexts"] == 0
+
+
+def test_an_ending_inferlet_releases_its_contexts_without_holding_the_event_loop(served):
+    """Many inferlets share a host's loop: while the replica answers one's close (after releasing its contexts),
+    the others run. A loop iteration passes between the inferlet's return and its runner's, and its contexts are
+    gone by then."""
+    turns: list[int] = []
+    marks: dict[str, int] = {}
+
+    async def ticking():
+        while "done" not in marks:
+            turns.append(1)
+            await asyncio.sleep(0)
+
+    async def holder(input):
+        ctx = Context(Model.load("default"))  # left open: the runtime's close releases it
+        ctx.user("held until the end")
+        await ctx.flush()
+        marks["returned"] = len(turns)
+        return "ok"
+
+    async def both():
+        ticker = asyncio.get_running_loop().create_task(ticking())
+        await asyncio.sleep(0)
+        got = await run_inferlet(holder, {}, served.endpoints, "alice", **TRUST.instance("alice"))
+        marks["closed"], marks["done"] = len(turns), True
+        await ticker
+        return got
+
+    assert asyncio.run(both()) == "ok"
+    assert marks["closed"] > marks["returned"]
+    assert served.stats()["contexts"] == 0

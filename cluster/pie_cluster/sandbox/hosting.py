@@ -48,11 +48,12 @@ class Sandbox:
                 self._view = await build_view(setup.endpoints, setup.bus, self._relays)
                 self.pool.set_view(self._view)
         seen = dataclasses.replace(setup, endpoints=self._view.endpoints, bus=self._view.bus)
-        spec = InstanceSpec(seen, ProgramRef(program.id, program.name, program.version, program.entry), input)
         market = self._host.services.market
         if market is not None:
-            await wallet_calls(market).join(setup.instance_id, limits.endowment)
+            opening = await wallet_calls(market).join(setup.instance_id, limits.endowment)
             self._wallets.add(setup.instance_id)
+            seen = dataclasses.replace(seen, opening_balance=opening)
+        spec = InstanceSpec(seen, ProgramRef(program.id, program.name, program.version, program.entry), input)
         try:
             await self.pool.start(setup.username, program, spec, program.isolated)
         except BaseException:

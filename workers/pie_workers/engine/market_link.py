@@ -55,6 +55,8 @@ class MarketLink:
         self.rounds = 0
         self.accounts: dict[str, dict] = {}  # process -> its latest account (``scheduling.balance`` / ``dividend``)
         self._reported_batches = 0
+        self._ending_round: asyncio.Future | None = None  # the next round endings wait for (not reported yet)
+        self._endings = asyncio.Lock()  # one ending round in flight: the next gathers the endings meanwhile
 
     async def run(self) -> None:
         while True:
@@ -76,6 +78,26 @@ class MarketLink:
         self.apply(decision)
         self.accounts.update(accounts)
         return decision
+
+    async def settle_ending(self) -> None:
+        """A round that reports every page made until now (an inferlet ended: its wallet closes after it paid for
+        its pages). The endings of a burst share one: a round already reported is in flight, so those that come
+        meanwhile wait for the next, which reports for them all."""
+        if self._ending_round is None:
+            self._ending_round = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().create_task(self._settle_endings(self._ending_round))
+        await asyncio.shield(self._ending_round)
+
+    async def _settle_endings(self, done: asyncio.Future) -> None:
+        async with self._endings:
+            self._ending_round = None  # endings from now on are not in this round's report
+            try:
+                await self.round(settle_made=True)
+            except Exception as e:
+                done.set_exception(e)
+                done.exception()  # retrieved: every waiter sees it; none waiting must not log it again
+            else:
+                done.set_result(None)
 
     async def account(self, process: str) -> dict | None:
         """The process's latest account (fetched now if no round has read it yet); None if it never joined."""

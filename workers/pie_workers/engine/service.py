@@ -218,7 +218,7 @@ class ReplicaEngine(SnapshotOperations):
         if self.market is not None:
             self.market.forget(session.instance)
             try:
-                await self.market.round(settle_made=True)
+                await self.market.settle_ending()
             except Exception:  # the contexts are gone either way; the market only misses this round
                 log.exception("market round at the end of %s failed", session.name)
         return held
