@@ -83,7 +83,7 @@ class Components:
 
     async def openai(self, k: int) -> None:
         user = f"u{k}"  # a user per caller: the per-user admission limit is not what is measured
-        admitted = await self.admit((user, OPENAI_PROGRAM, {}))
+        admitted = await self.admit((uuid.uuid4().hex, user, OPENAI_PROGRAM, {}))
         assert isinstance(admitted, dict) and not admitted["queued"], admitted
         await self.launcher.ended.remote([(admitted["id"], "return", "")])
 

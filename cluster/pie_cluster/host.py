@@ -63,7 +63,7 @@ async def run_inferlet(
     on the message bus (``bus``: the shard addresses from ``pie_cluster.bus.Bus.addresses()``), and close its
     wallet on ``market`` (the market actor, opened with ``endowment`` credits or its default). ``token_budget``: the
     tokens it may have the model generate; past it, its next pass raises ``TokenBudgetExhausted``.
-    ``opening_balance``: the credits of the wallet the trusted side opened for it (without ``market``).
+    ``opening_balance``: the credits of the wallet its host opened for it already (``market`` then only closes it).
 
     ``io`` serves ``inferlet.session``; ``output`` receives what the inferlet prints, ``(stream, text)`` (None: the
     process's own stdout/stderr); ``mcp_servers`` are the MCP servers ``inferlet.mcp`` may connect to."""
@@ -81,7 +81,7 @@ async def run_inferlet(
     _running[runtime.instance_id] = runtime
     captured = stdio.capture(output) if output is not None else None
     try:
-        if market is not None:
+        if market is not None and opening_balance is None:  # (given: its host opened it already)
             opening_balance = await wallet_calls(market).join(runtime.instance_id, endowment)
         if opening_balance is not None:
             runtime.wallet_opened(opening_balance)

@@ -376,32 +376,36 @@ class Launcher:
 
     # -- instances that an ingress replica runs itself ----------------------------------------------------------
 
-    async def admit_many(self, node: str, runner: str, handle, requests: list[tuple[str, str, dict]]) -> list:
+    async def admit_many(self, node: str, runner: str, handle, requests: list[tuple[str, str, str, dict]]) -> list:
         """Admit instances of the cluster's own programs that ``runner`` (an ingress replica on ``node``, actor
-        ``handle``) runs in its own process: no host, no event relay. ``requests`` are ``(user, program, input)``,
-        those of one event-loop turn of the runner (``local_instances.py`` coalesces them). Each answer is the
-        instance's id and limits (``queued`` true when it waits for a slot: ``admitted`` waits on), None when this
-        node has no view of the models (the runner launches it on a host instead), or the exception that refused it
-        (``Overloaded``, a program that is not the cluster's)."""
+        ``handle``) runs in its own process: no host, no event relay. ``requests`` are ``(instance_id, user,
+        program, input)``, those of one event-loop turn of the runner (``local_instances.py`` coalesces them; it
+        names each instance, so it opens the instance's wallet while this admits it). Each answer is the instance's
+        id and limits (``queued`` true when it waits for a slot: ``admitted`` waits on), None when this node has no
+        view of the models (the runner launches it on a host instead), or the exception that refused it
+        (``Overloaded``, a program that is not the cluster's, an id already taken)."""
         self.calls["admit"] += 1
         if self._pool is None:
             raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
         if node not in self._pool.services:
             return [None] * len(requests)
         answers = []
-        for user, program, input in requests:
+        for instance_id, user, program, input in requests:
             try:
-                instance = self._admit(user, program, input, node, runner, handle)
+                instance = self._admit(instance_id, user, program, input, node, runner, handle)
             except (Overloaded, ValueError) as e:
                 answers.append(e)
                 continue
             answers.append(await self._admission_answer(instance, 0.0))
         return answers
 
-    def _admit(self, user: str, program: str, input: dict, node: str, runner: str, handle) -> InstanceRecord:
+    def _admit(
+        self, instance_id: str, user: str, program: str, input: dict, node: str, runner: str, handle
+    ) -> InstanceRecord:
         if program not in self._builtins:
             raise ValueError(f"{program!r} is not one of the cluster's own programs")
-        instance_id = uuid.uuid4().hex
+        if instance_id in self._instances:
+            raise ValueError(f"the instance id {instance_id!r} is taken")
         runs_now = self._admission.admit(user, instance_id)
         instance = InstanceRecord(instance_id, user, self._builtins[program], dict(input), node, None, False)
         instance.runner = runner

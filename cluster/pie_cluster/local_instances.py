@@ -16,6 +16,7 @@ this process's relay to whichever serves, to fail over to (``inferlet._failover`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -38,6 +39,7 @@ from pie_cluster.model_files import local_endpoints
 from pie_cluster.prefix_routing import PrefixRouter, Prompt, Routing
 from pie_cluster.programs import Main, Program
 from pie_cluster.replica_relay import ReplicaRelays, failing_over
+from pie_cluster.wallet_calls import wallet_calls
 
 log = logging.getLogger("pie.http")
 
@@ -65,6 +67,26 @@ def _failing_over(
         for name, relay in relays.items()
     }
     return {name: failing_over(e, addresses.get(name, ()), relays[name]) for name, e in endpoints.items()}, by_address
+
+
+@dataclass
+class _Wallet:
+    """An instance's wallet, being opened on ``market`` while the launcher admits the instance."""
+
+    market: object
+    joining: asyncio.Future  # the credits it opened with
+
+    async def opened(self) -> float | None:
+        """Its credits; None when the market did not open it (``run_inferlet`` tries again, and says why)."""
+        try:
+            return await self.joining
+        except Exception:
+            return None
+
+    async def close(self, instance_id: str) -> None:
+        if await self.opened() is not None:
+            with contextlib.suppress(Exception):  # a market that cannot close it now: it is one wallet, empty
+                await wallet_calls(self.market).leave(instance_id)
 
 
 class _Session:
@@ -104,6 +126,7 @@ class LocalInstances:
         self._listening: asyncio.Task | None = None
         self._router = PrefixRouter(routing)
         self._relays = ReplicaRelays(self._replica_addresses)
+        self._closing: set[asyncio.Task] = set()  # wallets being closed for instances that did not run here
         # the admissions of one event-loop turn (a burst of requests) go to the launcher as one call
         runner = (self._node, self.name, self._actor)
         self._admit = CoalescedCalls(launcher.admit_many, "the launcher", LAUNCHER_S, *runner)
@@ -115,14 +138,22 @@ class LocalInstances:
         cannot run it (no view of the models here: launch it on a host). ``prompt``: its model and prompt text, to
         place it on one of the model's replicas (None: the node's default one). Raises the launcher's refusal
         (``Overloaded``)."""
-        admitted = await self._admit((user, program, input))
+        instance_id = uuid.uuid4().hex
+        wallet = self._open_wallet(instance_id)
+        try:
+            admitted = await self._admit((instance_id, user, program, input))
+        except BaseException:
+            self._close_wallet(instance_id, wallet)
+            raise
+        if isinstance(admitted, Exception) or admitted is None or admitted["queued"]:
+            self._close_wallet(instance_id, wallet)  # refused, run elsewhere, or waiting: it opens one later
+            wallet = None
         if isinstance(admitted, Exception):  # refused (overloaded): this request's own answer
             raise admitted
         if admitted is None:
             return None
         if self._listening is None:  # once admitted: the launcher knows this runner from then on
             self._listening = asyncio.get_running_loop().create_task(self._listen_for_aborts())
-        instance_id = admitted["id"]
         while admitted["queued"]:
             ref = self._launcher.admitted.remote(self.name, instance_id, LAUNCHER_S)
             admitted = await answer(ref, "the launcher", 2 * LAUNCHER_S)
@@ -130,7 +161,7 @@ class LocalInstances:
         if admitted["ending"] is not None:  # aborted while it waited
             channel.log.append(*admitted["ending"])
             return instance_id, channel
-        work = self._run(instance_id, program, input, user, admitted, prompt)
+        work = self._run(instance_id, program, input, user, admitted, prompt, wallet)
         self._tasks[instance_id] = asyncio.get_running_loop().create_task(work)
         return instance_id, channel
 
@@ -140,8 +171,30 @@ class LocalInstances:
             self._abort_reasons[instance_id] = reason
             task.cancel()
 
+    def _open_wallet(self, instance_id: str) -> _Wallet | None:
+        """Open the instance's market wallet while the launcher admits it (the market this process knows, none
+        before its first admission): a request's start then waits for one of the two calls, not both."""
+        market = self._services.services.market if self._services is not None else None
+        if market is None:
+            return None
+        return _Wallet(market, asyncio.ensure_future(wallet_calls(market).join(instance_id, None)))
+
+    def _close_wallet(self, instance_id: str, wallet: _Wallet | None) -> None:
+        """Close a wallet opened for an instance that does not run here now."""
+        if wallet is not None:
+            task = asyncio.ensure_future(wallet.close(instance_id))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     async def _run(
-        self, instance_id: str, program: str, input: dict, user: str, admitted: dict, prompt: Prompt | None
+        self,
+        instance_id: str,
+        program: str,
+        input: dict,
+        user: str,
+        admitted: dict,
+        prompt: Prompt | None,
+        wallet: _Wallet | None,
     ) -> None:
         placed: str | None = None  # the replica the router chose, counted in flight there until this ends
         try:
@@ -150,6 +203,10 @@ class LocalInstances:
             except Exception as e:  # the launcher or the models' files cannot be reached
                 self.emit(instance_id, "error", f"the ingress could not prepare the instance: {e}")
                 return
+            opening = await wallet.opened() if wallet is not None else None
+            if wallet is not None and (opening is None or wallet.market != services.services.market):
+                self._close_wallet(instance_id, wallet)  # the market moved meanwhile: run_inferlet opens one there
+                opening, wallet = None, None
             endpoints = services.endpoints
             replicas = services.replicas.get(prompt.model, {}) if prompt is not None else {}
             if len(replicas) > 1:
@@ -165,7 +222,9 @@ class LocalInstances:
                 bus=services.services.bus,
                 mcp_servers=services.services.mcp_servers,
                 deadline_s=deadline_s,
+                opening_balance=opening,
             )
+            wallet = None  # from here on, run_inferlet closes it
             await serve_instance(
                 self._programs[program],
                 lambda: self._main(program, instance_id),
@@ -177,6 +236,7 @@ class LocalInstances:
                 market=services.services.market,
             )
         finally:
+            self._close_wallet(instance_id, wallet)  # (None once run_inferlet has it)
             self._tasks.pop(instance_id, None)
             if placed is not None:
                 self._router.finished(prompt.model, placed)

@@ -257,6 +257,12 @@ def test_32_concurrent_async_requests_equal_the_same_requests_alone(pie, api):
         return [g.choices[0].message.content for g in got]
 
     assert asyncio.run(together())[:4] == alone
+    # each request's wallet, opened while the launcher admitted it, is closed and its pages paid for
+    deadline = time.monotonic() + 60
+    while (market := engine_status(pie)["market"])["wallets"] != 0:
+        assert time.monotonic() < deadline, market
+        time.sleep(0.5)
+    assert market["balanced"]
 
 
 @pytest.mark.parametrize(

@@ -219,13 +219,21 @@ def test_a_manifests_runtime_env_is_refused_when_sandboxed(launcher):
 
 def test_a_batch_of_admissions_answers_each_request_on_its_own(cluster, launcher):
     """An ingress replica's admissions of one loop turn go as one ``admit_many``: a request the launcher refuses
-    gets its own error in its place, and the others in the batch are admitted all the same."""
+    gets its own error in its place, and the others in the batch are admitted all the same. The runner names the
+    instances; a name already taken is refused."""
     from pie_cluster.launcher import OPENAI_PROGRAM
 
     node = ray.get(cluster.nodes.remote())[0]
-    requests = [("alice", OPENAI_PROGRAM, {}), ("alice", "no-such-program", {}), ("bob", OPENAI_PROGRAM, {})]
-    first, refused, last = ray.get(launcher.admit_many.remote(node, "test-runner", launcher, requests))
+    requests = [
+        ("batch-1", "alice", OPENAI_PROGRAM, {}),
+        ("batch-2", "alice", "no-such-program", {}),
+        ("batch-1", "carol", OPENAI_PROGRAM, {}),
+        ("batch-3", "bob", OPENAI_PROGRAM, {}),
+    ]
+    first, refused, taken, last = ray.get(launcher.admit_many.remote(node, "test-runner", launcher, requests))
     assert isinstance(refused, ValueError) and "no-such-program" in str(refused)
+    assert isinstance(taken, ValueError) and "'batch-1' is taken" in str(taken)
+    assert (first["id"], last["id"]) == ("batch-1", "batch-3")
     for admitted in (first, last):
         assert not admitted["queued"] and admitted["ending"] is None, admitted
     ray.get(launcher.ended.remote([(first["id"], "return", ""), (last["id"], "return", "")]))
