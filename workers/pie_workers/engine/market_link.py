@@ -57,6 +57,7 @@ class MarketLink:
         self._reported_batches = 0
         self._ending_round: asyncio.Future | None = None  # the next round endings wait for (not reported yet)
         self._endings = asyncio.Lock()  # one ending round in flight: the next gathers the endings meanwhile
+        self._ending_tasks: set[asyncio.Task] = set()  # held here: the loop keeps only weak references to tasks
 
     async def run(self) -> None:
         while True:
@@ -85,7 +86,9 @@ class MarketLink:
         meanwhile wait for the next, which reports for them all."""
         if self._ending_round is None:
             self._ending_round = asyncio.get_running_loop().create_future()
-            asyncio.get_running_loop().create_task(self._settle_endings(self._ending_round))
+            task = asyncio.get_running_loop().create_task(self._settle_endings(self._ending_round))
+            self._ending_tasks.add(task)
+            task.add_done_callback(self._ending_tasks.discard)
         await asyncio.shield(self._ending_round)
 
     async def _settle_endings(self, done: asyncio.Future) -> None:
