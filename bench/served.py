@@ -78,14 +78,15 @@ async def generate_all(launcher, program: str, prompts: list[list[int]], tokens:
 
 
 def ours(setup: Setup, model_dir, prompts: list[list[int]], args) -> tuple[float, str]:
-    """Best tokens/s of ``setup`` and what its replica resolved (CPUs per rank, backend)."""
+    """Best tokens/s of ``setup`` and what its replica resolved (CPUs per rank, threads, backend)."""
     pages = len(prompts) * ((args.prompt + args.tokens) // 16 + 2) + 64
     with local_pie(pages=pages, cpus_per_rank=setup.cpus_per_rank, backend=setup.backend, model_dir=model_dir) as pie:
         program = ray.get(pie.launcher.upload.remote("bench", "generate.py", PROGRAM))["program"]
         asyncio.run(generate_all(pie.launcher, program, prompts[:4], 8))  # warm-up
         best = min(asyncio.run(generate_all(pie.launcher, program, prompts, args.tokens)) for _ in range(args.repeats))
         (replica,) = ray.get(find_controller().status.remote())["replicas"]
-    return len(prompts) * args.tokens / best, f"{replica['cpus_per_rank']} CPU(s)/rank, {replica['backend']}"
+    resolved = f"{replica['cpus_per_rank']} CPU(s)/rank, {replica['threads']} thread(s), {replica['backend']}"
+    return len(prompts) * args.tokens / best, resolved
 
 
 def main() -> None:

@@ -102,6 +102,7 @@ def run(
         engine=BatchLimits(),
         market=market,
         secret=trust.secret,
+        fit_threads=True,
     )
     try:
         result = asyncio.run(

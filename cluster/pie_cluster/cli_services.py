@@ -178,13 +178,14 @@ def status(
         print(json.dumps(report, indent=2))
         return
     table = Table(title="replicas")
-    columns = ("model", "#", "node", "TP", "CPUs/rank", "device", "state", "pages used / total", "cached")
+    columns = ("model", "#", "node", "TP", "CPUs/rank", "threads", "device", "state", "pages used / total", "cached")
     columns = (*columns, "suspended", "price")
     for column in (*columns, "queued", "batches"):
         table.add_column(column)
     for r in report["replicas"]:
         head = [r["model"], str(r["replica"]), r["node"][:8], str(r["tensor_parallel"])]
-        head += [str(r.get("cpus_per_rank", "-")), f"{r['device']} ({r['backend']})", r["state"]]
+        head += [str(r.get("cpus_per_rank", "-")), str(r.get("threads", "-")), f"{r['device']} ({r['backend']})"]
+        head.append(r["state"])
         if r["state"] != "serving":
             table.add_row(*head, *["-"] * 6)
             continue

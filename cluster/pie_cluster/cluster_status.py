@@ -55,6 +55,7 @@ def _replica_row(controller: Controller, name: str, index: int, replica, deadlin
         "model_dir": info.model_dir,
         "tensor_parallel": info.tensor_parallel_size,
         "cpus_per_rank": controller.cpus_per_rank(name),
+        "threads": info.threads,
         "device": info.device,
         "backend": info.backend,
     }

@@ -288,6 +288,7 @@ class Controller:
             start_s=self.config.supervision.start_s,
             name=f"{REPLICA_PREFIX}{name}/{index}/{secrets.token_hex(4)}",
             detached=self._detached,
+            fit_threads=entry.cpus_per_rank is None,
         )
 
     def ready(self) -> bool:

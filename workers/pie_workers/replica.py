@@ -22,8 +22,10 @@ import ray.exceptions
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pie_workers.config import ModelConfig
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.model_dir import ModelSource, description_files, local_model_dir
+from pie_workers.rank_threads import rank_threads, usable_cores
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 
@@ -44,20 +46,21 @@ class ReplicaInfo:
     dtype: str
     node_id: str
     backend: str  # the kernels it runs ("auto" resolved on its device)
+    threads: int  # the leader's torch threads
 
 
 class RankWorker:
-    """One tensor-parallel rank. Runs as an async Ray actor (see ``Replica``); threads = the CPUs of its bundle.
+    """One tensor-parallel rank. Runs as an async Ray actor (see ``Replica``); threads = the CPUs of its bundle (never
+    more than its cores; with ``fit_threads``, on a CPU, one for a small model: ``rank_threads``).
 
     Rank 0 may also host the replica engine (contexts, scheduler, inferlet channel) on the actor's event loop.
     """
 
-    def __init__(self, rank: int, world_size: int, threads: int):
+    def __init__(self, rank: int, world_size: int, threads: int, fit_threads: bool = False):
         import torch
 
-        # never more threads than cores this process may use: a node may declare more Ray CPUs than it has, and
-        # OpenMP threads beyond the cores spin against each other
-        torch.set_num_threads(max(1, min(threads, len(os.sched_getaffinity(0)))))
+        self.threads, self.fit_threads = max(1, min(threads, usable_cores())), fit_threads
+        torch.set_num_threads(self.threads)
         self.rank, self.world_size = rank, world_size
         self.runner: ModelRunner | None = None
         self.engine = None
@@ -77,6 +80,10 @@ class RankWorker:
         model_dir = local_model_dir(model, f"node {ray.util.get_node_ip_address()}")
         backend = "nccl" if torch.cuda.is_available() and settings.device != "cpu" else "gloo"
         tp = init_group(self.rank, self.world_size, addr, port, backend)
+        if self.fit_threads and (settings.device == "cpu" or not torch.cuda.is_available()):
+            # before the runner: oneDNN's matmuls keep the thread count their weights were packed under
+            self.threads = rank_threads(self.threads, ModelConfig.from_dir(model_dir), self.world_size)
+            torch.set_num_threads(self.threads)
         self.runner = ModelRunner(model_dir, settings, tp, show_progress=True)
         # Everything alive now (torch, transformers, Ray, the model) lives as long as the rank does: freezing it
         # keeps the garbage collector's full passes from scanning it. Unfrozen, such a pass held the event loop
@@ -94,6 +101,7 @@ class RankWorker:
             dtype=str(r.dtype).removeprefix("torch."),
             node_id=ray.get_runtime_context().get_node_id(),
             backend=r.settings.backend,
+            threads=self.threads,
         )
 
     async def start_engine(self, limits: BatchLimits, secret: bytes, market=None, directory=None) -> dict[str, str]:
@@ -171,6 +179,7 @@ class Replica:
         start_s: float | None = None,
         name: str | None = None,
         detached: bool = False,
+        fit_threads: bool = False,
     ):
         """``model``: a model directory (resolved on the replica's node) or the embedded model; ``engine``: also
         start the replica engine with these batch limits (what inferlets talk to); ``market``: the market actor its
@@ -181,7 +190,8 @@ class Replica:
         a replica never serves unauthenticated inferlets); ``start_s``: how long its ranks may take to be placed and
         load the model (None: no limit) before they are killed and ``TimeoutError`` is raised; ``name``: its ranks are
         named ``{name}/rank-{i}`` (found again by a controller that restarts); ``detached``: its ranks (and its own
-        placement group) outlive whoever made it, which must then shut it down."""
+        placement group) outlive whoever made it, which must then shut it down; ``fit_threads``: ``cpus_per_rank``
+        is automatic, so a CPU rank of a small model runs one thread (``rank_threads``)."""
         if engine is not None and not secret:
             raise ValueError("a replica that serves inferlets needs the cluster's secret (secret=...)")
         if use_gpu is None:
@@ -203,7 +213,7 @@ class Replica:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=bundle
                 ),
-            ).remote(i, n, cpus_per_rank)
+            ).remote(i, n, cpus_per_rank, fit_threads)
             for i in range(n)
         ]
         try:
