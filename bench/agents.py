@@ -7,7 +7,8 @@ Usage: python bench/agents.py [--ks 1,8,32,128] [--turns 8] [--tokens 16] [--too
 
 The Pie paper's method (``shared/reference/agentic-bench.md``): every system does the same work — fixed generated
 tokens per turn (greedy, end-of-turn ignored), the same observation text, the same simulated tool delay, the same
-model directory and two CPU threads — so what differs is where the agent loop runs.
+model directory on the same two cores (our cluster in its default configuration, which gives the tiny model one
+torch thread; vLLM's server two) — so what differs is where the agent loop runs.
 
 * **ReAct**: K agents, each ``turns`` turns of ``tokens`` generated tokens, then a tool call that takes
   ``tool_delay`` seconds and whose observation (~32 tokens) is appended to the agent's conversation.

@@ -81,7 +81,7 @@ class RankWorker:
         backend = "nccl" if torch.cuda.is_available() and settings.device != "cpu" else "gloo"
         tp = init_group(self.rank, self.world_size, addr, port, backend)
         if self.fit_threads and (settings.device == "cpu" or not torch.cuda.is_available()):
-            # before the runner: oneDNN's matmuls keep the thread count their weights were packed under
+            # before the runner packs and first runs its matmuls: oneDNN keeps the thread count they first ran with
             self.threads = rank_threads(self.threads, ModelConfig.from_dir(model_dir), self.world_size)
             torch.set_num_threads(self.threads)
         self.runner = ModelRunner(model_dir, settings, tp, show_progress=True)
