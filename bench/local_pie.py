@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, ResponsesConfig, SandboxConfig
-from pie_cluster.controller import LAUNCHER, start_controller
+from pie_cluster.controller import LAUNCHER, find_controller, start_controller
 from pie_cluster.http_app import serve_http, stop_http
 from pie_cluster.local_ray import NAMESPACE, serve_env
 from vllm_peer import free_port
@@ -24,6 +24,11 @@ from vllm_peer import free_port
 class LocalPie:
     url: str  # e.g. http://127.0.0.1:PORT; the OpenAI routes are under /v1
     launcher: object  # the launcher actor, for launching and following inferlets without HTTP
+
+    def replica(self) -> dict:
+        """``pie status``'s row of the model's one replica: what it resolved (CPUs per rank, threads, backend)."""
+        (replica,) = ray.get(find_controller().status.remote())["replicas"]
+        return replica
 
 
 @contextlib.contextmanager

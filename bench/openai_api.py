@@ -37,7 +37,6 @@ import openai
 import ray
 import vllm_peer
 from local_pie import local_pie
-from pie_cluster.controller import find_controller
 from pie_workers.tiny_model import default_model_path
 from prometheus_client.parser import text_string_to_metric_families
 from random_model import random_llama
@@ -274,7 +273,7 @@ def main() -> None:
 
     model_dir = random_llama() if args.model == "bigger" else default_model_path()
     with local_pie(model_dir=model_dir, backend=args.backend) as pie:
-        (replica,) = ray.get(find_controller().status.remote())["replicas"]
+        replica = pie.replica()
         ours = measure(f"{pie.url}/v1", args, console, "pie")
         if args.overhead > 0:
             per_inferlet = request_per_inferlet_ms(f"{pie.url}/v1", args.overhead)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import ray
 import vllm_peer
 from local_pie import local_pie
-from pie_cluster.controller import find_controller
 from pie_cluster.events import follow
 from pie_cluster.launch_request import LaunchRequest
 from pie_workers.tiny_model import default_model_path
@@ -84,7 +83,7 @@ def ours(setup: Setup, model_dir, prompts: list[list[int]], args) -> tuple[float
         program = ray.get(pie.launcher.upload.remote("bench", "generate.py", PROGRAM))["program"]
         asyncio.run(generate_all(pie.launcher, program, prompts[:4], 8))  # warm-up
         best = min(asyncio.run(generate_all(pie.launcher, program, prompts, args.tokens)) for _ in range(args.repeats))
-        (replica,) = ray.get(find_controller().status.remote())["replicas"]
+        replica = pie.replica()
     resolved = f"{replica['cpus_per_rank']} CPU(s)/rank, {replica['threads']} thread(s), {replica['backend']}"
     return len(prompts) * args.tokens / best, resolved
 

@@ -64,13 +64,14 @@ def run(
     import asyncio
 
     from pie_workers.engine.scheduler import BatchLimits
+    from pie_workers.rank_threads import usable_cores
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings
     from pie_workers.tiny_model import default_model_path
 
     from pie_cluster.arguments import fold_arguments
     from pie_cluster.bus import start_bus
-    from pie_cluster.cpu_share import ModelShape, NodeRoom, automatic_cpus_per_rank, usable_cpus
+    from pie_cluster.cpu_share import ModelShape, NodeRoom, automatic_cpus_per_rank
     from pie_cluster.host import encode_return, endpoints_for, load_program, run_inferlet
     from pie_cluster.local_ray import init_ray
     from pie_cluster.local_trust import LocalTrust
@@ -82,7 +83,7 @@ def run(
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
     # the rank gets what this machine spares, split among its tp ranks (cpu_share.py), as `pie start` does
-    cpus_per_rank = automatic_cpus_per_rank([NodeRoom(usable_cpus())], [ModelShape(tensor_parallel=tp)])
+    cpus_per_rank = automatic_cpus_per_rank([NodeRoom(usable_cores())], [ModelShape(tensor_parallel=tp)])
     init_ray(num_cpus=max(2, tp * cpus_per_rank))
     import ray
 

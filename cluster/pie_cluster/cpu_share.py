@@ -9,7 +9,6 @@ ranks expected on one node. An explicit ``cpus_per_rank`` is kept as given (and 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -92,14 +91,6 @@ def automatic_cpus_for(models: Sequence[ModelConfigEntry]) -> int:
         return 1  # unused
     shapes = [ModelShape(e.tensor_parallel, e.replicas, e.placement, e.cpus_per_rank, e.resources) for e in models]
     return automatic_cpus_per_rank(node_room(), shapes)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the OS tells it, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def node_room() -> list[NodeRoom]:

@@ -30,9 +30,12 @@ def layer_weights(cfg: ModelConfig, tensor_parallel: int) -> int:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on: a node may declare more Ray CPUs than it has, and OpenMP threads beyond
-    the cores spin against each other."""
-    return len(os.sched_getaffinity(0))
+    """The cores this process may run on (its affinity where the OS tells it, else the machine's count): a node may
+    declare more Ray CPUs than it has, and OpenMP threads beyond the cores spin against each other."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def rank_threads(cpus: int, cfg: ModelConfig, tensor_parallel: int) -> int:

@@ -26,7 +26,7 @@ from pie_workers.config import ModelConfig
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.model_dir import ModelSource, description_files, local_model_dir
 from pie_workers.rank_threads import rank_threads, usable_cores
-from pie_workers.runner import ModelRunner, RunnerSettings
+from pie_workers.runner import ModelRunner, RunnerSettings, resolve_device
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 
 STOP_S = 30.0  # a rank's stop: one that does not answer in time is killed as it is
@@ -80,7 +80,7 @@ class RankWorker:
         model_dir = local_model_dir(model, f"node {ray.util.get_node_ip_address()}")
         backend = "nccl" if torch.cuda.is_available() and settings.device != "cpu" else "gloo"
         tp = init_group(self.rank, self.world_size, addr, port, backend)
-        if self.fit_threads and (settings.device == "cpu" or not torch.cuda.is_available()):
+        if self.fit_threads and resolve_device(settings).type == "cpu":
             # before the runner packs and first runs its matmuls: oneDNN keeps the thread count they first ran with
             self.threads = rank_threads(self.threads, ModelConfig.from_dir(model_dir), self.world_size)
             torch.set_num_threads(self.threads)

@@ -56,8 +56,12 @@ class RunnerSettings:
         check_backend(self.backend, self.page_size)
 
 
+def resolve_device(settings: RunnerSettings) -> torch.device:
+    return torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def _resolve_device_dtype(settings: RunnerSettings) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(settings)
     name = settings.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
