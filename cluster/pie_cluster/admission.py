@@ -49,6 +49,13 @@ class Admission:
     def queued(self) -> int:
         return len(self._queue)
 
+    def spare(self, user: str) -> int:
+        """How many more instances ``user`` could start now without waiting (none while any launch waits): what
+        an ingress replica may begin before their admission answers."""
+        if self._queue:
+            return 0
+        return max(0, min(self.limits.running - self.running, self.limits.running_per_user - self._running[user]))
+
     def admit(self, user: str, instance_id: str) -> bool:
         """True: run it now (counted as running). False: it waits (queued). Raises Overloaded when it can't."""
         limits = self.limits

@@ -160,9 +160,10 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
     ):
         self._auth, self._namespace = auth, namespace
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
-        self._local = LocalInstances(self._launcher, BUILTINS, routing)
-        self._init_responses(responses or ResponsesConfig())
         self._registry = CollectorRegistry()
+        early = Counter("pie_early_starts", "begun before admission answered", ["outcome"], registry=self._registry)
+        self._local = LocalInstances(self._launcher, BUILTINS, early, routing)
+        self._init_responses(responses or ResponsesConfig())
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)
         self._running = Gauge("pie_instances_running", "instances running cluster-wide", registry=self._registry)

@@ -381,7 +381,8 @@ class Launcher:
         ``handle``) runs in its own process: no host, no event relay. ``requests`` are ``(instance_id, user,
         program, input)``, those of one event-loop turn of the runner (``local_instances.py`` coalesces them; it
         names each instance, so it opens the instance's wallet while this admits it). Each answer is the instance's
-        id and limits (``queued`` true when it waits for a slot: ``admitted`` waits on), None when this node has no
+        id and limits (``queued`` true when it waits for a slot: ``admitted`` waits on; ``spare``: how many more
+        the user may start now, so the runner may begin those before their answer), None when this node has no
         view of the models (the runner launches it on a host instead), or the exception that refused it
         (``Overloaded``, a program that is not the cluster's, an id already taken)."""
         self.calls["admit"] += 1
@@ -434,6 +435,7 @@ class Launcher:
             "ending": list(instance.ending) if instance.ending is not None else None,
             "deadline_s": instance.limits.deadline_s,
             "services": self._services_version,
+            "spare": self._admission.spare(instance.user),
         }
 
     async def services_for(self, node: str) -> tuple[NodeServices, bytes, int]:

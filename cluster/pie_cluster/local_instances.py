@@ -3,7 +3,9 @@
 An OpenAI request needs no sandbox (the serving program is ours) and no node host: the ingress asks the launcher to
 admit it (one call; the launcher keeps admission, listing and abort), runs the program here as an asyncio task that
 talks to the replica's socket directly, and streams its events from this process's memory, so no event crosses an
-actor. The launcher hears once how it ended. What the instance reaches (models, market, bus) and the secret that
+actor. The launcher hears once how it ended. When the launcher's last answer left the user room for more, the
+instance begins while its admission is on its way, and is undone unseen if that answer queues or refuses it
+(``local_runs``). What the instance reaches (models, market, bus) and the secret that
 mints its capability come from the launcher once per change of the cluster's services.
 
 When a model has several replicas, each instance run here is given the one ``prefix_routing`` picks for its prompt
@@ -29,12 +31,14 @@ from inferlet import runtime
 from inferlet.runtime import ModelEndpoint
 from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from pie_workers.wire import capability
+from prometheus_client import Counter
 
 from pie_cluster.coalesced_calls import CoalescedCalls
 from pie_cluster.config import ChannelLimits
-from pie_cluster.events import Channel, Channels
+from pie_cluster.events import TERMINAL, Channel, Channels
 from pie_cluster.host import InstanceSetup, serve_instance
 from pie_cluster.inferlet_host import CAPABILITY_MARGIN_S, CAPABILITY_TTL_S, NodeServices
+from pie_cluster.local_runs import Headroom, LocalRun
 from pie_cluster.model_files import local_endpoints
 from pie_cluster.prefix_routing import PrefixRouter, Prompt, Routing
 from pie_cluster.programs import Main, Program
@@ -92,14 +96,14 @@ class _Wallet:
 class _Session:
     """``inferlet.session`` of an instance run here: its events out, its channel's inbox in."""
 
-    def __init__(self, runner: LocalInstances, instance_id: str, channel: Channel):
-        self._runner, self._id, self._channel = runner, instance_id, channel
+    def __init__(self, runner: LocalInstances, run: LocalRun, channel: Channel):
+        self._runner, self._run, self._channel = runner, run, channel
 
     def send(self, text: str) -> None:
-        self._runner.emit(self._id, "message", text)
+        self._runner._emit(self._run, "message", text)
 
     def send_file(self, data: bytes) -> None:
-        self._runner.emit(self._id, "file", data)
+        self._runner._emit(self._run, "file", data)
 
     async def receive(self) -> str:
         return await self._channel.receive("message")
@@ -109,9 +113,10 @@ class _Session:
 
 
 class LocalInstances:
-    def __init__(self, launcher, programs: dict[str, Path], routing: Routing = "prefix"):
-        """``programs``: the cluster's own programs by name (the launcher's ``BUILTINS``); ``routing``: how
-        requests are spread over a model's replicas (``[server] routing``)."""
+    def __init__(self, launcher, programs: dict[str, Path], early_starts: Counter, routing: Routing = "prefix"):
+        """``programs``: the cluster's own programs by name (the launcher's ``BUILTINS``); ``early_starts``: the
+        count of instances begun before their admission answered, by ``outcome`` (kept or undone); ``routing``:
+        how requests are spread over a model's replicas (``[server] routing``)."""
         self._launcher = launcher
         self._programs = {name: Program.from_path(path) for name, path in programs.items()}
         self._mains: dict[str, Main] = {}
@@ -121,12 +126,14 @@ class LocalInstances:
         self._services: _Services | None = None
         self._fetching = asyncio.Lock()
         self._channels = Channels(ChannelLimits(keep_finished=256), ended=lambda ends: launcher.ended.remote(ends))
-        self._tasks: dict[str, asyncio.Task] = {}
-        self._abort_reasons: dict[str, str] = {}
+        self._runs: dict[str, LocalRun] = {}
+        self._headroom = Headroom()
+        self._early_starts = early_starts
         self._listening: asyncio.Task | None = None
         self._router = PrefixRouter(routing)
         self._relays = ReplicaRelays(self._replica_addresses)
-        self._closing: set[asyncio.Task] = set()  # wallets being closed for instances that did not run here
+        self._closing: set[asyncio.Task] = set()  # wallets being closed
+        self._endowment: float | None = None  # what the market opens the wallets of the cluster's programs with
         # the admissions of one event-loop turn (a burst of requests) go to the launcher as one call
         runner = (self._node, self.name, self._actor)
         self._admit = CoalescedCalls(launcher.admit_many, "the launcher", LAUNCHER_S, *runner)
@@ -137,23 +144,38 @@ class LocalInstances:
         """Admit and start an instance of ``program`` for ``user``; its id and channel, or None when this node
         cannot run it (no view of the models here: launch it on a host). ``prompt``: its model and prompt text, to
         place it on one of the model's replicas (None: the node's default one). Raises the launcher's refusal
-        (``Overloaded``)."""
+        (``Overloaded``). While the launcher's answer is on its way, the instance begins when the last answers
+        left its user room for it (``local_runs``)."""
         instance_id = uuid.uuid4().hex
         wallet = self._open_wallet(instance_id)
+        admission = asyncio.ensure_future(self._admit((instance_id, user, program, input)))
+        early = self._begin_early(instance_id, user, program, input, prompt, wallet)
         try:
-            admitted = await self._admit((instance_id, user, program, input))
+            admitted = await asyncio.shield(admission)
         except BaseException:
-            self._close_wallet(instance_id, wallet)
+            admission.add_done_callback(lambda answer: self._end_unstarted(instance_id, answer))
+            self._undo(early) if early is not None else self._close_wallet(instance_id, wallet)
             raise
-        if isinstance(admitted, Exception) or admitted is None or admitted["queued"]:
+        finally:
+            if early is not None:
+                self._headroom.answered(user)
+        self._headroom.heard(user, admitted)
+        if self._listening is None and isinstance(admitted, dict):  # the launcher knows this runner from now on
+            self._listening = asyncio.get_running_loop().create_task(self._listen_for_aborts())
+        if early is not None:
+            if early.admitted_as_begun(admitted):
+                self._early_starts.labels("kept").inc()
+                return instance_id, self._confirm(early)
+            self._early_starts.labels("undone").inc()
+            await asyncio.wait([self._undo(early)])  # (its wallet goes with it)
+            wallet = None
+        elif isinstance(admitted, Exception) or admitted is None or admitted["queued"]:
             self._close_wallet(instance_id, wallet)  # refused, run elsewhere, or waiting: it opens one later
             wallet = None
         if isinstance(admitted, Exception):  # refused (overloaded): this request's own answer
             raise admitted
         if admitted is None:
             return None
-        if self._listening is None:  # once admitted: the launcher knows this runner from then on
-            self._listening = asyncio.get_running_loop().create_task(self._listen_for_aborts())
         while admitted["queued"]:
             ref = self._launcher.admitted.remote(self.name, instance_id, LAUNCHER_S)
             admitted = await answer(ref, "the launcher", 2 * LAUNCHER_S)
@@ -161,15 +183,56 @@ class LocalInstances:
         if admitted["ending"] is not None:  # aborted while it waited
             channel.log.append(*admitted["ending"])
             return instance_id, channel
-        work = self._run(instance_id, program, input, user, admitted, prompt, wallet)
-        self._tasks[instance_id] = asyncio.get_running_loop().create_task(work)
+        run = LocalRun(instance_id, admitted["services"], admitted["deadline_s"], wallet)
+        self._launch(run, program, input, user, prompt)
         return instance_id, channel
 
+    def _begin_early(
+        self, instance_id: str, user: str, program: str, input: dict, prompt: Prompt | None, wallet: _Wallet | None
+    ) -> LocalRun | None:
+        """Begin the instance before its admission answers, when this process knows the services it would run
+        with and the launcher's last answers left ``user`` room for it; None otherwise."""
+        if self._services is None or not self._headroom.take(user):
+            return None
+        run = LocalRun(instance_id, self._services.version, self._headroom.deadline_s, wallet, confirmed=False)
+        self._channels.open(instance_id, user)
+        self._launch(run, program, input, user, prompt)
+        return run
+
+    def _launch(self, run: LocalRun, program: str, input: dict, user: str, prompt: Prompt | None) -> None:
+        self._runs[run.instance_id] = run
+        run.task = asyncio.get_running_loop().create_task(self._run(run, program, input, user, prompt))
+        # whatever wallet the run still holds when it ends (cancelled before it began, too) is closed
+        run.task.add_done_callback(lambda _: self._close_wallet(run.instance_id, run.wallet))
+
+    def _confirm(self, run: LocalRun) -> Channel:
+        """The launcher admitted a run begun early: its ending, if it came already, goes out now."""
+        run.confirmed = True
+        if run.held_ending is not None:
+            self._channels.emit(run.instance_id, *run.held_ending)
+        return self._channels.find(run.instance_id)
+
+    def _undo(self, run: LocalRun) -> asyncio.Task:
+        """Stop a run begun early that must not go on (refused, queued, or begun with services or limits the
+        launcher no longer gives): what it emitted is dropped, unseen. Its task ends once its contexts and wallet
+        are cleaned up (a later run of the same id waits for that)."""
+        if self._runs.get(run.instance_id) is run:
+            del self._runs[run.instance_id]
+        self._channels.discard(run.instance_id)
+        run.task.cancel()
+        return run.task
+
+    def _end_unstarted(self, instance_id: str, admission: asyncio.Future) -> None:
+        """The request went away while its admission was on its way: an instance the launcher admitted (or queued)
+        anyway is ended there, so that its slot comes back."""
+        if not admission.cancelled() and admission.exception() is None and isinstance(admission.result(), dict):
+            self._launcher.ended.remote([(instance_id, "error", "its client went away before it started")])
+
     def abort(self, instance_id: str, reason: str) -> None:
-        task = self._tasks.get(instance_id)
-        if task is not None and not task.done():
-            self._abort_reasons[instance_id] = reason
-            task.cancel()
+        run = self._runs.get(instance_id)
+        if run is not None and not run.task.done():
+            run.abort_reason = reason
+            run.task.cancel()
 
     def _open_wallet(self, instance_id: str) -> _Wallet | None:
         """Open the instance's market wallet while the launcher admits it (the market this process knows, none
@@ -180,40 +243,28 @@ class LocalInstances:
         return _Wallet(market, asyncio.ensure_future(wallet_calls(market).join(instance_id, None)))
 
     def _close_wallet(self, instance_id: str, wallet: _Wallet | None) -> None:
-        """Close a wallet opened for an instance that does not run here now."""
+        """Close a wallet this process opened (once the market answered its opening)."""
         if wallet is not None:
             task = asyncio.ensure_future(wallet.close(instance_id))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    async def _run(
-        self,
-        instance_id: str,
-        program: str,
-        input: dict,
-        user: str,
-        admitted: dict,
-        prompt: Prompt | None,
-        wallet: _Wallet | None,
-    ) -> None:
+    async def _run(self, run: LocalRun, program: str, input: dict, user: str, prompt: Prompt | None) -> None:
+        instance_id = run.instance_id
         placed: str | None = None  # the replica the router chose, counted in flight there until this ends
         try:
             try:
-                services = await self._current(admitted["services"])
+                services = await self._current(run.services_version)
             except Exception as e:  # the launcher or the models' files cannot be reached
-                self.emit(instance_id, "error", f"the ingress could not prepare the instance: {e}")
+                self._emit(run, "error", f"the ingress could not prepare the instance: {e}")
                 return
-            opening = await wallet.opened() if wallet is not None else None
-            if wallet is not None and (opening is None or wallet.market != services.services.market):
-                self._close_wallet(instance_id, wallet)  # the market moved meanwhile: run_inferlet opens one there
-                opening, wallet = None, None
+            opening, market = await self._opening(run, services.services.market)
             endpoints = services.endpoints
             replicas = services.replicas.get(prompt.model, {}) if prompt is not None else {}
             if len(replicas) > 1:
                 placed = self._router.choose(prompt.model, list(replicas), prompt.text, prompt.tag, prompt.follows)
                 endpoints = {**endpoints, prompt.model: replicas[placed]}
-            deadline_s = admitted["deadline_s"]
-            ttl = (deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
+            ttl = (run.deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
             setup = InstanceSetup(
                 instance_id=instance_id,
                 username=user,
@@ -221,25 +272,45 @@ class LocalInstances:
                 endpoints=endpoints,
                 bus=services.services.bus,
                 mcp_servers=services.services.mcp_servers,
-                deadline_s=deadline_s,
+                deadline_s=run.deadline_s,
                 opening_balance=opening,
             )
-            wallet = None  # from here on, run_inferlet closes it
+            if market is not None:
+                run.wallet = None  # from here on, run_inferlet closes it
             await serve_instance(
                 self._programs[program],
                 lambda: self._main(program, instance_id),
                 input,
                 setup,
-                lambda kind, value: self.emit(instance_id, kind, value),
-                _Session(self, instance_id, self._channels.find(instance_id)),
-                aborted=lambda: self._abort_reasons.pop(instance_id, "aborted"),
-                market=services.services.market,
+                lambda kind, value: self._emit(run, kind, value),
+                _Session(self, run, self._channels.find(instance_id)),
+                aborted=lambda: run.abort_reason or "aborted",
+                market=market,
             )
         finally:
-            self._close_wallet(instance_id, wallet)  # (None once run_inferlet has it)
-            self._tasks.pop(instance_id, None)
+            if self._runs.get(instance_id) is run:
+                del self._runs[instance_id]
             if placed is not None:
                 self._router.finished(prompt.model, placed)
+
+    async def _opening(self, run: LocalRun, market) -> tuple[float | None, object | None]:
+        """The credits ``run``'s wallet opens with, and the market ``run_inferlet`` is to close it on (None: the run's
+        own ``wallet`` is closed when it ends). Once this process knows what the market endows the cluster's programs
+        with, a run does not wait for its wallet to open: its program starts while the market's answer is on its way
+        (a market round that names the instance before the wallet opens bills it nothing for that round)."""
+        wallet = run.wallet
+        if wallet is not None and wallet.market != market:  # the market moved meanwhile: run_inferlet opens one there
+            self._close_wallet(run.instance_id, wallet)
+            run.wallet = wallet = None
+        if wallet is None:
+            return None, market
+        if self._endowment is not None:
+            return self._endowment, None
+        self._endowment = opening = await wallet.opened()
+        if opening is None:  # the market did not open it: run_inferlet tries again, and says why
+            self._close_wallet(run.instance_id, wallet)
+            run.wallet = None
+        return opening, market
 
     def _main(self, program: str, instance_id: str) -> Main:
         """The program's main (loaded once per process: the cluster's programs keep no state in their modules),
@@ -270,8 +341,15 @@ class LocalInstances:
                 self._services = _Services(version, services, secret, endpoints, replicas)
             return self._services
 
-    def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
-        self._channels.emit(instance_id, kind, value)
+    def _emit(self, run: LocalRun, kind: str, value: str | bytes) -> None:
+        """An event of ``run``'s: dropped when the run was undone, held when it is its ending and the launcher has
+        not admitted it yet."""
+        if self._runs.get(run.instance_id) is not run:
+            return
+        if kind in TERMINAL and not run.confirmed:
+            run.held_ending = (kind, value)
+            return
+        self._channels.emit(run.instance_id, kind, value)
 
     def _replica_addresses(self, model: str) -> list[str]:
         """The model's replicas as the launcher knows them now, this node's first (what the relay tries: asked each

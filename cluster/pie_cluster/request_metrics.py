@@ -5,8 +5,9 @@ framework's time from the engine's:
 
 * ``pie_request_queue_seconds``: from arrival until the instance may run (the launcher's admission and placement,
   waiting for a slot included);
-* ``pie_request_start_seconds``: from then until the program's ``main`` runs (its services, its market wallet;
-  measured for the programs the ingress runs itself);
+* ``pie_request_start_seconds``: from arrival until the program's ``main`` runs (its admission, services and market
+  wallet; measured for the programs the ingress runs itself, which begin while their admission is on its way when
+  the launcher's last answer left their user room for more: then it is less than the queue's time);
 * ``pie_request_first_pass_seconds``: from arrival until the replica answered the program's first pass that
   generated (the prefill; measured for the programs the ingress runs itself): first token less first pass is the
   way back from the replica to the client;
@@ -57,7 +58,7 @@ class RequestMetrics:
             return Histogram(name, text, ["route", "model"], buckets=BUCKETS, registry=registry)
 
         self._queue = histogram("pie_request_queue_seconds", "arrival until the instance may run (admission)")
-        self._start = histogram("pie_request_start_seconds", "admission until the program's main runs")
+        self._start = histogram("pie_request_start_seconds", "arrival until the program's main runs")
         self._first_pass = histogram("pie_request_first_pass_seconds", "arrival until the first generating pass")
         self._first_token = histogram("pie_request_first_token_seconds", "arrival until the first generated text")
         self._stream = histogram("pie_request_stream_seconds", "first generated text until the last event")
@@ -69,7 +70,7 @@ class RequestMetrics:
         if clock.admitted is not None:
             self._queue.labels(*labels).observe(clock.admitted - clock.arrived)
             if clock.started is not None:
-                self._start.labels(*labels).observe(clock.started - clock.admitted)
+                self._start.labels(*labels).observe(clock.started - clock.arrived)
         if clock.first_pass is not None:
             self._first_pass.labels(*labels).observe(clock.first_pass - clock.arrived)
         if clock.first_token is not None:

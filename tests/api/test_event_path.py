@@ -33,9 +33,16 @@ async def main(input):
 """
 
 
+LIMITS = """
+[launcher]
+max_running_per_user = 2
+max_queued_per_user = 2
+"""
+
+
 @pytest.fixture(scope="module")
 def pie(ray_cluster, tmp_path_factory):
-    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-event-path"))
+    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-event-path"), LIMITS)
 
 
 def launcher_calls(pie) -> int:
@@ -149,6 +156,53 @@ def test_metrics_split_a_requests_time_into_queue_start_first_pass_first_token_a
     assert took["pie_request_first_pass_seconds_sum"] < took["pie_request_first_token_seconds_sum"], took
 
 
+WAIT = b"from inferlet import session\n\nasync def main(input):\n    return await session.receive()\n"
+
+
+def chunk_text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_a_chat_begun_before_its_admission_answered_is_undone_unseen_when_it_must_wait(pie):
+    """The ingress begins an OpenAI request's program while the launcher admits it, when the launcher's last
+    answer left its user room for more. When the answer is a place in the queue instead (his own instances took
+    the room meanwhile), that run is undone: nothing it generated reaches the client and it holds no pages; the
+    request runs from the start once a slot frees, to the same answer."""
+    bob = {"Authorization": "Bearer tok-bob"}
+    expected = chunk_text(chat_stream(pie, 8, bob))  # the ingress hears bob may start more
+    kept = sample(pie, "pie_early_starts_total", outcome="kept")
+    assert chunk_text(chat_stream(pie, 8, bob)) == expected
+    assert sample(pie, "pie_early_starts_total", outcome="kept") == kept + 1  # that one began early
+
+    upload = httpx.post(f"{pie['url']}/v1/programs?filename=wait.py", content=WAIT, headers=bob, timeout=60)
+    body = {"program": upload.json()["program"]}
+    waiting = [httpx.post(f"{pie['url']}/v1/instances", json=body, headers=bob).json()["id"] for _ in range(2)]
+    undone = sample(pie, "pie_early_starts_total", outcome="undone")
+    got: list[dict] = []
+    streaming = threading.Thread(target=chat_stream, args=(pie, 8, bob), kwargs={"into": got})
+    streaming.start()
+
+    def chats(status: str) -> list[dict]:
+        listed = httpx.get(f"{pie['url']}/v1/instances", headers=bob).json()
+        return [i for i in listed if i["program"].startswith("openai_completions@") and i["status"] == status]
+
+    deadline = time.time() + 60
+    while not (chats("queued") and engine_status(pie)["replicas"][0]["contexts"] == 0) and time.time() < deadline:
+        time.sleep(0.1)
+    assert len(chats("queued")) == 1 and sample(pie, "pie_early_starts_total", outcome="undone") == undone + 1
+    (replica,) = engine_status(pie)["replicas"]
+    assert replica["contexts"] == 0 and replica["pages_used"] == 0 and not got  # begun, undone, unseen
+    for instance in waiting:
+        httpx.post(f"{pie['url']}/v1/instances/{instance}/messages", json={"message": "done"}, headers=bob)
+    streaming.join(120)
+    assert not streaming.is_alive() and chunk_text(got) == expected
+    assert got[-1]["choices"][0]["finish_reason"] == "length"
+    deadline = time.time() + 30
+    while engine_status(pie)["launcher"]["running"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert engine_status(pie)["launcher"]["running"] == 0
+
+
 def test_a_killed_ingress_replica_is_replaced_and_its_requests_end_without_leaking_a_slot(pie):
     """SIGKILL the Serve replica that runs the OpenAI requests while one streams: that stream breaks off, Serve
     starts a new replica, the launcher ends the lost request (its admission slot comes back), the replica releases
@@ -213,10 +267,8 @@ def test_an_openai_stream_outlives_the_model_replica_it_started_on(pie):
     streaming.join(180)
     assert not streaming.is_alive()
 
-    def text(chunks: list[dict]) -> str:
-        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-
-    assert text(got) == text(expected) and got[-1]["choices"][0]["finish_reason"] == "length", json.dumps(got[-2:])
+    assert chunk_text(got) == chunk_text(expected), json.dumps(got[-2:])
+    assert got[-1]["choices"][0]["finish_reason"] == "length"
     (after,) = engine_status(pie)["replicas"]
     assert after["state"] == "serving" and not set(after["pids"]) & set(before["pids"])
 
