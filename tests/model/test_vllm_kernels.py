@@ -155,11 +155,17 @@ def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_b
     requests[masked].attention_masks = [
         brle.encode([s % 2 == 0 or s == kv + i for s in range(kv + i + 1)]) for i in range(n)
     ]
-    plan = plan_batch(ForwardBatch(requests), page_size, num_pages, vocab=16, paged_requests=True).plan
-    plan = plan.to(torch.device(device))
     shape = PoolShape(cfg, num_pages, page_size, HEADS_KV, dtype, torch.device(device))
     pools = [KVPool(shape), (VllmCpuKVPool if device == "cpu" else VllmCudaKVPool)(shape)]
-    assert device == "cuda" or (pools[1].kernel_writes and pools[1].kernel_attends)
+    assert device == "cuda" or (pools[1].kernel_writes and pools[1].kernel_attends and pools[1].kernel_attends_all)
+    plans = [
+        plan_batch(
+            ForwardBatch(requests), page_size, num_pages, 16, paged_requests=True, kernel_attends_all=attends
+        ).plan.to(torch.device(device))
+        for attends in (False, pools[1].kernel_attends_all)
+    ]  # the torch pool's, every bucket; the kernel's, only the buckets it cannot attend itself (the masked one's)
+    assert device == "cuda" or len(plans[1].buckets) == 1 < len(plans[0].buckets)
+    plan = plans[0]
     scale = HEAD_DIM**-0.5
     q = torch.randn(plan.num_tokens, HEADS_Q, HEAD_DIM, generator=gen).to(device, dtype)
     history = {}  # every request's earlier tokens' K/V, written first as earlier batches would have
@@ -174,9 +180,9 @@ def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_b
         k = torch.cat([history[layer, r][0] for r in range(len(SHAPES))])
         v = torch.cat([history[layer, r][1] for r in range(len(SHAPES))])
         outs = []
-        for pool in pools:
+        for pool, pool_plan in zip(pools, plans, strict=True):
             pool.write(layer, slots, k, v)
-            outs.append(pool.attend(layer, q, plan, window, scale))
+            outs.append(pool.attend(layer, q, pool_plan, window, scale))
         torch.testing.assert_close(outs[1], outs[0], atol=tolerance, rtol=0)
     if window is not None:
         return

@@ -198,10 +198,14 @@ def plan_batch(
     adapters: Collection[int] = (),
     host_pages: int = 0,
     paged_requests: bool = False,
+    kernel_attends_all: bool = False,
 ) -> PlannedBatch:
     """``adapters``: the ids of the LoRA adapters the runner holds (requests naming another are rejected);
     ``host_pages``: the size of its host buffer; ``paged_requests``: also describe each request for a paged-
-    attention kernel (``BatchPlan.paged``). Raises ``BatchError`` for malformed page copies or host moves."""
+    attention kernel (``BatchPlan.paged``); ``kernel_attends_all``: that kernel attends every layer of every
+    request it can express, so the torch path's padded buckets are built only for those it cannot (custom masks,
+    or all of them in a batch with an empty request). Raises ``BatchError`` for malformed page copies or host
+    moves."""
     checked = check_batch(batch, page_size, num_pages, vocab, adapters, host_pages)
     flat, requests = checked.flat, checked.requests
     layout = _Layout(
@@ -223,6 +227,9 @@ def plan_batch(
     else:
         query_len_of_request = _next_power_of_two(flat.num_rows)
         bucket_members = [np.flatnonzero(query_len_of_request == q) for q in np.unique(query_len_of_request)]
+    if paged_requests and kernel_attends_all and flat.num_rows.size and flat.num_rows.min() > 0:
+        masked = [k for k, request in enumerate(requests) if request.attention_masks is not None]
+        bucket_members = [members for members in bucket_members if np.isin(members, masked).any()]
     buckets = [_attention_bucket(members, requests, layout, page_size) for members in bucket_members]
 
     sampling, logit_rows = _sampling_plan(checked, layout.first_token)

@@ -55,6 +55,7 @@ class KVPool:
     ``write`` and ``attend``, the runner the page moves."""
 
     needs_paged_requests = False
+    kernel_attends_all = False  # every layer of every request a paged kernel can express (see ``plan_batch``)
 
     def __init__(self, shape: PoolShape):
         if shape.num_pages < 1 or shape.page_size < 1:

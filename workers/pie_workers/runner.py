@@ -130,7 +130,7 @@ class ModelRunner:
         kv = self.kv
         planned = plan_batch(
             batch, kv.page_size, kv.num_pages, self.cfg.vocab_size, self.adapters.ids(), kv.host_pages,
-            paged_requests=kv.needs_paged_requests,
+            paged_requests=kv.needs_paged_requests, kernel_attends_all=kv.kernel_attends_all,
         )  # fmt: skip
         outputs = [RequestOutput() for _ in batch.requests]
         for i, msg in planned.errors.items():

@@ -48,6 +48,7 @@ class VllmCpuKVPool:
         self.host_cache = torch.zeros((layers, shape.host_pages, *per_page), dtype=shape.dtype)
         heads, head_dim = shape.local_kv_heads, shape.cfg.head_dim
         self.kernel_writes, self.kernel_attends = _kernel_supports(self.isa, heads, head_dim, shape.dtype)
+        self.kernel_attends_all = self.kernel_attends  # (sliding windows included)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.kernel_writes:
