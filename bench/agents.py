@@ -350,7 +350,7 @@ def run_round(bench: Bench, cells: Cells, key: tuple[str, int, str], run: str, c
         cell.seconds.append(timed(bench.work(system, workload, k, run), bench.args.cell_timeout))
     except Exception as error:
         cell.failed = reason(error)
-        console.log(f"{workload} K={k} {system} failed: {error!r}", markup=False, soft_wrap=True)
+        console.log(f"{workload} K={k} {system} failed: {error!r}", markup=False)
 
 
 def summary(cells: Cells, workload: str, k: int) -> str:

@@ -147,9 +147,12 @@ class LocalInstances:
         (``Overloaded``). While the launcher's answer is on its way, the instance begins when the last answers
         left its user room for it (``local_runs``)."""
         instance_id = uuid.uuid4().hex
+        # begun first, its program's first step (prompt, context) runs before the calls below are submitted
+        early = self._begin_early(instance_id, user, program, input, prompt)
         wallet = self._open_wallet(instance_id)
+        if early is not None:
+            early.wallet = wallet
         admission = asyncio.ensure_future(self._admit((instance_id, user, program, input)))
-        early = self._begin_early(instance_id, user, program, input, prompt, wallet)
         try:
             admitted = await asyncio.shield(admission)
         except BaseException:
@@ -188,13 +191,13 @@ class LocalInstances:
         return instance_id, channel
 
     def _begin_early(
-        self, instance_id: str, user: str, program: str, input: dict, prompt: Prompt | None, wallet: _Wallet | None
+        self, instance_id: str, user: str, program: str, input: dict, prompt: Prompt | None
     ) -> LocalRun | None:
         """Begin the instance before its admission answers, when this process knows the services it would run
         with and the launcher's last answers left ``user`` room for it; None otherwise."""
         if self._services is None or not self._headroom.take(user):
             return None
-        run = LocalRun(instance_id, self._services.version, self._headroom.deadline_s, wallet, confirmed=False)
+        run = LocalRun(instance_id, self._services.version, self._headroom.deadline_s, confirmed=False)
         self._channels.open(instance_id, user)
         self._launch(run, program, input, user, prompt)
         return run

@@ -109,28 +109,42 @@ class OpenAIRoutes:
         raise OpenAIError(500, "the serving inferlet ended without an answer")
 
     async def _streamed(self, served: Served, reply: Reply) -> AsyncIterator[str]:
-        async with aclosing(self._events(served)) as events:
-            async for kind, value in events:
-                if kind == "message":
-                    for line in reply.piece(value):
-                        yield line
-                elif kind == "return":
-                    try:
-                        lines = reply.ending(parse_report(value))
-                    except OpenAIError as e:
-                        lines = [error_event(e.message, e.status)]
-                    for line in lines:
-                        yield line
-                elif kind == "error":
-                    yield error_event(value, error_status(value))
+        """The response's SSE lines, those of one batch of events (what the program emitted in one loop turn, or
+        what piled up while the client's connection was slower) written as one chunk."""
+        async with aclosing(self._event_batches(served)) as batches:
+            async for batch in batches:
+                if text := "".join(line for kind, value in batch for line in self._stream_lines(reply, kind, value)):
+                    yield text
+
+    @staticmethod
+    def _stream_lines(reply: Reply, kind: str, value: str) -> list[str]:
+        if kind == "message":
+            return reply.piece(value)
+        if kind == "return":
+            try:
+                return reply.ending(parse_report(value))
+            except OpenAIError as e:
+                return [error_event(e.message, e.status)]
+        if kind == "error":
+            return [error_event(value, error_status(value))]
+        return []
 
     async def _events(
         self, served: Served, ends_request: Callable[[str], bool] | None = None
     ) -> AsyncIterator[tuple[str, str]]:
-        """The instance's events, until its terminal one, or (``ends_request``) a message that ends this request
-        while the instance goes on. Closed before either (the client went away, and the handler or the stream was
-        cancelled), it aborts the instance, which frees everything it holds. Its clock goes to the ingress's
-        histograms at the end."""
+        """``_event_batches``, one event at a time."""
+        async with aclosing(self._event_batches(served, ends_request)) as batches:
+            async for batch in batches:
+                for event in batch:
+                    yield event
+
+    async def _event_batches(
+        self, served: Served, ends_request: Callable[[str], bool] | None = None
+    ) -> AsyncIterator[list[tuple[str, str]]]:
+        """The instance's events as they come, until its terminal one, or (``ends_request``) a message that ends
+        this request while the instance goes on. Closed before either (the client went away, and the handler or the
+        stream was cancelled), it aborts the instance, which frees everything it holds. Its clock goes to the
+        ingress's histograms at the end."""
         channel, clock = served.channel, served.clock
         followed = follow(
             self._launcher,
@@ -144,17 +158,21 @@ class OpenAIRoutes:
         try:
             async with aclosing(followed) as batches:
                 async for events in batches:
+                    batch = []
                     for index, kind, value in events:
                         answered = kind == "message" and ends_request is not None and ends_request(value)
                         if kind == "message" and not answered:
                             clock.mark_token()
                         elif kind in TERMINAL or answered:
                             clock.mark_ended()
+                        batch.append((kind, value))
                         if answered:
                             served.since = index + 1  # before the yield: the consumer may park it at once
-                        yield kind, value
-                        if answered:
-                            return
+                            break
+                    if batch:
+                        yield batch
+                    if answered:
+                        return
         finally:
             if channel is not None:
                 if first:

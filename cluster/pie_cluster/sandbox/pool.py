@@ -294,7 +294,8 @@ class WorkerPool:
     async def _end(self, worker: Worker) -> None:
         try:  # its socket closed: it is exiting (its status says why), or it closed the socket and lingers
             code = await asyncio.wait_for(worker.process.wait(), EXIT_GRACE_S)
-        except TimeoutError:
+        except TimeoutError:  # (killed here, it is not what a SIGKILL usually means: out of memory)
+            worker.death = worker.death or f"its socket to the host closed; it did not exit within {EXIT_GRACE_S:g} s"
             _kill(worker.process)
             code = await worker.process.wait()
         if worker.instances:
