@@ -100,10 +100,10 @@ class _Session:
         self._runner, self._run, self._channel = runner, run, channel
 
     def send(self, text: str) -> None:
-        self._runner._emit(self._run, "message", text)
+        self._runner.emit(self._run, "message", text)
 
     def send_file(self, data: bytes) -> None:
-        self._runner._emit(self._run, "file", data)
+        self._runner.emit(self._run, "file", data)
 
     async def receive(self) -> str:
         return await self._channel.receive("message")
@@ -157,7 +157,10 @@ class LocalInstances:
             admitted = await asyncio.shield(admission)
         except BaseException:
             admission.add_done_callback(lambda answer: self._end_unstarted(instance_id, answer))
-            self._undo(early) if early is not None else self._close_wallet(instance_id, wallet)
+            if early is not None:
+                self._undo(early)  # (its wallet goes with it)
+            else:
+                self._close_wallet(instance_id, wallet)
             raise
         finally:
             if early is not None:
@@ -259,7 +262,7 @@ class LocalInstances:
             try:
                 services = await self._current(run.services_version)
             except Exception as e:  # the launcher or the models' files cannot be reached
-                self._emit(run, "error", f"the ingress could not prepare the instance: {e}")
+                self.emit(run, "error", f"the ingress could not prepare the instance: {e}")
                 return
             opening, market = await self._opening(run, services.services.market)
             endpoints = services.endpoints
@@ -285,7 +288,7 @@ class LocalInstances:
                 lambda: self._main(program, instance_id),
                 input,
                 setup,
-                lambda kind, value: self._emit(run, kind, value),
+                lambda kind, value: self.emit(run, kind, value),
                 _Session(self, run, self._channels.find(instance_id)),
                 aborted=lambda: run.abort_reason or "aborted",
                 market=market,
@@ -344,7 +347,7 @@ class LocalInstances:
                 self._services = _Services(version, services, secret, endpoints, replicas)
             return self._services
 
-    def _emit(self, run: LocalRun, kind: str, value: str | bytes) -> None:
+    def emit(self, run: LocalRun, kind: str, value: str | bytes) -> None:
         """An event of ``run``'s: dropped when the run was undone, held when it is its ending and the launcher has
         not admitted it yet."""
         if self._runs.get(run.instance_id) is not run:
