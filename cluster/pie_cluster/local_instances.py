@@ -173,7 +173,7 @@ class LocalInstances:
                 self._early_starts.labels("kept").inc()
                 return instance_id, self._confirm(early)
             self._early_starts.labels("undone").inc()
-            await asyncio.wait([self._undo(early)])  # (its wallet goes with it)
+            undone = self._undo(early)  # (its wallet goes with it)
             wallet = None
         elif isinstance(admitted, Exception) or admitted is None or admitted["queued"]:
             self._close_wallet(instance_id, wallet)  # refused, run elsewhere, or waiting: it opens one later
@@ -182,9 +182,16 @@ class LocalInstances:
             raise admitted
         if admitted is None:
             return None
-        while admitted["queued"]:
-            ref = self._launcher.admitted.remote(self.name, instance_id, LAUNCHER_S)
-            admitted = await answer(ref, "the launcher", 2 * LAUNCHER_S)
+        try:
+            if early is not None:
+                await asyncio.wait([undone])  # this id's run again starts after that one's cleanup
+            while admitted["queued"]:
+                ref = self._launcher.admitted.remote(self.name, instance_id, LAUNCHER_S)
+                admitted = await answer(ref, "the launcher", 2 * LAUNCHER_S)
+        except BaseException:  # its client went away (or the launcher did not answer): its slot must come back
+            ending = "its request ended while it waited for a slot (its client went away, or no answer came)"
+            self._launcher.ended.remote([(instance_id, "error", ending)])
+            raise
         channel = self._channels.open(instance_id, user)
         if admitted["ending"] is not None:  # aborted while it waited
             channel.log.append(*admitted["ending"])

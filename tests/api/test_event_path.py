@@ -203,6 +203,27 @@ def test_a_chat_begun_before_its_admission_answered_is_undone_unseen_when_it_mus
     assert engine_status(pie)["launcher"]["running"] == 0
 
 
+def test_a_chat_whose_client_leaves_while_it_waits_for_a_slot_leaves_no_slot_taken(pie):
+    """A request queued behind its user's limit whose client goes away is ended at the launcher (when Serve cancels
+    its handler) or served once a slot frees (when it does not): either way, afterwards nothing of it runs or
+    waits."""
+    bob = {"Authorization": "Bearer tok-bob"}
+    upload = httpx.post(f"{pie['url']}/v1/programs?filename=wait.py", content=WAIT, headers=bob, timeout=60)
+    body = {"program": upload.json()["program"]}
+    waiting = [httpx.post(f"{pie['url']}/v1/instances", json=body, headers=bob).json()["id"] for _ in range(2)]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 8}
+    with pytest.raises(httpx.ReadTimeout):  # bob is at his limit: the request waits, and its client gives up
+        httpx.post(f"{pie['url']}/v1/chat/completions", json=chat, headers=bob, timeout=httpx.Timeout(60, read=2))
+    for instance in waiting:
+        httpx.post(f"{pie['url']}/v1/instances/{instance}/messages", json={"message": "done"}, headers=bob)
+    deadline = time.time() + 60
+    while (launcher := engine_status(pie)["launcher"])["running"] + launcher["queued"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert launcher["running"] == launcher["queued"] == 0, launcher
+    listed = httpx.get(f"{pie['url']}/v1/instances", headers=bob).json()
+    assert all(i["status"] in ("finished", "failed") for i in listed), listed
+
+
 def test_a_killed_ingress_replica_is_replaced_and_its_requests_end_without_leaking_a_slot(pie):
     """SIGKILL the Serve replica that runs the OpenAI requests while one streams: that stream breaks off, Serve
     starts a new replica, the launcher ends the lost request (its admission slot comes back), the replica releases
