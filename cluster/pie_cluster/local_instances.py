@@ -46,6 +46,9 @@ from pie_cluster.replica_relay import ReplicaRelays, failing_over
 from pie_cluster.wallet_calls import wallet_calls
 
 log = logging.getLogger("pie.http")
+UNDONE_CLEANUP_S = 2.0
+"""How long a request waits for the cleanup of its run begun early and undone (releasing its contexts, closing its
+wallet) before it runs again: a run begun on a replica that died since may take its failover's deadlines to end."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,8 @@ class LocalInstances:
         if admitted is None:
             return None
         try:
-            if early is not None:
-                await asyncio.wait([undone])  # this id's run again starts after that one's cleanup
+            if early is not None:  # this id's run again starts after that one's cleanup, or a bounded wait for it
+                await asyncio.wait([undone], timeout=UNDONE_CLEANUP_S)
             while admitted["queued"]:
                 ref = self._launcher.admitted.remote(self.name, instance_id, LAUNCHER_S)
                 admitted = await answer(ref, "the launcher", 2 * LAUNCHER_S)
@@ -205,7 +208,9 @@ class LocalInstances:
     ) -> LocalRun | None:
         """Begin the instance before its admission answers, when this process knows the services it would run
         with and the launcher's last answers left ``user`` room for it; None otherwise."""
-        if self._services is None or not self._headroom.take(user):
+        if self._services is None or self._services.version != self._headroom.services_version:
+            return None  # (services the launcher has moved on from: a run begun on them would be undone)
+        if not self._headroom.take(user):
             return None
         run = LocalRun(instance_id, self._services.version, self._headroom.deadline_s, confirmed=False)
         self._channels.open(instance_id, user)

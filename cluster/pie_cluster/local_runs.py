@@ -52,6 +52,7 @@ class Headroom:
     def __init__(self) -> None:
         self._users: dict[str, _UserRoom] = {}
         self.deadline_s: float | None = None  # the limit the launcher gives these instances (the same for all)
+        self.services_version: int | None = None  # the services' version in the launcher's last answer
 
     def take(self, user: str) -> bool:
         """Take room for one early start of ``user``'s; False when there is none (or nothing was heard yet)."""
@@ -71,4 +72,4 @@ class Headroom:
         room = self._users.setdefault(user, _UserRoom())
         room.spare = answer["spare"] if isinstance(answer, dict) else 0
         if isinstance(answer, dict):
-            self.deadline_s = answer["deadline_s"]
+            self.deadline_s, self.services_version = answer["deadline_s"], answer["services"]
