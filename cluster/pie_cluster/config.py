@@ -30,6 +30,7 @@ from typing import Literal
 
 from inferlet.mcp import ServerSpec
 from pie_workers.backends import check_backend
+from pie_workers.engine.tenancy import TenantLimits
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pie_cluster.admission import AdmissionLimits
@@ -185,6 +186,26 @@ class SandboxConfig(_Strict):
         return self.mode != "off"
 
 
+class CacheConfig(_Strict):
+    """Who may reuse whose KV pages (``[cache]``). ``share = "user"`` (the default): a cached prefix is found only by
+    lookups of the user who wrote it, so no user can learn by a counter or by timing whether another user's prompt is
+    cached. ``share = "cluster"``: every user's lookups find every page (more hits when users send the same system
+    prompt; the side channel that remains is stated in the README's security model). A request may also name its own
+    salt (``cache_salt`` on the OpenAI and Responses routes), which narrows reuse to requests naming the same salt."""
+
+    share: Literal["user", "cluster"] = "user"
+
+
+class LimitsConfig(_Strict):
+    """Per-user bounds on what tenants share (``[limits]``), enforced on the trusted side where each thing is stored
+    or executed: replicas, bus shards, the market and the inferlet hosts. Going over one fails the inferlet that
+    went over with an error naming the limit; it never costs another user anything."""
+
+    def tenant_limits(self, cache: CacheConfig) -> TenantLimits:
+        """The part a replica enforces."""
+        return TenantLimits(shared_prefixes=cache.share == "cluster")
+
+
 class PieConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
@@ -196,6 +217,8 @@ class PieConfig(_Strict):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @field_validator("model")
     @classmethod

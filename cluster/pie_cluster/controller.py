@@ -289,6 +289,7 @@ class Controller:
             name=f"{REPLICA_PREFIX}{name}/{index}/{secrets.token_hex(4)}",
             detached=self._detached,
             fit_threads=entry.cpus_per_rank is None,
+            tenants=self.config.limits.tenant_limits(self.config.cache),
         )
 
     def ready(self) -> bool:

@@ -187,7 +187,9 @@ class InferletHost:
         return InstanceSetup(
             instance_id=instance_id,
             username=username,
-            capability=capability.mint(self._secret, username, instance_id, ttl),
+            capability=capability.mint(
+                self._secret, username, instance_id, ttl, models=tuple(self._endpoints), token_budget=limits.token_budget
+            ),
             endpoints=self._endpoints,
             bus=services.bus,
             mcp_servers=services.mcp_servers,

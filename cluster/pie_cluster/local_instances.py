@@ -286,7 +286,7 @@ class LocalInstances:
             setup = InstanceSetup(
                 instance_id=instance_id,
                 username=user,
-                capability=capability.mint(services.secret, user, instance_id, ttl),
+                capability=capability.mint(services.secret, user, instance_id, ttl, models=tuple(endpoints)),
                 endpoints=endpoints,
                 bus=services.services.bus,
                 mcp_servers=services.services.mcp_servers,

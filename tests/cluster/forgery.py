@@ -14,16 +14,17 @@ SECRET = TRUST.secret
 
 
 def claims(token: str) -> list:
-    """The payload of a token, [user, instance, expires], read without checking anything."""
+    """The payload of a token, [user, instance, expires, grants], read without checking anything."""
     payload = token.split(".")[0]
     return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
 
 
 def forged(token: str, **changes) -> str:
-    """``token`` with fields of its payload changed (user, instance, expires), its signature kept."""
-    user, instance, expires = claims(token)
-    fields = {"user": user, "instance": instance, "expires": expires} | changes
-    payload = json.dumps([fields["user"], fields["instance"], fields["expires"]], separators=(",", ":")).encode()
+    """``token`` with fields of its payload changed (user, instance, expires, grants), its signature kept."""
+    user, instance, expires, grants = claims(token)
+    fields = {"user": user, "instance": instance, "expires": expires, "grants": grants} | changes
+    payload = [fields["user"], fields["instance"], fields["expires"], fields["grants"]]
+    payload = json.dumps(payload, separators=(",", ":")).encode()
     return base64.urlsafe_b64encode(payload).decode().rstrip("=") + "." + token.split(".")[1]
 
 

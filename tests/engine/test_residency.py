@@ -254,11 +254,13 @@ def test_a_context_with_a_pass_in_flight_gives_its_pages_up_when_its_next_pass_b
     from pie_workers.engine.record import EngineContexts, Session
     from pie_workers.engine.residency import Residency
     from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
+    from pie_workers.wire.capability import Capability
 
     records = EngineContexts(ContextTable(PageStore(4, 16)))
     contexts = records.table
     residency = Residency(records, BatchScheduler(None, BatchLimits()))
-    session = {name: Session(name, name, name, name, float("inf")) for name in ("alice", "bob", "carol", "dave")}
+    users = ("alice", "bob", "carol", "dave")
+    session = {name: Session(name, name, name, name, float("inf"), Capability(name, name, float("inf"))) for name in users}
     low, high = records.create(session["alice"]), records.create(session["bob"])
     contexts.reserve(low.id, 4)
     contexts.record(low.id, list(range(50)), list(range(50)))

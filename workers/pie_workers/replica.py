@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pie_workers.config import ModelConfig
 from pie_workers.engine.scheduler import BatchLimits
+from pie_workers.engine.tenancy import TenantLimits
 from pie_workers.model_dir import ModelSource, description_files, local_model_dir
 from pie_workers.rank_threads import rank_threads, usable_cores
 from pie_workers.runner import ModelRunner, RunnerSettings, resolve_device
@@ -104,11 +105,13 @@ class RankWorker:
             threads=self.threads,
         )
 
-    async def start_engine(self, limits: BatchLimits, secret: bytes, market=None, directory=None) -> dict[str, str]:
+    async def start_engine(
+        self, limits: BatchLimits, secret: bytes, market=None, directory=None, tenants: TenantLimits = TenantLimits()
+    ) -> dict[str, str]:
         """Rank 0: start the engine and its channel, which takes who each inferlet is from capabilities signed with
         ``secret`` (reporting to ``market``, the market actor, when given; with ``directory``, a (user directory
-        actor, model name) pair, its snapshots and adapters are named cluster-wide); returns the addresses inferlets
-        connect to."""
+        actor, model name) pair, its snapshots and adapters are named cluster-wide; ``tenants``: what it bounds per
+        user); returns the addresses inferlets connect to."""
         from pie_workers.engine.directory_link import DirectoryLink
         from pie_workers.engine.service import ReplicaEngine
 
@@ -117,7 +120,7 @@ class RankWorker:
         if directory is not None:
             actor, model = directory
             link = DirectoryLink(actor, model, ray.get_runtime_context().current_actor)
-        self.engine = ReplicaEngine(self.runner, limits, market, device, link, secret=secret)
+        self.engine = ReplicaEngine(self.runner, limits, market, device, link, secret=secret, tenants=tenants)
         return self.engine.start(ray.util.get_node_ip_address())
 
     async def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
@@ -180,6 +183,7 @@ class Replica:
         name: str | None = None,
         detached: bool = False,
         fit_threads: bool = False,
+        tenants: TenantLimits = TenantLimits(),
     ):
         """``model``: a model directory (resolved on the replica's node) or the embedded model; ``engine``: also
         start the replica engine with these batch limits (what inferlets talk to); ``market``: the market actor its
@@ -191,7 +195,8 @@ class Replica:
         load the model (None: no limit) before they are killed and ``TimeoutError`` is raised; ``name``: its ranks are
         named ``{name}/rank-{i}`` (found again by a controller that restarts); ``detached``: its ranks (and its own
         placement group) outlive whoever made it, which must then shut it down; ``fit_threads``: ``cpus_per_rank``
-        is automatic, so a CPU rank of a small model runs one thread (``rank_threads``)."""
+        is automatic, so a CPU rank of a small model runs one thread (``rank_threads``); ``tenants``: what its engine
+        bounds per user (``[limits]``, ``[cache]``)."""
         if engine is not None and not secret:
             raise ValueError("a replica that serves inferlets needs the cluster's secret (secret=...)")
         if use_gpu is None:
@@ -217,20 +222,22 @@ class Replica:
             for i in range(n)
         ]
         try:
-            self._start(model, settings, engine, market, directory, secret, start_s)
+            self._start(model, settings, engine, market, directory, secret, start_s, tenants)
         except BaseException:  # ranks left waiting for a bundle or half-loaded would hold its resources
             for r in self.ranks:
                 ray.kill(r)
             raise
 
-    def _start(self, model, settings, engine, market, directory, secret, start_s: float | None) -> None:
+    def _start(self, model, settings, engine, market, directory, secret, start_s: float | None, tenants) -> None:
         try:
             ray.get(self.placement_group.ready(), timeout=600 if start_s is None else start_s)
             addr, port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=start_s)
             infos = ray.get([r.start.remote(model, settings, addr, port) for r in self.ranks], timeout=start_s)
             self.info: ReplicaInfo = infos[0]
             self._following = [r.follow.remote() for r in self.ranks[1:]]
-            started = self.leader.start_engine.remote(engine, secret, market, directory) if engine is not None else None
+            started = (
+                self.leader.start_engine.remote(engine, secret, market, directory, tenants) if engine is not None else None
+            )
             self.addresses = ray.get(started, timeout=start_s) if started is not None else {}
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(

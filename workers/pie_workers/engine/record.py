@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pie_workers.engine.contexts import ContextTable
 from pie_workers.engine.gate import Gate
-from pie_workers.wire.capability import CapabilityError, verify
+from pie_workers.wire.capability import Capability, CapabilityError, verify
 
 if TYPE_CHECKING:
     from pie_workers.engine.ngram import NgramIndex
@@ -35,6 +35,7 @@ class Session:
     instance: str  # the inferlet's process, whose wallet pays the rent of its contexts
     key: str  # the inferlet run; scopes its contexts
     expires: float  # when its capability does (``time.time()``): past it, its requests are refused
+    grants: Capability  # what its capability gives it (models it may reach, its token budget)
     closed: bool = False  # its inferlet ended: a context an operation still in flight makes for it is released
 
 
@@ -55,7 +56,8 @@ class Sessions:
             if not key:
                 raise CapabilityError("malformed session: not capability/session")
             capability = verify(self._secret, token)
-            session = self._known[name] = Session(name, capability.user, capability.instance, key, capability.expires)
+            session = Session(name, capability.user, capability.instance, key, capability.expires, capability)
+            self._known[name] = session
         elif time.time() >= session.expires:
             raise CapabilityError(f"expired capability: instance {session.instance!r} is past its lifetime")
         return session

@@ -36,6 +36,7 @@ from pie_workers.engine.residency import Residency
 from pie_workers.engine.scheduler import BatchLimits, BatchScheduler
 from pie_workers.engine.settle import truncate
 from pie_workers.engine.snapshot_ops import SnapshotOperations
+from pie_workers.engine.tenancy import TenantLimits
 from pie_workers.runner import GroupBroken, ModelRunner
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 from pie_workers.wire.messages import AccountReply, ContextReply, PassRequest, decode, encode
@@ -53,14 +54,16 @@ class ReplicaEngine(SnapshotOperations):
         directory: DirectoryLink | None = None,
         *,
         secret: bytes,
+        tenants: TenantLimits = TenantLimits(),
     ):
         """``market``: the cluster's market actor (its handle), to report this device to; None runs without one
         (bids still rank contexts locally, nobody pays rent). ``directory``: the cluster's snapshot names (None:
         this replica's snapshots are its own). ``secret``: the cluster's, that every request's capability must be
-        signed with (there is no unauthenticated mode)."""
+        signed with (there is no unauthenticated mode). ``tenants``: what it bounds per verified user."""
         if not secret:
             raise ValueError("a replica engine needs the cluster's secret to verify its clients' capabilities")
         self.directory = directory
+        self.tenants = tenants
         self.runner = runner
         self.store = PageStore(runner.num_pages, runner.page_size)
         self.contexts = ContextTable(self.store)

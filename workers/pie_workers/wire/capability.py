@@ -1,11 +1,14 @@
 """Capabilities: who an inferlet instance is, minted by the trusted side and checked by everything it connects to.
 
 User code runs in sandboxed processes, so nothing it says about itself can be believed. The trusted host that
-launches an instance mints a token binding (user, instance, expiry) with the cluster's secret; replicas and bus
-shards hold the same secret and take user and instance from a token that verifies, never from a name the client
-sends. The token is printable and has no ``/`` (it travels inside the replica channel's session strings)::
+launches an instance mints a token binding (user, instance, expiry, grants) with the cluster's secret; replicas and
+bus shards hold the same secret and take user and instance from a token that verifies, never from a name the client
+sends. The grants say what the instance was given, so that what enforces them is the trusted side: the models it may
+reach (None: every model of the cluster) and the tokens it may have generated (None: no budget). The token is
+printable and has no ``/`` (it travels inside the replica channel's session strings)::
 
-    base64url(json [user, instance, expires]) "." base64url(HMAC-SHA256(secret, DOMAIN + payload))
+    base64url(json [user, instance, expires, {"models": [...] | null, "tokens": n | null}])
+        "." base64url(HMAC-SHA256(secret, DOMAIN + payload))
 
 Base64 without padding, and only its canonical form is accepted, so one capability has exactly one spelling.
 """
@@ -21,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass
 
-DOMAIN = b"pie-capability-v1."
+DOMAIN = b"pie-capability-v2."
 """Signed ahead of the payload, so a MAC made with the cluster's secret for any other purpose is never a capability."""
 MAX_LENGTH = 4096  # characters: a longer token is refused before any decoding
 _SIGNATURE_BYTES = hashlib.sha256().digest_size
@@ -36,15 +39,28 @@ class Capability:
     user: str
     instance: str
     expires: float  # seconds since the epoch (``time.time()``)
+    models: tuple[str, ...] | None = None  # the models it may reach; None: all
+    token_budget: int | None = None  # tokens the model may generate for it, counted where its passes run
 
 
-def mint(secret: bytes, user: str, instance: str, ttl_s: float) -> str:
-    """A token saying that ``instance`` runs as ``user`` for the next ``ttl_s`` seconds."""
+def mint(
+    secret: bytes,
+    user: str,
+    instance: str,
+    ttl_s: float,
+    *,
+    models: tuple[str, ...] | None = None,
+    token_budget: int | None = None,
+) -> str:
+    """A token saying that ``instance`` runs as ``user`` for the next ``ttl_s`` seconds, granted ``models`` and
+    ``token_budget``."""
     if not secret:
         raise ValueError("a capability needs the cluster's secret; an empty one would prove nothing")
     if not math.isfinite(ttl_s) or ttl_s <= 0:
         raise ValueError(f"a capability's lifetime is a positive number of seconds, not {ttl_s!r}")
-    payload = _encode(json.dumps([user, instance, time.time() + ttl_s], separators=(",", ":")).encode())
+    grants = {"models": None if models is None else sorted(models), "tokens": token_budget}
+    claims = [user, instance, time.time() + ttl_s, grants]
+    payload = _encode(json.dumps(claims, separators=(",", ":")).encode())
     return f"{payload}.{_encode(_sign(secret, payload))}"
 
 
@@ -60,14 +76,21 @@ def verify(secret: bytes, token: str, now: float | None = None) -> Capability:
     if not hmac.compare_digest(mac, _sign(secret, payload)):
         raise CapabilityError("bad capability signature: it was not minted by this cluster, or was altered")
     try:
-        user, instance, expires = json.loads(claims)
-    except (ValueError, TypeError):
-        raise CapabilityError("malformed capability: its payload is not [user, instance, expiry]") from None
-    if not (isinstance(user, str) and isinstance(instance, str) and isinstance(expires, (int, float))):
-        raise CapabilityError("malformed capability: its payload is not [user, instance, expiry]")
+        user, instance, expires, grants = json.loads(claims)
+        models, tokens = grants["models"], grants["tokens"]
+    except (ValueError, TypeError, KeyError):
+        raise CapabilityError("malformed capability: its payload is not [user, instance, expiry, grants]") from None
+    if not (
+        isinstance(user, str)
+        and isinstance(instance, str)
+        and isinstance(expires, (int, float))
+        and (models is None or (isinstance(models, list) and all(isinstance(m, str) for m in models)))
+        and (tokens is None or (isinstance(tokens, int) and not isinstance(tokens, bool)))
+    ):
+        raise CapabilityError("malformed capability: its payload is not [user, instance, expiry, grants]")
     if (time.time() if now is None else now) >= expires:
         raise CapabilityError(f"expired capability: instance {instance!r} of user {user!r} is past its lifetime")
-    return Capability(user, instance, float(expires))
+    return Capability(user, instance, float(expires), None if models is None else tuple(models), tokens)
 
 
 def _sign(secret: bytes, payload: str) -> bytes:
