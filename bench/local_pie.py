@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import ray
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, ResponsesConfig, SandboxConfig
+from pie_cluster.config import AuthConfig, CacheConfig, ModelConfigEntry, PieConfig, ResponsesConfig, SandboxConfig
 from pie_cluster.controller import LAUNCHER, find_controller, start_controller
 from pie_cluster.http_app import serve_http, stop_http
 from pie_cluster.local_ray import NAMESPACE, serve_env
@@ -42,12 +42,16 @@ def local_pie(
     routing: str = "prefix",
     backend: str = "auto",
     responses: ResponsesConfig | None = None,
+    tokens: dict[str, str] | None = None,
+    share: str = "user",
 ) -> Iterator[LocalPie]:
     """``sandbox``: how uploaded programs run (``off``: in the trusted host, the baseline the sandbox is measured
     against); ``cpus_per_rank`` None: the automatic share, as a config that leaves it unset; ``backend``: the
     model's kernels (``[[model]] backend``); ``model_dir``: a Hugging Face directory to serve (None: the embedded
     tiny model); ``replicas`` of it, over which the ingress spreads OpenAI requests by ``routing``;
-    ``responses``: the Responses API's settings (None: the defaults)."""
+    ``responses``: the Responses API's settings (None: the defaults); ``tokens``: bearer token -> user, with auth
+    on (None: auth off, every caller is ``local``); ``share``: whose prefixes the replicas' caches share
+    (``[cache] share``)."""
     ray.init(  # address="local": a Ray of its own, even where another one runs on this machine
         address="local",
         num_cpus=4,
@@ -68,14 +72,15 @@ def local_pie(
             path=str(model_dir) if model_dir is not None else None,
         )
         config = PieConfig(
-            auth=AuthConfig(enabled=False),
+            auth=AuthConfig(enabled=tokens is not None, tokens=tokens or {}),
+            cache=CacheConfig(share=share),
             model=[entry],
             sandbox=SandboxConfig(mode=sandbox),
             responses=responses or ResponsesConfig(),
         )
         controller = start_controller(config, detached=False)
         server = config.server.model_copy(update={"port": free_port(), "routing": routing})
-        url = serve_http(config.auth, NAMESPACE, server, config.responses)
+        url = serve_http(config.auth, NAMESPACE, server, config.responses, config.cache)
         wait_healthy(url)
         yield LocalPie(url, ray.get_actor(LAUNCHER))
     finally:

@@ -118,7 +118,8 @@ def start(
     if exposed is not None:  # a warning, not a refusal: configs written before this check keep starting
         err.print(f"[yellow]warning:[/yellow] {escape(exposed)}", soft_wrap=True)
     if cfg.sandbox.enabled:
-        from pie_cluster.sandbox.bwrap import SandboxUnavailable, probe
+        from pie_cluster.sandbox import SandboxUnavailable
+        from pie_cluster.sandbox.bwrap import probe
 
         try:
             probe(cfg.sandbox)
@@ -131,7 +132,7 @@ def start(
         start_controller(cfg)
         overrides = {"host": host, "port": port}
         server = cfg.server.model_copy(update={k: v for k, v in overrides.items() if v is not None})
-        url = serve_http(cfg.auth, ray.get_runtime_context().namespace, server, cfg.responses)
+        url = serve_http(cfg.auth, ray.get_runtime_context().namespace, server, cfg.responses, cfg.cache)
     token = next(iter(cfg.auth.tokens), None) if cfg.auth.enabled and len(cfg.auth.tokens) == 1 else None
     save_state({"address": gcs, "url": url, "dashboard": dashboard, "started_ray": started, "token": token})
     console.print(f"[green]✓[/green] Pie is up: {url}  (Ray at {gcs})")
@@ -259,10 +260,12 @@ def drain(
 
 
 def _sandbox_line(nodes: list[dict]) -> str:
-    """How uploaded programs run: ``off`` means trusted users only (their code can reach Ray)."""
+    """How uploaded programs run: ``off`` means trusted users only (their code can reach Ray); with the sandbox on,
+    how each worker is bounded as a whole (``cgroup`` or ``rlimit``: see the README's security model)."""
     modes = sorted({n["sandbox"] for n in nodes if "sandbox" in n}) or ["unknown"]
     workers = sum(n.get("workers", 0) for n in nodes)
-    return f"sandbox {'/'.join(modes)}" + (f" ({workers} workers)" if "bubblewrap" in modes else "")
+    limits = "/".join(sorted({n["limits"] for n in nodes if "limits" in n}))
+    return f"sandbox {'/'.join(modes)}" + (f" ({workers} workers, limits {limits})" if "bubblewrap" in modes else "")
 
 
 def job_run(

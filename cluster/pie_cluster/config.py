@@ -31,6 +31,7 @@ from typing import Literal
 from inferlet.mcp import ServerSpec
 from pie_workers.backends import check_backend
 from pie_workers.engine.tenancy import TenantLimits
+from pie_workers.wire.admission import ConnectionLimits
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pie_cluster.admission import AdmissionLimits
@@ -102,12 +103,31 @@ class ModelConfigEntry(_Strict):
         return self
 
 
+EVENT_BYTES_CEILING = 16 << 20  # no event value may be larger, whatever [limits] says: the worker protocol's bound
+
+
+@dataclass(frozen=True)
+class BusLimits:
+    """What one bus shard bounds (see ``LimitsConfig`` for each): a message, a user's queued messages, its journal."""
+
+    message_bytes: int = 16 << 20
+    queued_bytes_per_user: int = 64 << 20
+    journal_bytes: int = 2 << 30
+
+
 @dataclass(frozen=True)
 class ChannelLimits:
-    """How many events an instance's channel buffers, and how many ended instances' channels a host keeps."""
+    """How many events an instance's channel buffers, and how many ended instances' channels a host keeps; what
+    one instance may put through its channel (see ``LimitsConfig`` for each bound)."""
 
     event_buffer: int = 4096
     keep_finished: int = 1024
+    stdout_bytes_per_s: int = 1 << 20
+    stdout_burst_bytes: int = 4 << 20
+    stdout_total_bytes: int = 64 << 20
+    event_bytes: int = 1 << 20
+    return_bytes: int = 4 << 20
+    event_log_bytes: int = 8 << 20
 
 
 class LauncherConfig(_Strict):
@@ -126,8 +146,9 @@ class LauncherConfig(_Strict):
     def admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(self.max_running, self.max_running_per_user, self.max_queued, self.max_queued_per_user)
 
-    def channel_limits(self) -> ChannelLimits:
-        return ChannelLimits(self.event_buffer, self.keep_finished)
+    def channel_limits(self, limits: LimitsConfig | None = None) -> ChannelLimits:
+        sizes = (limits or LimitsConfig()).channel_sizes()
+        return ChannelLimits(self.event_buffer, self.keep_finished, **sizes)
 
 
 class BusConfig(_Strict):
@@ -173,7 +194,10 @@ class SandboxConfig(_Strict):
     mode: Literal["bubblewrap", "off"] = "bubblewrap"
     memory_mib: int = Field(4096, ge=64)  # address space of each worker process (RLIMIT_AS)
     cpu_seconds: int = Field(3600, ge=1)  # CPU time of one worker process before the kernel ends it (RLIMIT_CPU)
-    max_processes: int = Field(64, ge=4)  # processes and threads of one worker (RLIMIT_NPROC, with its own uid)
+    max_processes: int = Field(64, ge=4)  # processes and threads of one worker (pids.max; else RLIMIT_NPROC + census)
+    worker_memory_mib: int = Field(8192, ge=64)  # one worker's processes together (memory.max; else the census)
+    worker_cpus: float = Field(4.0, gt=0)  # CPUs one worker's processes together may keep busy (cpu.max; cgroups only)
+    max_workers_per_user: int = Field(4, ge=1)  # one user's workers on a node, isolated ones too; more launches wait
     max_file_mib: int = Field(256, ge=1)  # largest file a worker may write (RLIMIT_FSIZE)
     scratch_mib: int = Field(256, ge=1)  # the worker's private /tmp (a tmpfs)
     egress: bool = False  # True: workers share the node's network (MCP servers by URL, web tools); never Ray's ports
@@ -201,9 +225,66 @@ class LimitsConfig(_Strict):
     or executed: replicas, bus shards, the market and the inferlet hosts. Going over one fails the inferlet that
     went over with an error naming the limit; it never costs another user anything."""
 
+    # An instance's events, enforced by the host that keeps its channel (``events.py``). Stdout and stderr together:
+    # past the rate (after a burst) output is dropped with one line saying how much; past the total, the instance
+    # is ended (runaway output costs its host work for every byte, dropped or not).
+    stdout_bytes_per_s: int = Field(1 << 20, ge=1)  # sustained stdout+stderr bytes per second per instance
+    stdout_burst_bytes: int = Field(4 << 20, ge=1)  # stdout+stderr bytes an instance may write at once
+    stdout_total_bytes: int = Field(64 << 20, ge=1)  # stdout+stderr bytes written (kept or dropped) per instance
+    event_bytes: int = Field(1 << 20, ge=1, le=EVENT_BYTES_CEILING)  # one message, file or error event's value
+    return_bytes: int = Field(4 << 20, ge=1, le=EVENT_BYTES_CEILING)  # an instance's return value (JSON)
+    event_log_bytes: int = Field(8 << 20, ge=1)  # events kept per instance (oldest dropped; its ending never)
+
+    # What a replica holds per user (``engine/tenancy.py``): snapshots and LoRA adapters.
+    snapshots_per_user: int = Field(1024, ge=1)  # snapshots one user holds on one replica (and names per model)
+    # KV pages one user's snapshots hold on one replica, but for those the directory recomputes (they yield their
+    # pages at no loss); None: half that replica's pool
+    snapshot_pages_per_user: int | None = Field(None, ge=1)
+    adapter_max_rank: int = Field(256, ge=1)  # a LoRA rank (also at most the adapted layers' smaller dimension)
+    adapters_per_user: int = Field(64, ge=1)  # adapters one user holds on one replica
+    adapter_bytes_per_user: int = Field(1 << 30, ge=1)  # bytes of their weights (float32) on one replica
+    adapter_store_bytes_per_user: int = Field(1 << 30, ge=1)  # adapter weights and saved files kept in the GCS
+    # The message bus, per shard (``bus/quotas.py``).
+    bus_message_bytes: int = Field(16 << 20, ge=1)  # one pushed or broadcast message
+    bus_queued_bytes_per_user: int = Field(64 << 20, ge=1)  # messages queued for one user on one shard
+    bus_journal_bytes: int = Field(2 << 30, ge=1)  # a shard's journal on its node's disk (see ``bus/quotas.py``)
+    # The market (``market/market.py``): credits a launch's token budget may endow it with (the rest of the budget
+    # still limits its tokens); each user's credits are at most this times ``[launcher] max_running_per_user``.
+    max_endowment: float = Field(65536.0, ge=0)
+    # Connections to each replica's channel and each bus shard (``pie_workers/wire/admission.py``); a connection
+    # proves its capability before anything else it sends is read.
+    connections_per_instance: int = Field(16, ge=1)  # live verified connections carrying one instance
+    connections_per_user: int = Field(256, ge=1)  # live verified connections carrying any instance of one user
+    unverified_per_peer: int = Field(64, ge=1)  # connections of one Unix uid or IP not yet past their handshake
+    handshake_s: float = Field(5.0, gt=0)  # how long a new replica connection may take to send its handshake
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The part every replica and bus shard enforces on its connections."""
+        return ConnectionLimits(
+            self.connections_per_instance, self.connections_per_user, self.unverified_per_peer, self.handshake_s
+        )
+
+    def channel_sizes(self) -> dict[str, int]:
+        """The part an instance's channel enforces (``ChannelLimits``)."""
+        return self.model_dump(
+            include={"stdout_bytes_per_s", "stdout_burst_bytes", "stdout_total_bytes"}
+            | {"event_bytes", "return_bytes", "event_log_bytes"}
+        )
+
     def tenant_limits(self, cache: CacheConfig) -> TenantLimits:
         """The part a replica enforces."""
-        return TenantLimits(shared_prefixes=cache.share == "cluster")
+        return TenantLimits(
+            shared_prefixes=cache.share == "cluster",
+            **self.model_dump(
+                include={"snapshots_per_user", "snapshot_pages_per_user", "adapter_max_rank", "adapters_per_user"}
+                | {"adapter_bytes_per_user"}
+            ),
+            connections=self.connection_limits(),
+        )
+
+    def bus_limits(self) -> BusLimits:
+        """The part each bus shard enforces."""
+        return BusLimits(self.bus_message_bytes, self.bus_queued_bytes_per_user, self.bus_journal_bytes)
 
 
 class PieConfig(_Strict):

@@ -8,6 +8,9 @@ computes, per node, how an inferlet there reaches each model: over ipc to a repl
 one, else over tcp. Models are named to replicas by path or as the embedded model, never by a path from the
 controller's node: each replica resolves its model where it runs, and hosts get a model's tokenizer files through
 Ray. Replicas that die or hang are replaced by the supervisor (``supervisor.py``).
+
+It stays one file past 400 lines: building, watching, saving and tearing down share one set of handles, and its
+recovery, status and drain already live beside it (``controller_state.py``, ``cluster_status.py``, ``drain.py``).
 """
 
 from __future__ import annotations
@@ -105,16 +108,21 @@ class Controller:
         # their node is lost Ray restarts them on another
         here = preferring(ray.get_runtime_context().get_node_id())
         lifetime = "detached" if self._detached else None
-        self.market = get_or_create_market(
-            self._namespace, config.market.default_endowment, lifetime=lifetime, placement=here
-        )
-        self.directory = get_or_create_directory(self._namespace, lifetime=lifetime, placement=here)
+        limits, placed = config.limits, {"lifetime": lifetime, "placement": here}
+        endowments = {"default_endowment": config.market.default_endowment, "max_endowment": limits.max_endowment}
+        self.market = get_or_create_market(self._namespace, **endowments, **placed)
+        stored = {
+            "store_bytes_per_user": limits.adapter_store_bytes_per_user,
+            "snapshots_per_user": limits.snapshots_per_user,
+        }
+        self.directory = get_or_create_directory(self._namespace, **placed, **stored)
         self.responses = get_or_create_store(
             self._namespace, config.responses, self.directory, lifetime=lifetime, placement=here
         )
         for entry in config.model:
             self.replicas[entry.name] = self._start_replicas(entry)
-        self.bus = start_bus(shards=config.bus.shards, detached=self._detached, secret=self.secret)
+        bounds = {"limits": limits.bus_limits(), "connections": limits.connection_limits()}
+        self.bus = start_bus(shards=config.bus.shards, detached=self._detached, secret=self.secret, **bounds)
         nodes = sorted(_alive_nodes())
         launcher_cls = ray.remote(Launcher).options(
             name=LAUNCHER,
@@ -170,6 +178,7 @@ class Controller:
 
     def _start_host(self, node: str, services: NodeServices):
         """The pooled inferlet host of ``node``; Ray restarts it if it dies (the launcher fails what it ran)."""
+        channels = self.config.launcher.channel_limits(self.config.limits)
         return (
             ray.remote(InferletHost)
             .options(
@@ -180,7 +189,7 @@ class Controller:
                 max_concurrency=100_000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             )
-            .remote(self.launcher, services, self.secret, self.config.sandbox, self.config.launcher.channel_limits())
+            .remote(self.launcher, services, self.secret, self.config.sandbox, channels)
         )
 
     def _watch_nodes(self) -> None:
@@ -226,6 +235,7 @@ class Controller:
         """What inferlets on each node reach: the models (through this node's view of the replicas), bus, MCP
         servers, market, and the models' tokenizer files (fetched anew: a dead replica's would be lost)."""
         model_files = {name: replicas[0].leader.model_files.remote() for name, replicas in self.replicas.items()}
+        revokers = (*(r.leader for replicas in self.replicas.values() for r in replicas), *self.bus.shards)
         return {
             node: NodeServices(
                 endpoints=self.endpoints(node),
@@ -234,6 +244,7 @@ class Controller:
                 mcp_servers=self.config.mcp_specs(),
                 market=self.market,
                 model_files=model_files,
+                revokers=revokers,
             )
             for node in nodes
         }

@@ -3,7 +3,9 @@
 Kinds follow Pie's client protocol: ``stdout``, ``stderr``, ``message``, ``file`` (bytes), and the terminal
 ``return`` and ``error``. Events are numbered from 0; a client reads "everything from index i on" and resumes
 from the index it got back. The buffer keeps the newest ``capacity`` events (oldest dropped, like Pie's 4096-entry
-ring), but the terminal event is never dropped, so a late client always learns how the instance ended.
+ring) and at most ``event_log_bytes`` of them, but the terminal event is never dropped, so a late client always
+learns how the instance ended. What an instance may emit is bounded (``event_limits.py``): an instance that goes over
+is ended through ``exceeded`` (its host aborts it, so that it ends with an error naming the limit).
 
 Events never pass through a cluster-wide actor: the node host that runs an instance (or the ingress, for the
 cluster's own programs) keeps its ``Channel``, and ``follow`` asks the launcher once where that is, then reads the
@@ -13,6 +15,7 @@ events from there. The launcher only learns how each instance ended.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
@@ -22,9 +25,11 @@ import ray.exceptions
 from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 
 from pie_cluster.config import ChannelLimits
+from pie_cluster.event_limits import KINDS, STREAMS, TERMINAL, OutputQuota, check_event, limit, size_of
 
-KINDS = ("stdout", "stderr", "message", "file", "return", "error")
-TERMINAL = ("return", "error")
+__all__ = ["KINDS", "TERMINAL", "Channel", "Channels", "Event", "EventLog", "NotFound"]
+
+log = logging.getLogger(__name__)
 
 
 class NotFound(LookupError):
@@ -36,14 +41,16 @@ class Event:
     index: int
     kind: str
     value: str | bytes
+    size: int = 0  # bytes, as counted against ``event_log_bytes``
 
     def as_wire(self) -> list:
         return [self.index, self.kind, self.value]
 
 
 class EventLog:
-    def __init__(self, capacity: int = 4096):
-        self._events: deque[Event] = deque(maxlen=capacity)
+    def __init__(self, capacity: int = 4096, max_bytes: int = 8 << 20):
+        self._events: deque[Event] = deque()
+        self._capacity, self._max_bytes, self._bytes = capacity, max_bytes, 0
         self._next = 0
         self._changed = asyncio.Event()
         self.terminal: Event | None = None
@@ -52,14 +59,17 @@ class EventLog:
     def done(self) -> bool:
         return self.terminal is not None
 
-    def append(self, kind: str, value: str | bytes) -> None:
+    def append(self, kind: str, value: str | bytes, size: int | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown event kind {kind!r}")
         if self.done:
             return  # nothing follows a return or error
-        event = Event(self._next, kind, value)
+        event = Event(self._next, kind, value, size_of(value) if size is None else size)
         self._next += 1
+        while self._events and (len(self._events) >= self._capacity or self._bytes + event.size > self._max_bytes):
+            self._bytes -= self._events.popleft().size  # the oldest go (the terminal is always the newest)
         self._events.append(event)
+        self._bytes += event.size
         if kind in TERMINAL:
             self.terminal = event
         self._changed.set()
@@ -104,6 +114,8 @@ class Channel:
     )
     waiting: set[asyncio.Future] = field(default_factory=set)
     launch: dict | None = None  # what a restarted launcher learns of it from its host (``InferletHost.live``)
+    output: OutputQuota = field(default_factory=lambda: OutputQuota(0.0, time.monotonic()))
+    ending: str | None = None  # why its host is ending it (it went over a limit): only its terminal event goes out
 
     def events(self, got: list[Event], since: int) -> dict:
         """The answer to a poll: the events, where to resume, and whether the terminal one is among them."""
@@ -130,42 +142,101 @@ class Channel:
             self.waiting.discard(waiter)
 
 
+@dataclass
+class _Pending:
+    """An event queued for this loop turn's flush; a stream's consecutive writes are kept as parts, joined once."""
+
+    instance_id: str
+    kind: str
+    parts: list
+    size: int
+
+    def value(self) -> str | bytes:
+        return self.parts[0] if len(self.parts) == 1 else "".join(self.parts)
+
+
 class Channels:
     """The channels of the instances one process runs; ended ones stay readable until ``keep`` newer ones ended.
     Events are batched per event-loop turn (``emit``), and the endings of a turn go to ``ended`` in one call (the
-    launcher's, which learns nothing else of an instance's events)."""
+    launcher's, which learns nothing else of an instance's events). ``exceeded(instance, reason)`` ends an instance
+    that went over a limit (its host aborts it; False: it cannot, and the channel ends it here)."""
 
-    def __init__(self, limits: ChannelLimits, ended: Callable[[list[tuple[str, str, str | bytes]]], object]):
-        self._capacity, self._keep = limits.event_buffer, limits.keep_finished
+    def __init__(
+        self,
+        limits: ChannelLimits,
+        ended: Callable[[list[tuple[str, str, str | bytes]]], object],
+        exceeded: Callable[[str, str], bool] = lambda instance_id, reason: False,
+    ):
+        self._limits = limits
         self._open: dict[str, Channel] = {}
         self._ended: OrderedDict[str, Channel] = OrderedDict()
         self._report_endings = ended
-        self._outbox: list[tuple[str, str, str | bytes]] = []
+        self._exceeded = exceeded
+        self._outbox: list[_Pending] = []
+        self._latest: dict[str, _Pending] = {}  # each instance's newest event in the outbox
 
     def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
-        """Queue an event for this loop turn's batch; consecutive writes to one stream merge into one event."""
+        """Queue an event for this loop turn's batch, within the instance's limits (``event_limits.py``); writes
+        to one stream in one turn merge into one event. Raises ``TypeError`` for an unknown kind or a value of the
+        wrong type (callers relay only what they checked)."""
+        check_event(kind, value)
+        channel = self._open.get(instance_id)
+        if channel is None or (channel.ending is not None and kind not in TERMINAL):
+            return
+        if channel.ending is not None:  # however its program ended, it ends as its host ended it
+            kind, value = "error", channel.ending
+        if kind in TERMINAL and (marker := channel.output.marker(self._limits)):
+            self._queue(instance_id, "stdout", marker, len(marker))
+        limited = limit(kind, value, channel.output, time.monotonic(), self._limits)
+        if limited.ending is not None:
+            self._end(instance_id, channel, f"the instance was ended: {limited.ending}")
+        elif limited.kind is not None:
+            self._queue(instance_id, limited.kind, limited.value, limited.size)
+
+    def _queue(self, instance_id: str, kind: str, value: str | bytes, size: int) -> None:
         if not self._outbox:
             asyncio.get_running_loop().call_soon(self._flush)
-        elif kind in ("stdout", "stderr") and self._outbox[-1][:2] == (instance_id, kind):
-            self._outbox[-1] = (instance_id, kind, self._outbox[-1][2] + value)
+        latest = self._latest.get(instance_id)
+        if kind in STREAMS and latest is not None and latest.kind == kind:
+            latest.parts.append(value)
+            latest.size += size
             return
-        self._outbox.append((instance_id, kind, value))
+        pending = self._latest[instance_id] = _Pending(instance_id, kind, [value], size)
+        self._outbox.append(pending)
+
+    def _end(self, instance_id: str, channel: Channel, reason: str) -> None:
+        """End an instance that went over a limit: its host aborts it with ``reason``, or it ends here."""
+        channel.ending = reason
+        if not self._exceeded(instance_id, reason):
+            self._queue(instance_id, "error", reason, size_of(reason))
 
     def _flush(self) -> None:
+        """Each instance's events of this turn into its log; one instance's failure loses no other's."""
         batch, self._outbox = self._outbox, []
-        endings = [(i, e.kind, e.value) for i, kind, value in batch if (e := self.append(i, kind, value))]
+        self._latest.clear()
+        endings = []
+        for pending in batch:
+            try:
+                if ending := self.append(pending.instance_id, pending.kind, pending.value(), pending.size):
+                    endings.append((pending.instance_id, ending.kind, ending.value))
+            except Exception:
+                log.exception("an event of instance %s was lost", pending.instance_id)
         if endings:
             self._report_endings(endings)
 
     def open(self, instance_id: str, user: str) -> Channel:
-        channel = self._open[instance_id] = Channel(user, EventLog(self._capacity))
+        limits = self._limits
+        output = OutputQuota(limits.stdout_burst_bytes, time.monotonic())
+        log = EventLog(limits.event_buffer, limits.event_log_bytes)
+        channel = self._open[instance_id] = Channel(user, log, output=output)
         return channel
 
     def discard(self, instance_id: str) -> None:
         """Forget an open channel and the events queued for it, reporting no ending (its instance was begun early
         and undone: the launcher never ran it as this)."""
         channel = self._open.pop(instance_id, None)
-        self._outbox = [event for event in self._outbox if event[0] != instance_id]
+        self._outbox = [event for event in self._outbox if event.instance_id != instance_id]
+        self._latest.pop(instance_id, None)
         for waiter in list(channel.waiting) if channel is not None else ():
             waiter.cancel()
 
@@ -182,19 +253,19 @@ class Channels:
             raise NotFound(f"no instance {instance_id!r}")
         return channel
 
-    def append(self, instance_id: str, kind: str, value: str | bytes) -> Event | None:
+    def append(self, instance_id: str, kind: str, value: str | bytes, size: int | None = None) -> Event | None:
         """Add an event; returns it when it was the instance's terminal one (the channel is then closed)."""
         channel = self._open.get(instance_id)
         if channel is None:
             return None
-        channel.log.append(kind, value)
+        channel.log.append(kind, value, size)
         if not channel.log.done:
             return None
         del self._open[instance_id]
         for waiter in list(channel.waiting):
             waiter.cancel()
         self._ended[instance_id] = channel
-        while len(self._ended) > self._keep:
+        while len(self._ended) > self._limits.keep_finished:
             self._ended.popitem(last=False)
         return channel.log.terminal
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
-from pie_cluster.config import AuthConfig, ResponsesConfig, ServerConfig
+from pie_cluster.config import AuthConfig, CacheConfig, ResponsesConfig, ServerConfig
 from pie_cluster.events import TERMINAL, follow
 from pie_cluster.http_errors import launcher_error
 from pie_cluster.launch_request import LaunchRequest, describe_errors
@@ -36,6 +36,7 @@ from pie_cluster.local_instances import LocalInstances
 from pie_cluster.openai_requests import OpenAIError
 from pie_cluster.openai_routes import OPENAI_PATHS, OpenAIRoutes
 from pie_cluster.openai_routes import router as openai_router
+from pie_cluster.prefix_routing import PrefixRouter
 from pie_cluster.programs import MAX_PROGRAM_BYTES
 from pie_cluster.request_metrics import RequestClock, RequestMetrics
 from pie_cluster.responses_routes import RESPONSES_PATH, ResponsesRoutes
@@ -156,13 +157,19 @@ app.include_router(responses_router)
 @serve.ingress(app)
 class PieIngress(OpenAIRoutes, ResponsesRoutes):
     def __init__(
-        self, auth: AuthConfig, namespace: str, routing: str = "prefix", responses: ResponsesConfig | None = None
+        self,
+        auth: AuthConfig,
+        namespace: str,
+        routing: str = "prefix",
+        responses: ResponsesConfig | None = None,
+        shared_prefixes: bool = False,
     ):
         self._auth, self._namespace = auth, namespace
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
         self._registry = CollectorRegistry()
         early = Counter("pie_early_starts", "begun before admission answered", ["outcome"], registry=self._registry)
-        self._local = LocalInstances(self._launcher, BUILTINS, early, routing)
+        router = PrefixRouter(routing, shared_prefixes=shared_prefixes)
+        self._local = LocalInstances(self._launcher, BUILTINS, early, router)
         self._init_responses(responses or ResponsesConfig())
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)
@@ -309,11 +316,19 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         return {"aborted": aborted}
 
 
-def serve_http(auth: AuthConfig, namespace: str, server: ServerConfig, responses: ResponsesConfig | None = None) -> str:
-    """Deploy the app on Ray Serve (proxy on the head node) with ``server``'s replicas; returns its base URL."""
+def serve_http(
+    auth: AuthConfig,
+    namespace: str,
+    server: ServerConfig,
+    responses: ResponsesConfig | None = None,
+    cache: CacheConfig | None = None,
+) -> str:
+    """Deploy the app on Ray Serve (proxy on the head node) with ``server``'s replicas; returns its base URL.
+    ``cache``: whose prefixes the replicas share, which the ingress places requests by."""
     serve.start(http_options={"host": server.host, "port": server.port, "location": "HeadOnly"})
     deployment = PieIngress.options(**server.deployment_options())
-    bound = deployment.bind(auth, namespace, server.routing, responses or ResponsesConfig())
+    shared = (cache or CacheConfig()).share == "cluster"
+    bound = deployment.bind(auth, namespace, server.routing, responses or ResponsesConfig(), shared)
     serve.run(bound, name="pie", route_prefix="/", blocking=False)
     host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
     return f"http://{host}:{server.port}"

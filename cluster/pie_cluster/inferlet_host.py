@@ -26,9 +26,13 @@ from pie_cluster.host import InstanceSetup, move_bus, serve_instance
 from pie_cluster.model_files import local_endpoints
 from pie_cluster.programs import Program
 from pie_cluster.replica_relay import ReplicaRelays, failing_over
+from pie_cluster.revocations import Revoker
 from pie_cluster.sandbox.hosting import Sandbox
 
-CAPABILITY_TTL_S = 7 * 24 * 3600.0  # an instance without a deadline proves who it is for this long
+# An instance without a deadline proves who it is for this long. Its end revokes it sooner on every replica and bus
+# shard (``revocations.py``); the lifetime still bounds what a revocation cannot reach (a replica or shard started
+# anew after it, a revocation lost with its target) and must outlast the longest instance, since none is renewed.
+CAPABILITY_TTL_S = 7 * 24 * 3600.0
 CAPABILITY_MARGIN_S = 60.0  # beyond its deadline: the instance's last calls (closing its contexts) still count
 
 
@@ -42,7 +46,7 @@ class _ClientSession:
         self._host.emit(self._id, "message", text)
 
     def send_file(self, data: bytes) -> None:
-        self._host.emit(self._id, "file", data)
+        self._host.emit(self._id, "file", bytes(data))
 
     async def receive(self) -> str:
         return await self._host.receive(self._id, "message")
@@ -63,6 +67,8 @@ class NodeServices:
     mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)  # name -> how inferlets reach it
     market: object | None = None  # the KV-page market actor: every instance has a wallet there while it runs
     model_files: dict[str, object] = field(default_factory=dict)  # model name -> Ray ref to its tokenizer files
+    # every replica's leader and bus shard (actor handles): told which instances ended (``revocations.py``)
+    revokers: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -92,11 +98,19 @@ class InferletHost:
         self._endpoints: dict[str, ModelEndpoint] | None = None  # services.endpoints as seen from this node
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
-        self._channels = Channels(channels or ChannelLimits(), ended=lambda endings: launcher.ended.remote(endings))
+        self._channels = Channels(
+            channels or ChannelLimits(), ended=self._ended, exceeded=self._end_now
+        )
+        self._revoker = Revoker(lambda: self.services.revokers)
         self._sandbox = Sandbox(sandbox, self) if sandbox is not None and sandbox.enabled else None
         self._relays = ReplicaRelays(self._replica_addresses)
         stdio.install_router()
         gc.freeze()  # the imports live as long as the host: full collections need not scan them (see RankWorker.start)
+
+    def _ended(self, endings: list[tuple[str, str, str | bytes]]) -> None:
+        """A turn's endings: to the launcher, and their capabilities revoked on every replica and shard."""
+        self.launcher.ended.remote(endings)
+        self._revoker.ended(instance_id for instance_id, _, _ in endings)
 
     async def ready(self) -> bool:
         """Answers as soon as the host is up (``pie status`` asks it)."""
@@ -150,6 +164,10 @@ class InferletHost:
         ]
 
     async def abort(self, instance_id: str, reason: str = "aborted") -> bool:
+        return self._end_now(instance_id, reason)
+
+    def _end_now(self, instance_id: str, reason: str) -> bool:
+        """Cancel the instance, which then ends with an error saying ``reason``; False if it is not running here."""
         if self._sandbox is not None and self._sandbox.pool.abort(instance_id, reason):
             return True
         task = self._tasks.get(instance_id)  # running here, or still being handed to a worker
@@ -184,11 +202,17 @@ class InferletHost:
                 for name, e in endpoints.items()
             }
         ttl = (limits.deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
+        self._revoker.minted(instance_id, ttl)
         return InstanceSetup(
             instance_id=instance_id,
             username=username,
             capability=capability.mint(
-                self._secret, username, instance_id, ttl, models=tuple(self._endpoints), token_budget=limits.token_budget
+                self._secret,
+                username,
+                instance_id,
+                ttl,
+                models=tuple(self._endpoints),
+                token_budget=limits.token_budget,
             ),
             endpoints=self._endpoints,
             bus=services.bus,

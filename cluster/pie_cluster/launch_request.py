@@ -35,8 +35,9 @@ class LaunchRequest(BaseModel):
         None,
         ge=0,
         le=MAX_TOKEN_BUDGET,
-        description="tokens the instance may spend on the KV-page market: it is endowed with one credit per page "
-        "of them (default: the cluster's default endowment)",
+        description="tokens the instance may have the model generate (enforced by the replicas) and spend on the "
+        "KV-page market: it is endowed with one credit per page of them, at most the cluster's [limits] "
+        "max_endowment (default: the cluster's default endowment)",
     )
 
 

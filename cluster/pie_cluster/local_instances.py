@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -40,9 +40,10 @@ from pie_cluster.host import InstanceSetup, serve_instance
 from pie_cluster.inferlet_host import CAPABILITY_MARGIN_S, CAPABILITY_TTL_S, NodeServices
 from pie_cluster.local_runs import Headroom, LocalRun
 from pie_cluster.model_files import local_endpoints
-from pie_cluster.prefix_routing import PrefixRouter, Prompt, Routing
+from pie_cluster.prefix_routing import PrefixRouter, Prompt
 from pie_cluster.programs import Main, Program
-from pie_cluster.replica_relay import ReplicaRelays, failing_over
+from pie_cluster.replica_relay import ReplicaRelays, every_replica_failing_over
+from pie_cluster.revocations import Revoker
 from pie_cluster.wallet_calls import wallet_calls
 
 log = logging.getLogger("pie.http")
@@ -58,22 +59,6 @@ class _Services:
     secret: bytes
     endpoints: dict[str, ModelEndpoint]  # model_dir on this node
     replicas: dict[str, dict[str, ModelEndpoint]]  # model -> address -> replica (model_dir on this node)
-
-
-def _failing_over(
-    endpoints: dict[str, ModelEndpoint], replicas: dict[str, tuple[ModelEndpoint, ...]], relays: dict[str, str]
-) -> tuple[dict[str, ModelEndpoint], dict[str, dict[str, ModelEndpoint]]]:
-    """The node's endpoints, and every replica's by address (with the tokenizer files of the node's copy: they are
-    the model's, whichever replica), each naming the model's other replicas and the relay to fail over to."""
-    addresses = {name: [e.address for e in options] for name, options in replicas.items()}
-    by_address = {
-        name: {
-            e.address: failing_over(replace(e, model_dir=endpoints[name].model_dir), addresses[name], relay)
-            for e in replicas.get(name, ())
-        }
-        for name, relay in relays.items()
-    }
-    return {name: failing_over(e, addresses.get(name, ()), relays[name]) for name, e in endpoints.items()}, by_address
 
 
 @dataclass
@@ -106,7 +91,7 @@ class _Session:
         self._runner.emit(self._run, "message", text)
 
     def send_file(self, data: bytes) -> None:
-        self._runner.emit(self._run, "file", data)
+        self._runner.emit(self._run, "file", bytes(data))
 
     async def receive(self) -> str:
         return await self._channel.receive("message")
@@ -116,10 +101,10 @@ class _Session:
 
 
 class LocalInstances:
-    def __init__(self, launcher, programs: dict[str, Path], early_starts: Counter, routing: Routing = "prefix"):
+    def __init__(self, launcher, programs: dict[str, Path], early_starts: Counter, router: PrefixRouter):
         """``programs``: the cluster's own programs by name (the launcher's ``BUILTINS``); ``early_starts``: the
-        count of instances begun before their admission answered, by ``outcome`` (kept or undone); ``routing``:
-        how requests are spread over a model's replicas (``[server] routing``)."""
+        count of instances begun before their admission answered, by ``outcome`` (kept or undone); ``router``:
+        how requests are spread over a model's replicas (``[server] routing``, ``[cache] share``)."""
         self._launcher = launcher
         self._programs = {name: Program.from_path(path) for name, path in programs.items()}
         self._mains: dict[str, Main] = {}
@@ -128,12 +113,13 @@ class LocalInstances:
         self._actor = ray.get_runtime_context().current_actor
         self._services: _Services | None = None
         self._fetching = asyncio.Lock()
-        self._channels = Channels(ChannelLimits(keep_finished=256), ended=lambda ends: launcher.ended.remote(ends))
+        self._channels = Channels(ChannelLimits(keep_finished=256), ended=launcher.ended.remote, exceeded=self.abort)
+        self._revoker = Revoker(self._revokers)  # runs' capabilities, revoked everywhere once their runs are done
         self._runs: dict[str, LocalRun] = {}
         self._headroom = Headroom()
         self._early_starts = early_starts
         self._listening: asyncio.Task | None = None
-        self._router = PrefixRouter(routing)
+        self._router = router
         self._relays = ReplicaRelays(self._replica_addresses)
         self._closing: set[asyncio.Task] = set()  # wallets being closed
         self._endowment: float | None = None  # what the market opens the wallets of the cluster's programs with
@@ -246,11 +232,17 @@ class LocalInstances:
         if not admission.cancelled() and admission.exception() is None and isinstance(admission.result(), dict):
             self._launcher.ended.remote([(instance_id, "error", "its client went away before it started")])
 
-    def abort(self, instance_id: str, reason: str) -> None:
+    def _revokers(self) -> tuple:
+        return self._services.services.revokers if self._services is not None else ()
+
+    def abort(self, instance_id: str, reason: str) -> bool:
+        """Cancel a run here, which then ends with an error saying ``reason``; False if none runs."""
         run = self._runs.get(instance_id)
-        if run is not None and not run.task.done():
-            run.abort_reason = reason
-            run.task.cancel()
+        if run is None or run.task.done():
+            return False
+        run.abort_reason = reason
+        run.task.cancel()
+        return True
 
     def _open_wallet(self, instance_id: str) -> _Wallet | None:
         """Open the instance's market wallet while the launcher admits it (the market this process knows, none
@@ -280,9 +272,11 @@ class LocalInstances:
             endpoints = services.endpoints
             replicas = services.replicas.get(prompt.model, {}) if prompt is not None else {}
             if len(replicas) > 1:
-                placed = self._router.choose(prompt.model, list(replicas), prompt.text, prompt.tag, prompt.follows)
+                keys, salt = list(replicas), prompt.cache_salt
+                placed = self._router.choose(prompt.model, keys, prompt.text, prompt.tag, prompt.follows, user, salt)
                 endpoints = {**endpoints, prompt.model: replicas[placed]}
             ttl = (run.deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
+            self._revoker.minted(instance_id, ttl)
             setup = InstanceSetup(
                 instance_id=instance_id,
                 username=user,
@@ -306,8 +300,9 @@ class LocalInstances:
                 market=market,
             )
         finally:
-            if self._runs.get(instance_id) is run:
-                del self._runs[instance_id]
+            if self._runs.get(instance_id) is run:  # it ended (an undone run is no longer listed: its instance
+                del self._runs[instance_id]  # runs again under the same id, and its capability must stay good)
+                self._revoker.ended([instance_id])
             if placed is not None:
                 self._router.finished(prompt.model, placed)
 
@@ -353,7 +348,7 @@ class LocalInstances:
                 services, secret, version = await answer(ref, "the launcher", LAUNCHER_S)
                 endpoints = await local_endpoints(services.endpoints, services.model_files)
                 relays = {name: await self._relays.address_for(name) for name in endpoints}
-                endpoints, replicas = _failing_over(endpoints, services.replicas, relays)
+                endpoints, replicas = every_replica_failing_over(endpoints, services.replicas, relays)
                 for name, options in replicas.items():
                     self._router.forget(name, keep=list(options))  # a replaced replica's record goes with it
                 self._services = _Services(version, services, secret, endpoints, replicas)

@@ -222,5 +222,6 @@ class OpenAIRoutes:
 def _prompt(body: ChatCompletionRequest | CompletionRequest) -> Prompt:
     """The request's prompt as the router keys it: the messages in order, or the prompts."""
     if isinstance(body, ChatCompletionRequest):
-        return Prompt.of(body.model, [m.model_dump(mode="json", exclude_none=True) for m in body.messages])
-    return Prompt.of(body.model, body.prompts)
+        messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
+        return Prompt.of(body.model, messages, cache_salt=body.cache_salt)
+    return Prompt.of(body.model, body.prompts, cache_salt=body.cache_salt)

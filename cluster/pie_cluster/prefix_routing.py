@@ -24,6 +24,11 @@ match at all) go to the least loaded, then to the one picked longest ago. A requ
 (a Responses turn with ``previous_response_id``, whose stored context's text the ingress does not have) goes where
 that one went, within the same load limit: its snapshot's pages are there. ``routing = "least_loaded"`` skips the
 prefix and continuation parts. With one replica nothing is hashed or counted.
+
+Whose prefix it is counts too: a replica's cache finds a page only for the user who wrote it, under the cache salt
+its request named (``[cache] share = "user"``, the default), so the chain of a request's hashes starts from its
+user and salt, and one user's prompts are placed by that user's own earlier requests, never by another's. With
+``share = "cluster"`` only the salt seeds it, as the replicas' caches then key pages.
 """
 
 from __future__ import annotations
@@ -53,9 +58,12 @@ class _Replica:
     last_picked: int = 0  # the router's pick counter when this one was last chosen: ties rotate
 
 
-def block_hashes(text: str, block_chars: int = BLOCK_CHARS, limit: int = MAX_REQUEST_BLOCKS) -> list[int]:
-    """Chained hashes of the full ``block_chars`` blocks of ``text``: entry k stands for ``text[: (k + 1) * size]``."""
-    hashes, chained = [], 0
+def block_hashes(
+    text: str, block_chars: int = BLOCK_CHARS, limit: int = MAX_REQUEST_BLOCKS, seed: int = 0
+) -> list[int]:
+    """Chained hashes of the full ``block_chars`` blocks of ``text``: entry k stands for ``text[: (k + 1) * size]``
+    under ``seed`` (whose cache the blocks would be found in)."""
+    hashes, chained = [], seed
     for start in range(0, min(len(text), limit * block_chars) - block_chars + 1, block_chars):
         chained = hash((chained, text[start : start + block_chars]))
         hashes.append(chained)
@@ -70,35 +78,60 @@ class Prompt:
     text: str
     tag: str | None = None  # names this request for a later one that continues it (a response id)
     follows: str | None = None  # the tag of the request this one continues
+    cache_salt: str | None = None  # the request's own salt: only requests naming the same one share its pages
 
     @classmethod
-    def of(cls, model: str, parts: Sequence[object], tag: str | None = None, follows: str | None = None) -> Prompt:
+    def of(
+        cls,
+        model: str,
+        parts: Sequence[object],
+        tag: str | None = None,
+        follows: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Prompt:
         """From the request's prompt-bearing parts in order (messages, a prompt, instructions and items): one JSON
         line each, so requests that share their first parts share a text prefix."""
         text = "\n".join(json.dumps(p, sort_keys=True, separators=(",", ":")) for p in parts)
-        return cls(model, text, tag, follows)
+        return cls(model, text, tag, follows, cache_salt)
 
 
 class PrefixRouter:
     """Picks a replica per request and counts what is in flight on each; one per ingress process (not shared)."""
 
-    def __init__(self, routing: Routing = "prefix", block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_BLOCKS):
+    def __init__(
+        self,
+        routing: Routing = "prefix",
+        block_chars: int = BLOCK_CHARS,
+        max_blocks: int = MAX_BLOCKS,
+        shared_prefixes: bool = False,
+    ):
+        """``shared_prefixes``: the replicas' caches find any user's pages (``[cache] share = "cluster"``)."""
         self.routing, self.block_chars, self.max_blocks = routing, block_chars, max_blocks
+        self.shared_prefixes = shared_prefixes
         self._replicas: dict[tuple[str, str], _Replica] = {}  # (model, replica key) -> its record
         self._picks = itertools.count(1)
         self._pins: OrderedDict[tuple[str, str], str] = OrderedDict()  # (model, tag) -> where it went, oldest first
 
     def choose(
-        self, model: str, keys: Sequence[str], text: str, tag: str | None = None, follows: str | None = None
+        self,
+        model: str,
+        keys: Sequence[str],
+        text: str,
+        tag: str | None = None,
+        follows: str | None = None,
+        user: str = "",
+        cache_salt: str | None = None,
     ) -> str:
-        """The replica (one of ``keys``, e.g. their addresses) to send a request for ``model`` with prompt ``text``
-        to; counts it in flight there until ``finished``. ``tag``/``follows``: see ``Prompt``."""
+        """The replica (one of ``keys``, e.g. their addresses) to send a request of ``user`` for ``model`` with
+        prompt ``text`` to; counts it in flight there until ``finished``. ``tag``/``follows``/``cache_salt``: see
+        ``Prompt``."""
         if len(keys) == 1:
             return keys[0]
         replicas = [self._replicas.setdefault((model, k), _Replica()) for k in keys]
         least = min(r.in_flight for r in replicas)
         prefix = self.routing == "prefix"
-        hashes = block_hashes(text, self.block_chars) if prefix else []
+        owner = None if self.shared_prefixes else user
+        hashes = block_hashes(text, self.block_chars, seed=hash((owner, cache_salt or ""))) if prefix else []
         matched = [self._matched(r, hashes) for r in replicas]
         pinned = self._pins.get((model, follows)) if prefix and follows is not None else None
 

@@ -39,6 +39,22 @@ def failing_over(endpoint: ModelEndpoint, replicas: Iterable[str], relay: str) -
     return replace(endpoint, failover=(*[a for a in replicas if a != endpoint.address], relay))
 
 
+def every_replica_failing_over(
+    endpoints: dict[str, ModelEndpoint], replicas: dict[str, tuple[ModelEndpoint, ...]], relays: dict[str, str]
+) -> tuple[dict[str, ModelEndpoint], dict[str, dict[str, ModelEndpoint]]]:
+    """The node's endpoints, and every replica's by address (with the tokenizer files of the node's copy: they are
+    the model's, whichever replica), each naming the model's other replicas and the relay to fail over to."""
+    addresses = {name: [e.address for e in options] for name, options in replicas.items()}
+    by_address = {
+        name: {
+            e.address: failing_over(replace(e, model_dir=endpoints[name].model_dir), addresses[name], relay)
+            for e in replicas.get(name, ())
+        }
+        for name, relay in relays.items()
+    }
+    return {name: failing_over(e, addresses.get(name, ()), relays[name]) for name, e in endpoints.items()}, by_address
+
+
 class ReplicaRelays:
     """One relay socket per model, made on first use; ``candidates(model)``: the addresses to try, in order (called
     on the relays' thread, so it may block)."""

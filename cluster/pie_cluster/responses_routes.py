@@ -162,7 +162,7 @@ class ResponsesRoutes:
         # (its text is not here)
         items = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.items]
         parts = [body.instructions or "", *history, *items]
-        prompt = Prompt.of(body.model, parts, tag=response_id, follows=body.previous_response_id)
+        prompt = Prompt.of(body.model, parts, response_id, body.previous_response_id, body.cache_salt)
         return await self._start(user, launch, RequestClock("responses", body.model), named=False, prompt=prompt)
 
     async def _continue_parked(

@@ -9,7 +9,7 @@ from inferlet.forward import Forward, Output, ProbeHandle, SampleHandle
 from inferlet.generator import Generator, GenStep
 from inferlet.grammar import Grammar, Matcher
 from inferlet.model import Model
-from inferlet.runtime import TokenBudgetExhausted
+from inferlet.runtime import QuotaExceeded, TokenBudgetExhausted
 from inferlet.sampler import Distribution, Entropy, Logits, Logprob, Logprobs, Sampler
 from inferlet.tokenizer import Tokenizer
 
@@ -35,6 +35,7 @@ __all__ = [
     "Model",
     "Output",
     "ProbeHandle",
+    "QuotaExceeded",
     "Regex",
     "SampleHandle",
     "Sampler",

@@ -2,10 +2,14 @@
 
 Many inferlets share one process (and one event loop), and in lock-step decoding they all send a forward at once.
 So each process holds one *link* per (event loop, replica): every request made during one loop iteration goes out
-as a single frame ``[[request id, session, op, args], ...]`` and replies come back batched the same way. A session
-string ``capability/session`` in each request tells the replica who sends it (the instance's capability, minted by
-the trusted host: the replica believes nothing else) and which inferlet run's contexts it touches; a capability the
-replica refuses fails that call with ``PermissionError`` and closes the connection. Synchronous control
+as a single frame ``[[request id, session, op, args], ...]`` and replies come back batched the same way. Every
+connection begins with a handshake, ``["hello", capability]``, of the session that opened it (sent again on every
+new connection, after a failover too): the replica reads nothing else before it. A session string
+``capability/session`` in each request tells the replica who sends it (the instance's capability, minted by the
+trusted host: the replica believes nothing else) and which inferlet run's contexts it touches. A refusal of the
+connection (``[None, "PermissionError", why]``: a capability forged, expired, not granted this model, of an ended
+instance, or past a connection limit) fails every call on it with ``PermissionError`` and the replica hangs up; a
+refusal of one request fails that call alone. Synchronous control
 calls (``Context(model)``, ``fork``, ``open``...) use a blocking socket per (thread, replica) and cost one round
 trip (~0.1 ms). Addresses are ``ipc://<unix socket path>`` (same node) or ``tcp://<host>:<port>``.
 """
@@ -20,9 +24,15 @@ from typing import Any
 
 import msgpack
 
+from inferlet.runtime import QuotaExceeded, TokenBudgetExhausted
+
 # Error types the replica reports that are the caller's fault: re-raised as ValueError with the replica's message.
 _CALLER_ERRORS = {"ValueError", "ContextError", "BatchError", "BrleError", "KeyError", "LookupError", "OutOfPages"}
 _REFUSED = "PermissionError"  # the replica did not believe the capability: raised as itself, and it hangs up
+# the connection's every instance ended (the trusted side revoked them): it hangs up, and a new connection is opened
+_REVOKED = "RevokedError"
+# Limits the replica enforces for the trusted side: raised as the SDK's own exceptions of the same names.
+_LIMITS = {"QuotaExceeded": QuotaExceeded, "TokenBudgetExhausted": TokenBudgetExhausted}
 
 
 class ReplicaError(RuntimeError):
@@ -38,9 +48,10 @@ class _AsyncLink(asyncio.Protocol):
     Requests made while it connects wait in the outbox; a lost connection fails what is pending, and the next call
     opens a new link."""
 
-    def __init__(self, address: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, address: str, loop: asyncio.AbstractEventLoop, capability: str):
         self.address = address
         self._loop = loop
+        self._hello = _hello(capability)
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._outbox: list[list] = []
@@ -79,6 +90,7 @@ class _AsyncLink(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
+        transport.write(self._hello)
         self._flush()
 
     def data_received(self, data: bytes) -> None:
@@ -92,9 +104,10 @@ class _AsyncLink(asyncio.Protocol):
                     fut.set_result(value)
                 else:
                     fut.set_exception(_error(error, value))
-                if error == _REFUSED:  # the replica's last word on this connection: later calls need a new one
+                if rid is None and error in (_REFUSED, _REVOKED):  # its last word here: later calls need a new one
                     self._transport.close()
-                    self._fail(ReplicaError(f"the replica at {self.address} refused the connection: {value}"))
+                    why = f"the replica at {self.address} refused the connection: {value}"
+                    self._fail(PermissionError(why) if error == _REFUSED else ReplicaLost(why))
                     return
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -117,7 +130,7 @@ class _AsyncLink(asyncio.Protocol):
 class _SyncLink:
     """A blocking socket per (thread, replica address) for control calls that must answer before returning."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, capability: str):
         kind, where = _parse(address)
         try:
             if kind == "tcp":
@@ -136,33 +149,62 @@ class _SyncLink:
         self._unpacker = msgpack.Unpacker()
         self._ids = itertools.count()
         self.closed = False
+        self._pending_hello = _hello(capability)  # sent with the first call
 
     def call(self, session: str, op: str, args: list) -> Any:
         rid = next(self._ids)
+        hello, self._pending_hello = self._pending_hello, b""
         try:
-            self._sock.sendall(msgpack.packb([[rid, session, op, args]]))
+            self._sock.sendall(hello + msgpack.packb([[rid, session, op, args]]))
             error, value = self._reply(rid)
+        except PermissionError:  # the replica refused the connection, and hung up
+            self.closed = True
+            self._sock.close()
+            raise
         except OSError as e:
             self.closed = True
             self._sock.close()
             raise ReplicaLost(f"lost the connection to the replica at {self._address}: {e}") from None
         if error is None:
             return value
-        if error == _REFUSED:  # the replica closes the connection after this
-            self.closed = True
-            self._sock.close()
         raise _error(error, value)
 
     def _reply(self, rid: int) -> tuple[str | None, Any]:
+        """The answer to ``rid``; ``PermissionError`` when the replica refused the connection (in the same frame)."""
+        found: tuple[str | None, Any] | None = None
         while True:
             for frame in self._unpacker:
                 for got, error, value in frame:
+                    if got is None and error == _REFUSED:
+                        raise PermissionError(f"the replica at {self._address} refused the connection: {value}")
+                    if got is None and error == _REVOKED:
+                        raise OSError(value)
                     if got == rid:
-                        return error, value
+                        found = error, value
+                if found is not None:
+                    return found
             data = self._sock.recv(1 << 16)
             if not data:
                 raise OSError("closed by the replica")
             self._unpacker.feed(data)
+
+    def stale(self) -> bool:
+        """Whether the replica hung up while this link sat idle (every instance it carried ended; or it died): the
+        replica never speaks unasked, so anything waiting to be read says so."""
+        try:
+            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass
+        self.closed = True
+        self._sock.close()
+        return True
+
+
+def _hello(capability: str) -> bytes:
+    """The handshake that opens a connection: the capability of the session that opened it."""
+    return msgpack.packb(["hello", capability])
 
 
 def _parse(address: str) -> tuple[str, Any]:
@@ -186,13 +228,14 @@ class Channel:
     def __init__(self, address: str, session: str):
         self._address = address
         self._session = session
+        self._capability = session.partition("/")[0]
         self._link: _AsyncLink | None = None
 
     def call_sync(self, op: str, *args: Any) -> Any:
         links = _sync_links.__dict__
         link = links.get(self._address)
-        if link is None or link.closed:
-            link = links[self._address] = _SyncLink(self._address)
+        if link is None or link.closed or link.stale():
+            link = links[self._address] = _SyncLink(self._address, self._capability)
         return link.call(self._session, op, list(args))
 
     def call(self, op: str, *args: Any) -> asyncio.Future:
@@ -202,7 +245,7 @@ class Channel:
             loop = asyncio.get_running_loop()
             link = _async_links.get((loop, self._address))
             if link is None or link.closed:
-                link = _async_links[(loop, self._address)] = _AsyncLink(self._address, loop)
+                link = _async_links[(loop, self._address)] = _AsyncLink(self._address, loop, self._capability)
             link.users += 1
             self._link = link
         return link.call(self._session, op, list(args))
@@ -219,6 +262,8 @@ class Channel:
 
 
 def _error(error: str, value: Any) -> Exception:
+    if error in _LIMITS:
+        return _LIMITS[error](value)
     if error in _CALLER_ERRORS:
         return ValueError(value)
     if error == _REFUSED:

@@ -216,7 +216,7 @@ class ReplicaLink:
             if lineage.lost:
                 ctx.lose(f"its replica died, and {lineage.lost}")
             else:
-                yield ctx, (lineage.tokens, lineage.positions, lineage.sampled, ctx.bid)
+                yield ctx, (lineage.tokens, lineage.positions, lineage.sampled, ctx.bid, lineage.cache_salt)
 
     def _moved_to(self, channel: Channel) -> None:
         self.channel.close()

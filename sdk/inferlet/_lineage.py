@@ -20,12 +20,14 @@ SALTED = (
 @dataclass
 class Lineage:
     """(token, position) of every token in a context's KV, and the token its latest pass sampled (the input of a
-    pass chained on it). ``lost``: why no copy can rebuild the context; None while it can."""
+    pass chained on it). ``lost``: why no copy can rebuild the context; None while it can. ``cache_salt``: the one
+    the context was made with, so that its recomputed pages are keyed as its old ones were."""
 
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     sampled: int | None = None
     lost: str | None = None
+    cache_salt: str = ""
 
     def known(self) -> int:
         """What a request tells the replica the copy holds (-1: keep no copy, send no tail)."""
@@ -67,6 +69,8 @@ class Lineage:
         """The copy of a fork made when the parent held ``seq_len`` tokens, ``tail`` the last of them."""
         if self.lost:
             return Lineage(lost=self.lost)
-        child = Lineage(self.tokens[: seq_len - len(tail)], self.positions[: seq_len - len(tail)])
+        child = Lineage(
+            self.tokens[: seq_len - len(tail)], self.positions[: seq_len - len(tail)], cache_salt=self.cache_salt
+        )
         child.extend(seq_len, tail, tail_positions)
         return child

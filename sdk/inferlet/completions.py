@@ -275,7 +275,7 @@ async def _forked(model: Model, request: Request, tokens: list[int], echo: str, 
     each choice forks from it (sharing those pages); the last token runs with each choice's first step."""
     if not tokens:
         raise ValueError("the prompt is empty: there is nothing to generate from")
-    base = await Context.create(model)
+    base = await Context.create(model, request.cache_salt or "")
     if request.n == 1:
         return [_ChoiceRun(model, request, first_index, base, echo).run(tokens)]
     base.append(tokens[:-1])

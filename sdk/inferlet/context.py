@@ -26,10 +26,14 @@ NOT_MIRRORED = "no other replica was named to move it to"
 
 
 class Context:
+    """A KV cache on a replica. ``cache_salt``: it reuses cached prefix pages only of its own user's contexts made
+    with the same salt (vLLM's ``cache_salt``; none: those made with none)."""
+
     def __init__(
         self,
         model: Model,
         *,
+        cache_salt: str = "",
         _id: int | None = None,
         _seq_len: int = 0,
         _buffer: list[int] | None = None,
@@ -37,12 +41,12 @@ class Context:
     ):
         self._model = model
         self._link = link = model.link
-        self._id = link.call_sync("create") if _id is None else _id
+        self._id = link.call_sync("create", *_salted(cache_salt)) if _id is None else _id
         self._seq_len = _seq_len
         self._buffer: list[int] = list(_buffer or [])
         self._released = False
         self._lost: str | None = None  # why it is gone with its replica (``inferlet._failover``)
-        self.lineage = _lineage or (Lineage() if link.mirrors else Lineage(lost=NOT_MIRRORED))
+        self.lineage = _lineage or (Lineage(cache_salt=cache_salt) if link.mirrors else Lineage(lost=NOT_MIRRORED))
         link.contexts[self] = None
         self._bid = 0.0  # credits per page offered to keep this context resident
         self._explicit_bid = False  # set by set_bid: a Generator's default bid no longer applies
@@ -57,10 +61,11 @@ class Context:
         self.release()
 
     @classmethod
-    async def create(cls, model: Model) -> Context:
+    async def create(cls, model: Model, cache_salt: str = "") -> Context:
         """``Context(model)`` without blocking the event loop while the replica answers: where many inferlets share
         one loop (the cluster's serving programs), a blocking call would hold all of them for that round trip."""
-        return cls(model, _id=await model.link.call("create"))
+        made = await model.link.call("create", *_salted(cache_salt))
+        return cls(model, cache_salt=cache_salt, _id=made)
 
     def release(self) -> None:
         """Free this context's pages now (idempotent)."""
@@ -337,3 +342,9 @@ class Context:
         from inferlet.generator import Generator
 
         return Generator(self, sampler, **options)
+
+
+def _salted(cache_salt: str) -> tuple[str, ...]:
+    """``create``'s arguments: the salt, when there is one (the replica checks it: a string of at most
+    ``MAX_CACHE_SALT`` characters)."""
+    return (cache_salt,) if cache_salt else ()

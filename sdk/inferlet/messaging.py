@@ -32,6 +32,10 @@ Delivery rules:
 * ``push`` and ``broadcast`` return at once: operations are sent at the end of the current event-loop turn, many to
   a frame, in call order. When the inferlet ends — by returning, raising or being cancelled — its pulls and
   subscriptions are withdrawn from the bus.
+* Limits — the cluster bounds a message's size and the bytes each user has queued on each shard (``[limits]``). A
+  shard refuses a push or broadcast past them and queues nothing of it (no message already queued, anyone's, is
+  dropped); since ``push`` returned already, the refusal is raised as ``QuotaExceeded`` by the inferlet's next call
+  on the bus, or when it ends.
 
 How it travels: ``runtime.current().bus`` holds one address per bus shard (ZeroMQ ROUTER sockets owned by named Ray
 actors; see ``pie_cluster.bus``); a topic lives on shard ``crc32(user, topic) % shards``. The inferlet opens one
@@ -58,6 +62,7 @@ from inferlet import _bus_socket, runtime
 from inferlet._bus_socket import CALL_TIMEOUT_S, CLOSE_TIMEOUT_S, BusError, ShardConnection
 from inferlet._handoff import Handoffs, Pull
 from inferlet._subscription import SUBSCRIPTION_BUFFER, Subscription
+from inferlet.runtime import QuotaExceeded
 
 __all__ = ["SUBSCRIPTION_BUFFER", "BusError", "Subscription", "broadcast", "pull", "push", "subscribe"]
 
@@ -105,12 +110,15 @@ class _Bus:
         self._withdrawals: dict[int, str] = {}  # confirmation token -> topic of a pull served in this process
         self._closed = False
         self._refused: BusError | None = None  # a shard refused the capability: every call fails with this
+        self._over: QuotaExceeded | None = None  # a shard refused a message past a limit: the next call raises it
 
     def send(self, topic: str, op: list) -> None:
+        self._raise_over()
         self._connection(topic).send(op)
 
     def push(self, topic: str, message: str) -> None:
         """Hand ``message`` to a pull waiting in this process, or else queue it on the bus (the module's rules)."""
+        self._raise_over()
         connection, key = self._connection(topic), self._local_key(topic)
         if topic not in self._pushed_to_bus:
             while (waiting := _HANDOFFS.take(key)) is not None:
@@ -122,6 +130,7 @@ class _Bus:
             connection.send(["push", topic, message])
 
     async def pull(self, topic: str) -> str:
+        self._raise_over()
         connection = self._connection(topic)
         rid = next(self._ids)
         answer = self._loop.create_future()
@@ -174,6 +183,7 @@ class _Bus:
         return (self._loop, self._user, topic)
 
     def subscribe(self, topic: str) -> Subscription:
+        self._raise_over()
         connection = self._connection(topic)
         sid = next(self._ids)
         subscription = Subscription(topic, lambda s: self._unsubscribe(s, sid))
@@ -202,6 +212,7 @@ class _Bus:
             raise BusError(
                 f"messages this inferlet pushed may be lost, the bus never confirmed them: {', '.join(unconfirmed)}"
             )
+        self._raise_over()
 
     def _leave(self, connection: ShardConnection) -> str:
         """Withdraw from one shard and close the connection once the shard confirmed every push (a shard that went
@@ -231,6 +242,12 @@ class _Bus:
                 connection.move_to(addresses[shard])
 
     # -- internals --
+
+    def _raise_over(self) -> None:
+        """Raise the refusal of a message this inferlet sent earlier, once."""
+        if self._over is not None:
+            error, self._over = self._over, None
+            raise error
 
     def _connection(self, topic: str) -> ShardConnection:
         if self._refused is not None:
@@ -292,6 +309,8 @@ class _Bus:
                 connection.acked(event[1])
             elif kind == "resend":
                 connection.resend(event[1])
+            elif kind == "over":  # a message past a limit: nothing of it was queued
+                self._over = self._over or QuotaExceeded(f"the message bus refused a message: {event[1]}")
             elif kind == "refused":
                 self._refuse(BusError(f"message bus shard {connection.address} refused this inferlet: {event[1]}"))
 

@@ -9,14 +9,16 @@ answers with a ``Report`` and streams ``Piece`` messages, which the route valida
 
 Fields follow what vLLM's server accepts for these routes. A field we do not implement is refused, naming it
 (``extra="forbid"``, here and in every report), never silently ignored; the few that are accepted but have no effect
-say so below. Besides OpenAI's fields: ``top_k``, ``min_p``, ``ignore_eos`` (as vLLM) and ``inferlet``, the id of an
-uploaded program to serve the request instead of the built-in one.
+say so below. Besides OpenAI's fields: ``top_k``, ``min_p``, ``ignore_eos``, ``cache_salt`` (as vLLM: only requests
+of the same user naming the same salt share cached prompt pages) and ``inferlet``, the id of an uploaded program to
+serve the request instead of the built-in one.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Self
 
+from pie_workers.wire.messages import MAX_CACHE_SALT
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_CHOICES = 16
@@ -134,6 +136,9 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     inferlet: str | None = Field(None, min_length=1, max_length=1024, description="program id serving the request")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=MAX_CACHE_SALT, description="prompt pages are shared only under the same salt"
+    )
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod

@@ -48,7 +48,7 @@ async def _opened(model: Model, turn: Turn) -> tuple[Context, list[int], ChatCom
     continued = turn.continued
     if continued is None:
         chat = request.as_chat([*turn.history, *request.items], {})
-        return await Context.create(model), completions.chat_prompt(model, chat), chat
+        return await Context.create(model, request.cache_salt or ""), completions.chat_prompt(model, chat), chat
     ctx = await asyncio.to_thread(Context.open, model, continued.snapshot)  # off the event loop: see serve
     if ctx is None:
         raise LookupError(f"the conversation of previous_response_id {request.previous_response_id} is gone")

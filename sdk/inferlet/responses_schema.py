@@ -6,7 +6,7 @@ served as a chat request (``as_chat``), so rendering, sampling, tool calls and J
 route's own code. Items the client sends back (a response's ``message`` and ``function_call`` outputs) are the same
 models the program reports, so an agent that re-sends its history validates without changes. A field we do not
 implement is refused by name (``extra="forbid"``); the few accepted without effect say so. Besides OpenAI's
-fields: ``ignore_eos``, as on the chat route.
+fields: ``ignore_eos`` and ``cache_salt``, as on the chat route.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal
 
+from pie_workers.wire.messages import MAX_CACHE_SALT
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from inferlet.openai_schema import (
@@ -169,6 +170,9 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled", "auto"] | None = Field(None, description="nothing is ever truncated")
     include: list[str] | None = None
     ignore_eos: bool = Field(False, description="as vLLM's chat routes: generate max_output_tokens whatever comes")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=MAX_CACHE_SALT, description="prompt pages are shared only under the same salt"
+    )
 
     @field_validator("background")
     @classmethod

@@ -49,7 +49,13 @@ class SessionIO(Protocol):
 
 
 class TokenBudgetExhausted(RuntimeError):
-    """The inferlet has had the model generate more tokens than its launch's ``token_budget``."""
+    """The inferlet has had the model generate more tokens than its launch's ``token_budget`` (counted here as a fast
+    path; the replica, which the budget reaches in the instance's capability, is what enforces it)."""
+
+
+class QuotaExceeded(RuntimeError):
+    """A replica or bus shard refused a request that would take the inferlet's user past one of the cluster's
+    ``[limits]`` (snapshots, adapters, queued bus bytes...); the message names the limit. Nothing was changed."""
 
 
 @dataclass

@@ -41,9 +41,10 @@ def replica(ray_session, tiny_llama, market):
 
 
 class Raw:
-    """A client writing the replica channel's frames by hand, as an attacker's program would."""
+    """A client writing the replica channel's frames by hand, as an attacker's program would. Its first frame is a
+    handshake with ``capability``, or (None) with the capability of the first request's session, as the SDK's."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, capability: str | None = None):
         kind, _, where = address.partition("://")
         if kind == "ipc":
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -54,10 +55,19 @@ class Raw:
         self.sock.settimeout(30)
         self._unpacker = msgpack.Unpacker()
         self._ids = itertools.count()
+        self._greeted = False
+        if capability is not None:
+            self.hello(capability)
+
+    def hello(self, capability: str) -> None:
+        self.sock.sendall(msgpack.packb(["hello", capability]))
+        self._greeted = True
 
     def send(self, *requests: tuple) -> list[int]:
         """Send one frame of (session, op, *args) requests; returns their request ids."""
         frame = [[next(self._ids), session, op, list(args)] for session, op, *args in requests]
+        if not self._greeted:
+            self.hello(frame[0][1].partition("/")[0])
         self.sock.sendall(msgpack.packb(frame))
         return [request[0] for request in frame]
 
@@ -77,12 +87,12 @@ class Raw:
         return got
 
     def call(self, session: str, op: str, *args) -> list:
-        """[error type or None, result or message] of one request."""
+        """[error type or None, result or message] of one request, or of the refusal of the connection."""
         (rid,) = self.send((session, op, *args))
         while True:
             for frame in self._unpacker:
                 for got, error, value in frame:
-                    if got == rid:
+                    if got in (rid, None):
                         return [error, value]
             data = self.sock.recv(1 << 16)
             if not data:
@@ -197,7 +207,7 @@ def test_a_refused_request_ends_the_frame_and_the_connection(replica):
     forgery = forged(alice, instance="someone-else")
     rids = raw.send((session(alice), "create"), (session(forgery), "create"), (session(alice), "create"))
     replies = raw.replies()  # the first create runs as a task, done after the refusal: its reply is not sent either
-    assert [r[:2] for r in replies] == [[rids[1], "PermissionError"]], replies
+    assert [r[:2] for r in replies] == [[rids[1], "PermissionError"], [None, "PermissionError"]], replies
     raw.close()
     for _ in range(200):  # the context made before the refusal is released with the connection
         if stats(replica)["contexts"] == before:

@@ -122,3 +122,23 @@ def test_a_continuation_follows_the_request_it_continues_within_the_load_limit()
         router._replicas["m", first].in_flight += 1
     assert router.choose("m", [A, B], "more items", follows="resp_1") == other
     assert PrefixRouter("least_loaded").choose("m", [A, B], "", follows="resp_1") == A  # no pins there
+
+
+def test_a_users_prefix_places_only_that_users_requests_with_the_same_salt_unless_prefixes_are_shared():
+    """The replicas cache per user and salt (``[cache] share = "user"``): another user's or salt's request gains
+    nothing from where a prompt went, so it goes by load; with ``share = "cluster"`` any user's request follows it."""
+    for shared in (False, True):
+        router = PrefixRouter(shared_prefixes=shared)
+        alice = router.choose("m", [A, B], SYSTEM_1 + "question one", user="alice")  # stays in flight there
+        bob = router.choose("m", [A, B], SYSTEM_1 + "question two", user="bob")
+        router.finished("m", bob)
+        assert (bob == alice) is shared, "bob's request follows alice's prompt only where their caches are shared"
+        salted = router.choose("m", [A, B], SYSTEM_1 + "question three", user="alice", cache_salt="s")
+        router.finished("m", salted)
+        assert salted != alice, "another salt is another cache: the request goes by load"
+        assert router.choose("m", [A, B], SYSTEM_1 + "question four", user="alice") == alice
+
+
+def test_the_prompt_carries_the_requests_cache_salt():
+    assert Prompt.of("m", ["hi"], cache_salt="s").cache_salt == "s"
+    assert Prompt.of("m", ["hi"]).cache_salt is None

@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 from pie_cluster.client import PieClient
+from pie_cluster.config import SandboxConfig
 from pie_cluster.launch_request import LaunchRequest
+from pie_cluster.sandbox.limits import WorkerLimits
 from pie_procs import engine_status, started_pie
 
 SANDBOX = """
@@ -258,3 +260,6 @@ def test_health_and_status_show_the_sandbox_and_nothing_leaked(pie):
     assert status["market"]["wallets"] == 0
     assert status["launcher"]["running"] == 0
     assert {node["sandbox"] for node in status["nodes"]} == {"bubblewrap"}
+    here = WorkerLimits(SandboxConfig())  # (test_sandbox_limits.py: the mode the README states for this host)
+    here.close()
+    assert {node["limits"] for node in status["nodes"]} == {here.mode}

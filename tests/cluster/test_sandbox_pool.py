@@ -59,13 +59,14 @@ async def launch(
     input: dict | None = None,
     view: SandboxView | None = None,
     deadline_s: float | None = None,
+    isolated: bool = False,
 ) -> None:
     program = Program.from_upload(f"{instance}.py", textwrap.dedent(source).encode())
     ref = ProgramRef(program.id, program.name, program.version, program.entry)
     capability = TRUST.instance(user, instance)["capability"]
     setup = InstanceSetup(instance, user, capability, view.endpoints if view else {}, deadline_s=deadline_s)
     spec = InstanceSpec(setup, ref, input or {})
-    await pool.start(user, program, spec, isolated=False)
+    await pool.start(user, program, spec, isolated=isolated)
 
 
 WAITS = """

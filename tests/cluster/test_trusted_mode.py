@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 from launching import launch, run_to_end
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
+from pie_cluster.config import AuthConfig, LimitsConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.controller import start_controller
 from pie_cluster.events import poll
 from program_zips import isolated_shouter, zip_program
@@ -19,7 +19,8 @@ from program_zips import isolated_shouter, zip_program
 @pytest.fixture(scope="module")
 def launcher(ray_session):
     model = ModelConfigEntry(pages=64, cpus_per_rank=1, max_batch_tokens=256)
-    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], sandbox=SandboxConfig(mode="off"))
+    limits = LimitsConfig(stdout_total_bytes=1 << 20)
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], sandbox=SandboxConfig(mode="off"), limits=limits)
     controller = start_controller(config, detached=False)
     yield ray.get_actor("pie-launcher")
     ray.get(controller.shutdown.remote())
@@ -82,3 +83,24 @@ def test_a_killed_dedicated_host_ends_its_instance_with_an_error(launcher):
             break
         time.sleep(0.1)
     assert ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0
+
+
+OVER_LIMITS = b"""
+import asyncio
+from inferlet import session
+
+async def main(input):
+    if input["send"]:
+        session.send("m" * (2 << 20))
+    while True:
+        print("x" * 10_000)
+        await asyncio.sleep(0)
+"""
+
+
+def test_an_in_process_instance_is_held_to_the_same_event_limits(launcher):
+    """Without the sandbox, instances run in the host's own process: their events have the same bounds there."""
+    program = ray.get(launcher.upload.remote("alice", "over.py", OVER_LIMITS))["program"]
+    for send, limit in [(True, "event_bytes = 1048576"), (False, "stdout_total_bytes = 1048576")]:
+        *_, (_, kind, message) = run_to_end(launcher, launch(launcher, program, {"send": send}))
+        assert kind == "error" and message.startswith("the instance was ended: ") and f"[limits] {limit}" in message

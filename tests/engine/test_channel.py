@@ -8,9 +8,17 @@ import random
 import socket
 import threading
 
+import msgpack
 import pytest
 from inferlet._channel import Channel, ReplicaError
 from pie_workers.engine.channel import ChannelServer
+from pie_workers.engine.record import Sessions
+from sdk_host import TRUST
+
+
+def named(user: str, instance: str, key: str) -> str:
+    """A session string with a valid capability (the channel verifies every connection's handshake)."""
+    return f"{TRUST.instance(user, instance)['capability']}/{key}"
 
 
 def _echo(session: str, op: str, args: list, answer):
@@ -40,7 +48,7 @@ def _serve() -> tuple[str, ChannelServer]:
     bound: list = []
 
     async def main():
-        server = ChannelServer(_echo)
+        server = ChannelServer(_echo, Sessions(TRUST.secret))
         bound.append((server.bind("127.0.0.1")["ipc"], server))
         await server.serve()
 
@@ -54,14 +62,15 @@ def test_many_sessions_interleaving_requests_all_get_their_own_replies():
     address, _ = _serve()
 
     async def session(i: int):
-        channel = Channel(address, f"alice/1/{i}")
+        name = named("alice", "1", str(i))
+        channel = Channel(address, name)
         try:
             for k in range(300):
-                assert await asyncio.wait_for(channel.call("echo", k), 10) == [f"alice/1/{i}", k]
+                assert await asyncio.wait_for(channel.call("echo", k), 10) == [name, k]
             try:
                 await asyncio.wait_for(channel.call("fail", 0), 10)
             except ValueError as e:
-                assert str(e) == f"alice/1/{i} asked to fail"
+                assert str(e) == f"{name} asked to fail"
             else:
                 raise AssertionError("a failing op did not raise")
         finally:
@@ -80,16 +89,20 @@ def test_a_malformed_frame_drops_only_that_connection():
     raw.connect(address.removeprefix("ipc://"))
     raw.settimeout(10)
     raw.sendall(b"\xc1")  # a byte msgpack never uses
-    assert raw.recv(1) == b"", "the server closes the connection"
+    unpacker = msgpack.Unpacker()
+    while data := raw.recv(1 << 16):  # until the server closes the connection
+        unpacker.feed(data)
+    assert list(unpacker) == [[[None, "PermissionError", "malformed handshake: FormatError"]]]
+    bob = named("bob", "1", "s")
 
     async def still_served():
-        channel = Channel(address, "bob/1/s")
+        channel = Channel(address, bob)
         try:
             return await asyncio.wait_for(channel.call("echo", 7), 10)
         finally:
             channel.close()
 
-    assert asyncio.run(still_served()) == ["bob/1/s", 7]
+    assert asyncio.run(still_served()) == [bob, 7]
 
 
 def test_a_lost_connection_fails_pending_calls_with_a_clear_error():
@@ -101,10 +114,10 @@ def test_a_lost_connection_fails_pending_calls_with_a_clear_error():
         def handler(session: str, op: str, args: list, answer):
             return work(op, args)
 
-        server = ChannelServer(handler)
+        server = ChannelServer(handler, Sessions(TRUST.secret))
         address = server.bind("127.0.0.1")["ipc"]
         serving = asyncio.ensure_future(server.serve())
-        channel = Channel(address, "carol/1/s")
+        channel = Channel(address, named("carol", "1", "s"))
         assert await asyncio.wait_for(channel.call("echo", 1), 10) == 1
         hanging = channel.call("hang", 2)
         await asyncio.sleep(0.05)

@@ -1,6 +1,7 @@
 """A real replica engine (the tiny model's runner) under garbage on its channel, as an attacker or a buggy client
 would send it: truncated and malformed frames, frames past the size limit, well-formed frames with wrong types and
-unknown operations, and connections that vanish holding contexts.
+unknown operations, and connections that vanish holding contexts; each after a valid handshake, after a fuzzed one,
+or with none.
 
 Each bad connection is closed or answered with errors, never the engine: a well-behaved inferlet is served after
 every example, and once the bad connections are gone they hold no context and no page. Requests come from sessions
@@ -55,14 +56,19 @@ def stats(replica) -> dict:
     return asyncio.run_coroutine_threadsafe(engine.op_stats(None), loop).result(30)
 
 
-def send_and_drop(path: str, payload: bytes) -> None:
-    """Send ``payload`` on a fresh connection and read whatever comes back until the engine closes it; the
-    sessions it named are never closed by the client."""
+def hello(user: str = "fuzz", instance: str = "1") -> bytes:
+    """A valid handshake, as the SDK opens every connection with."""
+    return msgpack.packb(["hello", TRUST.instance(user, instance)["capability"]])
+
+
+def send_and_drop(path: str, payload: bytes, greeting: bytes | None = None) -> None:
+    """Send ``payload`` on a fresh connection (after ``greeting``, default a valid handshake) and read whatever
+    comes back until the engine closes it; the sessions it named are never closed by the client."""
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.connect(path)
     raw.settimeout(10)
     try:
-        raw.sendall(payload)
+        raw.sendall((hello() if greeting is None else greeting) + payload)
         raw.shutdown(socket.SHUT_WR)  # end of input: the engine answers what it got, then closes
         while raw.recv(1 << 16):
             pass
@@ -109,13 +115,21 @@ frames = st.one_of(
     values.map(msgpack.packb),  # not a list of requests at all
     st.binary(min_size=1, max_size=64),  # not msgpack
 )
+greetings = st.one_of(
+    st.builds(hello),  # valid
+    st.just(b""),  # none: the frame comes first
+    st.sampled_from(["fuzz", "nobody", "", "a/b"]).map(lambda token: msgpack.packb(["hello", token])),
+    values.map(lambda token: msgpack.packb(["hello", token])),  # a handshake of the wrong shape
+    values.map(msgpack.packb),
+    st.binary(min_size=1, max_size=64),
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(frames)
-def test_garbage_frames_never_hurt_the_engine_or_other_inferlets(replica, frame):
+@given(greetings, frames)
+def test_garbage_frames_never_hurt_the_engine_or_other_inferlets(replica, greeting, frame):
     path = replica[0]
-    send_and_drop(path, frame)
+    send_and_drop(path, frame, greeting)
     a_good_inferlet_is_served(path)
 
 

@@ -260,7 +260,9 @@ def test_a_context_with_a_pass_in_flight_gives_its_pages_up_when_its_next_pass_b
     contexts = records.table
     residency = Residency(records, BatchScheduler(None, BatchLimits()))
     users = ("alice", "bob", "carol", "dave")
-    session = {name: Session(name, name, name, name, float("inf"), Capability(name, name, float("inf"))) for name in users}
+    session = {
+        name: Session(name, name, name, name, float("inf"), Capability(name, name, float("inf"))) for name in users
+    }
     low, high = records.create(session["alice"]), records.create(session["bob"])
     contexts.reserve(low.id, 4)
     contexts.record(low.id, list(range(50)), list(range(50)))

@@ -76,10 +76,34 @@ def initial_adapter(cfg: ModelConfig, config: LoraConfig, seed: int, sigma: floa
     return LoraAdapter(config, weights, sigma)
 
 
+def check_rank(cfg: ModelConfig, config: LoraConfig) -> None:
+    """Raise ValueError unless the rank is at most the smaller dimension of every module it adapts: a larger one
+    only costs memory (the update's rank cannot exceed it), so at most the model's hidden size."""
+    shapes = module_shapes(cfg)
+    module = min(config.targets, key=lambda m: min(shapes[m]))
+    if config.rank > min(shapes[module]):
+        raise ValueError(
+            f"LoRA rank {config.rank} exceeds this model's {module} ({shapes[module][0]} -> {shapes[module][1]}): "
+            f"a rank is at most {min(shapes[module])} here"
+        )
+
+
+def adapter_bytes(cfg: ModelConfig, config: LoraConfig) -> int:
+    """Bytes of the float32 matrices an adapter of ``config`` holds on this model (known before making it)."""
+    shapes = module_shapes(cfg)
+    return 4 * cfg.num_layers * config.rank * sum(sum(shapes[m]) for m in config.targets)
+
+
+def weights_bytes(weights: ModuleWeights) -> int:
+    """Bytes of an adapter's matrices as they are held."""
+    return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in weights.values())
+
+
 def check_fits(cfg: ModelConfig, adapter: LoraAdapter) -> None:
     """Raise ValueError naming the first matrix that does not fit this model or the adapter's own rank/targets."""
     if not adapter.weights:
         raise ValueError("the adapter has no LoRA matrices")
+    check_rank(cfg, adapter.config)
     if not (math.isfinite(adapter.sigma) and adapter.sigma >= 0):
         raise ValueError(f"zo sigma must be a finite number >= 0, got {adapter.sigma!r}")
     shapes, config = module_shapes(cfg), adapter.config

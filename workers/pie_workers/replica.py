@@ -146,6 +146,11 @@ class RankWorker:
         """New weights were loaded into the adapter on another replica: the copy here takes them."""
         self.engine.adapters.refresh_named(user, name, adapter)
 
+    async def revoke(self, ended: dict[str, float]) -> None:
+        """The trusted side ended these instances (instance -> its capability's expiry): refuse them from now on."""
+        if self.engine is not None:
+            self.engine.revoke(ended)
+
     async def ping(self) -> int:
         """The supervisor's probe of every rank: answering at all shows the actor's event loop is alive (a follower
         runs its passes in a thread); the pid says which process to look at."""
@@ -236,7 +241,9 @@ class Replica:
             self.info: ReplicaInfo = infos[0]
             self._following = [r.follow.remote() for r in self.ranks[1:]]
             started = (
-                self.leader.start_engine.remote(engine, secret, market, directory, tenants) if engine is not None else None
+                self.leader.start_engine.remote(engine, secret, market, directory, tenants)
+                if engine is not None
+                else None
             )
             self.addresses = ray.get(started, timeout=start_s) if started is not None else {}
         except ray.exceptions.GetTimeoutError:

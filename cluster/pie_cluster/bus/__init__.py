@@ -37,7 +37,9 @@ Why this shape:
   messages in flight inside an inferlet's process that dies, and a shard's queues with its node, which its
   replacement reports (``queued_topics.py``: the first pull on each topic that held messages fails saying so).
 * Overflow: subscription buffers live in the subscribing inferlet (1024 unread; the oldest is dropped and counted),
-  so a slow reader never slows the shard or other subscribers. Queues are unbounded, as in Pie.
+  so a slow reader never slows the shard or other subscribers. Queues are bounded per user and shard, and so are a
+  message and a shard's journal on disk (``quotas.py``, ``[limits]``): a push past a bound fails in the pushing
+  inferlet with a ``QuotaExceeded`` naming it, and nothing queued is ever dropped for it.
 * Namespacing: every frame carries the instance's capability (minted by the trusted host with the cluster's
   secret, which the shards hold); the shard takes the user from it alone and keys every topic by (user, topic). A
   peer's routing id must be one of the capability's instance, so no inferlet can act as another's connection.

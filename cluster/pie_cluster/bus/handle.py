@@ -9,9 +9,11 @@ from dataclasses import dataclass, replace
 import ray
 import ray.exceptions
 from pie_workers.deadlines import BUS_S, NoAnswer, answered
+from pie_workers.wire.admission import ConnectionLimits
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus.shard import BusShard, ShardInfo, secret_id
+from pie_cluster.config import BusLimits
 
 DEFAULT_NAME = "pie-bus"
 DEFAULT_SHARDS = 2
@@ -29,6 +31,8 @@ class Bus:
     name: str = DEFAULT_NAME
     namespace: str | None = None
     detached: bool = True
+    limits: BusLimits = BusLimits()  # what each shard bounds per user (``quotas.py``), for shards made again too
+    connections: ConnectionLimits = ConnectionLimits()  # the peers one instance and user may hold on each shard
 
     def addresses(self, node_id: str | None = None) -> tuple[str, ...]:
         """What goes into an inferlet's ``Runtime.bus``: one address per shard, ipc where the shard shares the
@@ -60,15 +64,19 @@ def start_bus(
     detached: bool = True,
     *,
     secret: bytes,
+    limits: BusLimits = BusLimits(),
+    connections: ConnectionLimits | None = None,
 ) -> Bus:
     """Get or create the bus ``name`` (shard actors ``{name}-0`` … ``{name}-{shards-1}``) in ``namespace`` (default:
     the caller's). Detached by default so the bus outlives the job that started it; a bus that already runs with
     another shard count is an error, since topics are placed by ``hash % shards``, and so is one that runs under
-    another cluster ``secret`` (it would refuse every capability the caller's side mints)."""
+    another cluster ``secret`` (it would refuse every capability the caller's side mints). ``limits``: what each
+    shard bounds per user (``[limits]``; a bus that already runs keeps its own), ``connections`` the peers each
+    instance and user may hold on a shard."""
     if shards < 1:
         raise ValueError(f"a bus needs at least one shard, not {shards}")
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-    bus = Bus((), (), name, namespace, detached)
+    bus = Bus((), (), name, namespace, detached, limits, connections or ConnectionLimits())
     first = _shard_actor(bus, 0, shards, nodes[0], secret)
     info = answered(first.start.remote(), "bus shard 0", BUS_S)
     if info.count != shards:
@@ -121,7 +129,7 @@ def _shard_actor(bus: Bus, index: int, count: int, node: str, secret: bytes, rep
     }
     if bus.detached:
         options["lifetime"] = "detached"
-    return _ShardActor.options(**options).remote(index, count, secret, replaces)
+    return _ShardActor.options(**options).remote(index, count, secret, replaces, bus.limits, bus.connections)
 
 
 def find_bus(name: str = DEFAULT_NAME, namespace: str | None = None) -> Bus:

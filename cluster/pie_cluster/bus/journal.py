@@ -8,7 +8,8 @@ client sends it again. Records are buffered and written with one ``write`` per b
 the burst produced, so a message a puller has seen is never handed out again and a push acknowledged is kept; a
 write survives the process's death (the kernel has it) though not the machine's, whose loss takes the shard's
 address with it anyway. When the file holds many more records than messages are queued, it is rewritten from the
-queues.
+queues; so it is before a write would take it past ``max_bytes`` (``[limits] bus_journal_bytes``, with the queues
+held to half of it by ``quotas.py``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ class Replayed:
 
 
 class Journal:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, max_bytes: int = 2 << 30):
         self._path = path
-        self._pending: list[list] = []
+        self._max_bytes = max_bytes
+        self._pending: list[bytes] = []  # records packed, not written yet
+        self._pending_bytes = 0
+        self._size = 0  # bytes in the file
         self._records = 0  # in the file
         self._queued = 0  # messages the records leave queued
         self._fd = -1
@@ -51,7 +55,9 @@ class Journal:
         state = Replayed()
         if self._path.exists():
             unpacker = msgpack.Unpacker(raw=False)
-            unpacker.feed(self._path.read_bytes())
+            data = self._path.read_bytes()
+            self._size = len(data)
+            unpacker.feed(data)
             for record in unpacker:  # a record cut off by the kill is simply not there
                 _apply(state, record)
                 self._records += 1
@@ -61,42 +67,58 @@ class Journal:
         return state
 
     def queued(self, key: Key, message: str) -> None:
-        self._pending.append(["+", *key, message])
+        self._append(["+", *key, message])
         self._queued += 1
         self._filled.add(key)
 
     def returned(self, key: Key, messages: list[str]) -> None:
-        self._pending.append(["<", *key, messages])
+        self._append(["<", *key, messages])
         self._queued += len(messages)
         self._filled.add(key)
 
     def pulled(self, key: Key) -> None:
-        self._pending.append(["-", *key])
+        self._append(["-", *key])
         self._queued -= 1
 
     def applied(self, peer: bytes, seq: int | None) -> None:
-        self._pending.append(["#", peer, seq])
+        self._append(["#", peer, seq])
+
+    def bound(self, state: Callable[[], Replayed]) -> None:
+        """Rewrite the file from ``state()`` (which has every change recorded so far) if writing what is pending
+        would take it past ``max_bytes``."""
+        if self._size + self._pending_bytes > self._max_bytes:
+            self._rewrite(state())
+
+    def _append(self, record: list) -> None:
+        packed = msgpack.packb(record)
+        self._pending.append(packed)
+        self._pending_bytes += len(packed)
 
     def flush(self, state: Callable[[], Replayed]) -> None:
         """Write what this burst changed; rewrite the file from ``state()`` when it has grown far past it."""
         if not self._pending:
             return
         self._records += len(self._pending)
-        data = b"".join(msgpack.packb(record) for record in self._pending)
+        data = b"".join(self._pending)
         self._pending.clear()
+        self._pending_bytes = 0
         os.write(self._fd, data)
-        if self._records > COMPACT_AT + self._queued:
+        self._size += len(data)
+        if self._records > COMPACT_AT + self._queued or self._size > self._max_bytes:
             self._rewrite(state())
 
     def _rewrite(self, state: Replayed) -> None:
         records = [["<", *key, list(messages)] for key, messages in state.queues.items() if messages]
         records += [["#", peer, seq] for peer, seq in state.applied.items()]
+        data = b"".join(msgpack.packb(record) for record in records)
         temporary = self._path.with_suffix(".new")
-        temporary.write_bytes(b"".join(msgpack.packb(record) for record in records))
+        temporary.write_bytes(data)
         os.replace(temporary, self._path)
         os.close(self._fd)
         self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND)
-        self._records = len(records)
+        self._records, self._size = len(records), len(data)
+        self._pending.clear()  # ``state`` has them
+        self._pending_bytes = 0
 
     def remove(self) -> None:
         """The shard is stopped for good: nothing to keep."""
@@ -126,6 +148,9 @@ class NoJournal(Journal):
         pass
 
     def flush(self, state: Callable[[], Replayed]) -> None:
+        pass
+
+    def bound(self, state: Callable[[], Replayed]) -> None:
         pass
 
     def remove(self) -> None:

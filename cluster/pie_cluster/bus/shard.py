@@ -4,8 +4,14 @@ Wire protocol (msgpack; the client is ``inferlet.messaging``). A peer is one inf
 id is ``instance/session``. Each message from a peer has two parts: the instance's capability (minted by the trusted
 host, see ``pie_workers.wire.capability``) and a frame. The capability must verify with the cluster's secret and
 name the instance the routing id starts with; its user namespaces every topic the frame names. A frame that fails
-this is not applied: the peer is answered ``["refused", why]`` and loses what it held here. A frame is a list of
-operations, applied in order::
+this is not applied (nor read: the capability is checked first, its verification cached per token, so a peer's
+identity costs one dict lookup per message): the peer is answered ``["refused", why]`` and loses what it held here,
+and the refusal is logged at a bounded rate. This is the bus's handshake: ZeroMQ reconnects a peer by itself, to a
+restarted shard too, so no first message of a connection is sure to reach the process that must see it, and each
+message carries its proof instead. Each instance and user holds a bounded number of peers (routing ids) here
+(``ConnectionLimits``: ``[limits] connections_per_instance``, ``connections_per_user``); an instance that ended is
+refused from the moment the trusted side revokes it (``revoke``), and its peers lose what they held. A frame is a
+list of operations, applied in order::
 
     ["push", topic, message, seq, first]     ["pull", topic, rid]    ["cancel", rid]
     ["cast", topic, message]                 ["sub", topic, sid]     ["unsub", sid]
@@ -16,7 +22,8 @@ operations, applied in order::
 Each frame back is the list of every event the peer has coming from one burst: ``["pulled", rid, topic, message]``,
 ``["cast", sid, message]``, ``["ok", id]`` answering ``sub`` (id = sid) and ``close`` (id = token), ``["acked",
 seq]`` and ``["resend", seq]`` (numbered operations are missing from ``seq`` on), ``["lost", rid, why]`` (pull
-``rid``'s topic held messages lost with the node of the shard this one replaces).
+``rid``'s topic held messages lost with the node of the shard this one replaces), ``["over", why]`` (a push or cast
+past a ``[limits]`` bound was not applied: ``quotas.py``).
 
 Operations that hand the shard a message are numbered per peer (``seq``; ``first``: the lowest the peer has not seen
 acknowledged). The shard applies them once each, in order: one it already applied is ignored, one past a gap is
@@ -49,7 +56,6 @@ import hashlib
 import logging
 import os
 import tempfile
-import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -58,11 +64,14 @@ from pathlib import Path
 import msgpack
 import ray
 import zmq
-from pie_workers.wire.capability import Capability, CapabilityError, verify
+from pie_workers.wire.admission import ConnectionLimits, RefusalLog
 
 from pie_cluster.bus.journal import Journal, NoJournal, Replayed
+from pie_cluster.bus.peers import Peers
 from pie_cluster.bus.queued_topics import SHRINK_S, QueuedTopics
+from pie_cluster.bus.quotas import refusal
 from pie_cluster.bus.topics import Topics
+from pie_cluster.config import BusLimits
 from pie_cluster.durable import GcsStore
 
 log = logging.getLogger(__name__)
@@ -70,7 +79,6 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "shard.sock"  # in the shard's own directory
 BURST = 256  # frames applied per turn of the event loop, so the actor's Ray calls (stats, stop) still get a turn
 SEND_HWM = 10_000  # frames queued towards one peer before it counts as gone
-VERIFIED_CACHE = 4096  # capabilities kept verified; past it the cache starts over (a miss costs one HMAC)
 PEERS_NUMBERED = 1 << 16  # peers whose last applied number is kept (those gone without closing are forgotten first)
 
 
@@ -86,14 +94,6 @@ class ShardInfo:
     secret_id: str  # names the cluster secret it verifies capabilities with (a digest, never the secret)
 
 
-@dataclass(frozen=True)
-class _Verified:
-    """A capability that verified, and the routing ids it may be shown from (those of its instance)."""
-
-    capability: Capability
-    routing_prefix: bytes  # ``instance/``
-
-
 @dataclass(slots=True)
 class _Outbox:
     """What one peer has coming from this burst, and whose topics it comes from (a routing id is one instance's,
@@ -104,13 +104,25 @@ class _Outbox:
 
 
 class BusShard:
-    def __init__(self, index: int, count: int, secret: bytes, replaces: str | None = None):
-        """``replaces``: the actor id of the shard this one replaces, whose node was lost (``handle.py``)."""
+    def __init__(
+        self,
+        index: int,
+        count: int,
+        secret: bytes,
+        replaces: str | None = None,
+        limits: BusLimits = BusLimits(),
+        connections: ConnectionLimits | None = None,
+    ):
+        """``replaces``: the actor id of the shard this one replaces, whose node was lost (``handle.py``);
+        ``limits``: what each user may put on it (``quotas.py``); ``connections``: the peers one instance and one
+        user may hold here."""
         if not secret:
             raise ValueError("a bus shard needs the cluster's secret to verify its clients' capabilities")
         self.index, self.count = index, count
+        self._limits = limits
         self._secret = secret
-        self._verified: dict[bytes, _Verified] = {}  # token -> what it proved (a cache, emptied past VERIFIED_CACHE)
+        self._peers = Peers(secret, connections or ConnectionLimits())
+        self._refusals = RefusalLog(log)
         self._topics = Topics(self._queue_event)  # made again with its journal once the shard listens
         self._journal: Journal = NoJournal()  # its own once the shard listens
         self._applied: OrderedDict[bytes, int] = OrderedDict()  # peer -> its last numbered operation applied
@@ -166,7 +178,7 @@ class BusShard:
         sock.bind(f"ipc://{self._ipc_path}")
         os.chmod(self._ipc_path, 0o666)  # sandboxed workers have uids of their own; capabilities guard it
         # beside that directory, not in it: no sandbox may read the queued messages
-        self._journal = Journal(Path(f"{Path(self._ipc_path).parent}.journal"))  # the previous process's too
+        self._journal = Journal(Path(f"{Path(self._ipc_path).parent}.journal"), self._limits.journal_bytes)
         replayed = self._journal.replay()
         self._applied = replayed.applied
         self._topics = Topics(self._queue_event, self._journal, replayed.queues)
@@ -205,9 +217,9 @@ class BusShard:
                 break
             try:
                 token, frame = parts
-                user = self._admit(peer, token)
-            except (ValueError, CapabilityError) as e:
-                self._refuse(peer, e if isinstance(e, CapabilityError) else "no capability was presented")
+                user = self._peers.admit(peer, token)
+            except (ValueError, PermissionError) as e:
+                self._refuse(peer, e if isinstance(e, PermissionError) else "no capability was presented")
                 continue
             self._apply(peer, user, frame)
         self._acknowledge()
@@ -224,7 +236,7 @@ class BusShard:
 
     def _write_journal(self) -> None:
         self._queued_topics.cover(self._journal.take_filled())  # before anything is acknowledged
-        self._journal.flush(lambda: Replayed(self._topics.queued_messages(), self._applied))
+        self._journal.flush(self._journal_state)
 
     def _in_order(self, peer: bytes, seq: int, first: int) -> bool:
         """Whether numbered operation ``seq`` of ``peer`` is the next one to apply (it then counts as applied)."""
@@ -255,29 +267,25 @@ class BusShard:
         self._acks.clear()
         self._resends.clear()
 
-    def _admit(self, peer: bytes, token: bytes) -> str:
-        """The user ``peer`` proves to be with ``token``: a capability for the instance its routing id names
-        (verified once per token; its expiry checked on every frame). Raises ``CapabilityError``."""
-        known = self._verified.get(token)
-        if known is None:
-            try:
-                capability = verify(self._secret, token.decode("ascii"))
-            except UnicodeDecodeError:
-                raise CapabilityError("malformed capability: not ASCII") from None
-            if len(self._verified) >= VERIFIED_CACHE:
-                self._verified.clear()
-            known = self._verified[token] = _Verified(capability, f"{capability.instance}/".encode())
-        elif time.time() >= known.capability.expires:
-            raise CapabilityError(f"expired capability: instance {known.capability.instance!r} is past its lifetime")
-        if not peer.startswith(known.routing_prefix):
-            raise CapabilityError(f"the routing id {peer!r} is not one of instance {known.capability.instance!r}")
-        return known.capability.user
-
-    def _refuse(self, peer: bytes, why: object) -> None:
+    def _refuse(self, peer: bytes, why: object, logged: bool = True) -> None:
         """Tell the peer why its frame was not applied; what it held here is dropped."""
-        log.warning("bus shard %d: refused a frame from %r: %s", self.index, peer, why)
-        self._topics.drop(peer)
+        if logged:
+            self._refusals.refused(f"a frame from {peer!r} on bus shard {self.index}", why)
+        self._forget(peer)
         self._queue_event(peer, None, ["refused", str(why)])
+
+    def _forget(self, peer: bytes) -> None:
+        """The peer is gone, refused or closed: it holds nothing here and counts against no bound."""
+        self._topics.drop(peer)
+        self._peers.leave(peer)
+
+    async def revoke(self, ended: dict[str, float]) -> None:
+        """The trusted side ended these instances (instance -> its capability's expiry): their capabilities are
+        refused from now on, and their peers are told so and lose what they held here."""
+        for peer in self._peers.revoke(ended):
+            self._refuse(peer, f"revoked capability: instance {peer.split(b'/')[0].decode()!r} has ended", logged=False)
+        if self._sock is not None:
+            self._serve()  # sends the refusals (and applies whatever arrived meanwhile)
 
     def _apply(self, peer: bytes, user: str, frame: bytes) -> None:
         """A malformed frame or operation is the sender's bug: it is logged and skipped, never fatal to the shard."""
@@ -297,14 +305,17 @@ class BusShard:
         match op:
             case ["push", str(topic), str(message), int(seq), int(first)]:
                 if self._in_order(peer, seq, first):
-                    topics.push((user, topic), message)
+                    self._push(peer, (user, topic), message)
             case ["pull", str(topic), int(rid)]:
                 if self._queued_topics.take_lost((user, topic)):
                     self._queue_event(peer, user, ["lost", rid, _lost(topic)])
                 else:
                     topics.pull(peer, user, rid, (user, topic))
             case ["cast", str(topic), str(message)]:
-                topics.broadcast((user, topic), message)
+                if (why := refusal(self._limits, topics, (user, topic), message, push=False)) is not None:
+                    self._queue_event(peer, user, ["over", why])
+                else:
+                    topics.broadcast((user, topic), message)
             case ["cancel", int(rid)]:
                 topics.cancel(peer, rid)
             case ["withdraw", int(rid), int(token)]:
@@ -319,7 +330,7 @@ class BusShard:
                 if self._in_order(peer, seq, first):
                     topics.requeue((user, topic), [message])
             case ["close", int(token)]:
-                topics.drop(peer)
+                self._forget(peer)
                 last = self._applied.pop(peer, None)
                 if last is not None:  # acknowledged here: past this, the peer is not known
                     self._queue_event(peer, user, ["acked", last])
@@ -327,6 +338,19 @@ class BusShard:
                 self._queue_event(peer, user, ["ok", token])
             case _:
                 raise ValueError(f"unknown bus operation {op!r}")
+
+    def _push(self, peer: bytes, key: tuple[str, str], message: str) -> None:
+        """Queue (or hand over) a pushed message, or tell the pusher which limit refuses it (``quotas.py``); the
+        journal is compacted rather than let past its bound."""
+        why = refusal(self._limits, self._topics, key, message)
+        if why is not None:
+            self._queue_event(peer, key[0], ["over", why])
+            return
+        self._topics.push(key, message)
+        self._journal.bound(self._journal_state)
+
+    def _journal_state(self) -> Replayed:
+        return Replayed(self._topics.queued_messages(), self._applied)
 
     def _queue_event(self, peer: bytes, user: str | None, event: list) -> None:
         box = self._outgoing.get(peer)
@@ -346,7 +370,7 @@ class BusShard:
 
     def _lost(self, peer: bytes, box: _Outbox) -> None:
         """Drop a peer that cannot be reached; the messages it was handed go back to the front of their queues."""
-        self._topics.drop(peer)
+        self._forget(peer)
         returned: dict[str, list[str]] = {}
         for event in box.events:
             if event[0] == "pulled":

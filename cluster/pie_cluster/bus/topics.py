@@ -9,7 +9,7 @@ message]`` (a broadcast for one subscription).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,6 +42,18 @@ class Topics:
         self._queues: dict[Key, _Queue] = {key: _Queue(messages) for key, messages in (queued or {}).items()}
         self._subscribers: dict[Key, dict[tuple[bytes, int], None]] = {}
         self._held: dict[bytes, _Held] = {}
+        self._bytes: Counter[str] = Counter()  # user -> bytes of their queued messages (``quotas.py``)
+        self.total_bytes = 0  # every user's
+        for (user, _), messages in (queued or {}).items():
+            self._count(user, sum(map(message_bytes, messages)))
+
+    def queued_bytes(self, user: str) -> int:
+        return self._bytes[user]
+
+    def would_queue(self, key: Key) -> bool:
+        """Whether a message pushed on ``key`` now would wait in its queue (no pull is waiting for it)."""
+        queue = self._queues.get(key)
+        return queue is None or not queue.waiters
 
     def holds(self, key: Key) -> bool:
         """Whether messages are queued on ``key``."""
@@ -58,6 +70,7 @@ class Topics:
         if not self._hand_to_waiter(key, message):
             self._queues.setdefault(key, _Queue()).messages.append(message)
             self._journal.queued(key, message)
+            self._count(key[0], message_bytes(message))
 
     def requeue(self, key: Key, messages: list[str]) -> None:
         """Messages that were pulled but not taken (oldest first) go back ahead of everything queued after them."""
@@ -65,12 +78,14 @@ class Topics:
         if rest:
             self._queues.setdefault(key, _Queue()).messages.extendleft(reversed(rest))
             self._journal.returned(key, rest)
+            self._count(key[0], sum(map(message_bytes, rest)))
 
     def pull(self, peer: bytes, user: str, rid: int, key: Key) -> None:
         queue = self._queues.get(key)
         if queue is not None and queue.messages:
             message = queue.messages.popleft()
             self._journal.pulled(key)
+            self._count(key[0], -message_bytes(message))
             self._forget_if_idle(key)
             self._emit(peer, key[0], ["pulled", rid, key[1], message])
             return
@@ -148,6 +163,12 @@ class Topics:
             self._forget_peer_if_idle(peer)
         return key
 
+    def _count(self, user: str, size: int) -> None:
+        self._bytes[user] += size
+        self.total_bytes += size
+        if not self._bytes[user]:
+            del self._bytes[user]
+
     def _forget_if_idle(self, key: Key) -> None:
         queue = self._queues[key]
         if not queue.messages and not queue.waiters:
@@ -157,3 +178,8 @@ class Topics:
         held = self._held[peer]
         if not held.pulls and not held.subscriptions:
             del self._held[peer]
+
+
+def message_bytes(message: str) -> int:
+    """A message's UTF-8 bytes (ASCII counted without encoding)."""
+    return len(message) if message.isascii() else len(message.encode())

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import ray
 
 from pie_cluster.durable import GcsStore
-from pie_cluster.market.market import DEFAULT_ENDOWMENT, Market
+from pie_cluster.market.market import DEFAULT_ENDOWMENT, MAX_ENDOWMENT, Market
 from pie_cluster.market.wallets import MICRO, Ledger
 from pie_cluster.market.wire import Account, DeviceDecision, DeviceReport
 
@@ -29,10 +29,11 @@ class MarketActor:
     """``Market`` behind an actor. Async, so that calls from many replicas and inferlets queue cheaply; each method
     runs to completion on the actor's event loop without awaiting, so rounds and wallet changes never interleave."""
 
-    def __init__(self, default_endowment: float = DEFAULT_ENDOWMENT) -> None:
+    def __init__(self, default_endowment: float = DEFAULT_ENDOWMENT, max_endowment: float = MAX_ENDOWMENT) -> None:
         self._stored = GcsStore("pie-market", ray.get_runtime_context().get_actor_id())  # the same after a restart
         saved = self._stored.get(()) if ray.get_runtime_context().was_current_actor_reconstructed else None
-        self._market = saved if saved is not None else Market(default_endowment)
+        self._market = saved if saved is not None else Market(default_endowment, max_endowment)
+        self._market.max_endowment = max_endowment  # the configured bound, over a saved one
         self.restored = saved is not None
         self._saving: asyncio.TimerHandle | None = None
         self._save()
@@ -118,9 +119,10 @@ def get_or_create_market(
     default_endowment: float = DEFAULT_ENDOWMENT,
     lifetime: str | None = None,
     placement: dict | None = None,
+    max_endowment: float = MAX_ENDOWMENT,
 ) -> ray.actor.ActorHandle:
     """The market named ``MARKET_NAME`` in ``namespace``, started here if no one has started it yet
     (``lifetime="detached"`` lets it outlive the job that started it; ``placement``: actor options saying where
-    it runs)."""
+    it runs; ``max_endowment``: the most credits one process is endowed with)."""
     options = {"name": MARKET_NAME, "namespace": namespace, "get_if_exists": True, "lifetime": lifetime}
-    return MarketActor.options(**options, **(placement or {})).remote(default_endowment)
+    return MarketActor.options(**options, **(placement or {})).remote(default_endowment, max_endowment)

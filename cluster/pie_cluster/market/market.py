@@ -4,7 +4,10 @@ Replicas keep page allocation local and report each device's contexts in one bat
 call and returns the device's decision (who is suspended, who comes back, the price). The rules:
 
 * Endowment. A process joins with an endowment in credits (the launcher derives it from the launch's token budget,
-  or leaves it to the configured default); its balance starts equal to it.
+  or leaves it to the configured default); its balance starts equal to it. Endowments are set by the trusted side
+  only (the launcher, through the host that opens the wallet; a sandboxed worker has no way to the market) and are
+  at most ``max_endowment`` (``[limits]``): a larger token budget still limits the launch's tokens, but endows no
+  more credits, since credits buy pages and earn dividends from every other process's rent.
 * A round, for one device, in this order:
 
   1. Make cost: each page made since the previous report costs ``PAGE_COST`` = 1 credit, burned (paid to nobody).
@@ -49,6 +52,9 @@ PAGE_COST = 1.0
 
 DEFAULT_ENDOWMENT = 64.0
 """Credits of a process launched without a token budget (Pie's default: 64 pages)."""
+
+MAX_ENDOWMENT = 65536.0
+"""The most credits one process is endowed with (``[limits] max_endowment``): a budget of ~1M tokens at 16 a page."""
 
 
 def endowment_for(token_budget: int | None, page_size: int) -> float | None:
@@ -95,14 +101,18 @@ class _DeviceState:
 class Market:
     """Wallets and the per-device rounds; plain Python, driven by the Ray actor in ``actor.py``."""
 
-    def __init__(self, default_endowment: float = DEFAULT_ENDOWMENT) -> None:
+    def __init__(self, default_endowment: float = DEFAULT_ENDOWMENT, max_endowment: float = MAX_ENDOWMENT) -> None:
         self.wallets = Wallets()
         self.default_endowment = default_endowment
+        self.max_endowment = max_endowment
         self._devices: dict[str, _DeviceState] = {}
 
     def join(self, process_id: str, endowment: float | None = None) -> float:
-        """Open the process's wallet; returns its endowment in credits."""
+        """Open the process's wallet with ``endowment`` credits (None: the default), at most ``max_endowment``;
+        returns its endowment."""
         endowment = self.default_endowment if endowment is None else endowment
+        if math.isfinite(endowment) and endowment >= 0:  # (any other is the wallets' to refuse, naming it)
+            endowment = min(endowment, self.max_endowment)
         self.wallets.join(process_id, endowment)
         return endowment
 

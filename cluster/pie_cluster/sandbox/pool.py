@@ -1,20 +1,22 @@
 """Each user's sandboxed workers on one node: started, reused, watched and ended by the trusted host.
 
 A user's instances share that user's worker (one interpreter for hundreds of inferlets, so a launch costs a message,
-not a process); an ``isolated`` program gets a worker of its own, ended with its instance. One spare worker is kept
-started and bound to a user on first use, so even a user's first launch does not wait for a process to start. A
-worker is ended when it stalls (one task step holds its event loop for ``stall_s``: its own watchdog exits; or it
-answers no ping for six times that), dies (a crash, a kernel limit), reaches its process limit (a fork bomb), sends
-what is not the protocol, keeps an instance past its deadline, or sits idle for ``idle_s``; its instances end with
-an error event that says why, and the next launch starts a fresh one. Workers are retired (they take no new
-instances and end with their last) when the services change (a replica replaced: new sockets to bind in) and past
-half their CPU-time limit.
+not a process); an ``isolated`` program gets a worker of its own, ended with its instance, which counts against the
+user's ``max_workers_per_user`` on this node like all theirs (past it a launch waits for one to end). One spare
+worker is kept started, bound to a user on first use: even a user's first launch waits for no process. One is ended when
+it stalls (one task step holds its event loop for ``stall_s``: its own watchdog exits; or it answers no ping for six
+times that), dies (a crash, a kernel limit), reaches its limit of processes or of memory as a whole
+(``limits.py``), sends what is not the protocol, keeps an instance past its deadline, or sits idle for ``idle_s``;
+its instances end with an error event that says why, and the next launch starts a fresh one. Workers are retired
+(they take no new instances and end with their last) when the services change (a replica replaced: new sockets to
+bind in) and past half their CPU-time limit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -29,14 +31,26 @@ from pathlib import Path
 
 from pie_cluster.config import SandboxConfig
 from pie_cluster.programs import Program
-from pie_cluster.sandbox import bwrap
-from pie_cluster.sandbox.protocol import FrameWriter, InstanceSpec, read_frames
+from pie_cluster.sandbox import bwrap, seccomp
+from pie_cluster.sandbox.limits import WorkerLimits
+from pie_cluster.sandbox.protocol import (
+    MAX_WORKER_MESSAGE_BYTES,
+    WORKER_READ_RATE,
+    EventMessage,
+    FrameWriter,
+    InstanceSpec,
+    PongMessage,
+    ProtocolError,
+    read_frames,
+    worker_message,
+)
 from pie_cluster.sandbox.view import SandboxView
 from pie_cluster.sandbox.watchdog import STALLED
 
 _TAIL_BYTES = 4096  # of a worker's own stdout/stderr, kept to explain its death
 UNANSWERED_STALLS = 6  # the host's backstop: a worker silent this many times ``stall_s`` is ended (see watchdog.py)
 EXIT_GRACE_S = 2.0  # how long a worker whose socket closed has to exit before it is killed
+MAX_RECEIVING = 4096  # receives of one worker's instances waiting at once (each holds a task on the host)
 DEADLINE_GRACE_S = 5.0  # past an instance's deadline, how long its worker has to end it before the host ends both
 
 
@@ -63,10 +77,10 @@ class Worker:
     programs: dict[str, asyncio.Future] = field(default_factory=dict)  # program id -> its write into /pie/programs
     idle_since: float = field(default_factory=time.monotonic)
     retired: bool = False  # takes no new instances; ends when its last one does
-    uid: int | None = None  # its own uid, when the host could give it one
     death: str | None = None  # why the host ended it, when it did
     tail: bytearray = field(default_factory=bytearray)
     pongs: int = 0
+    receiving: int = 0  # its instances' receives the host is answering
 
 
 class WorkerPool:
@@ -80,7 +94,9 @@ class WorkerPool:
         self._spare: asyncio.Task | None = None
         self._view: SandboxView | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._census_at, self._usage = 0.0, {}
+        self._limits = WorkerLimits(config)
+        self._freed = asyncio.Condition()  # notified when a user's workers change: a launch past the bound waits
+        self._taking: dict[str, int] = {}  # user -> workers being started for them, counted against their bound
 
     def set_view(self, view: SandboxView) -> None:
         """New services: workers started from now on bind these; running ones finish what they have."""
@@ -126,14 +142,33 @@ class WorkerPool:
         return True
 
     async def _worker_for(self, user: str, isolated: bool) -> Worker:
-        if not isolated:
-            for worker in self._workers.get(user, ()):
-                if not worker.retired and not worker.dedicated:
-                    return worker
-        worker = await self._take_spare()
-        worker.user, worker.dedicated = user, isolated
-        self._workers.setdefault(user, []).append(worker)
+        """The user's shared worker, or a new one once the user holds fewer than ``max_workers_per_user`` (isolated
+        programs' workers and retired ones count: they hold memory and processes too); until then the launch
+        waits, and an abort or deadline ends the wait."""
+        async with self._freed:
+            while True:
+                shared = [w for w in self._workers.get(user, ()) if not (w.retired or w.dedicated)]
+                if shared and not isolated:
+                    return shared[0]
+                held = len(self._workers.get(user, ())) + self._taking.get(user, 0)
+                if held < self._config.max_workers_per_user:
+                    break
+                await self._freed.wait()
+            self._taking[user] = self._taking.get(user, 0) + 1
+        try:
+            worker = await self._take_spare()
+            worker.user, worker.dedicated = user, isolated
+            self._workers.setdefault(user, []).append(worker)
+        finally:
+            self._taking[user] -= 1
+            if not self._taking[user]:
+                del self._taking[user]
+            await self._notify_freed()
         return worker
+
+    async def _notify_freed(self) -> None:
+        async with self._freed:
+            self._freed.notify_all()
 
     async def _take_spare(self) -> Worker:
         spare, self._spare = self._spare, None
@@ -151,16 +186,10 @@ class WorkerPool:
         (directory / "programs").mkdir(parents=True, mode=0o755)
         mounts = bwrap.WorkerMounts(directory / "programs", self._view.models, self._view.sockets)
         ours, theirs = socket.socketpair()
-        limits = {
-            "RLIMIT_AS": self._config.memory_mib << 20,
-            "RLIMIT_CPU": self._config.cpu_seconds,
-            "RLIMIT_NPROC": self._config.max_processes,
-            "RLIMIT_FSIZE": self._config.max_file_mib << 20,
-            "RLIMIT_CORE": 0,
-        }
+        rules = seccomp.pipe_with_filter()
         env = {
             "PIE_WORKER_FD": str(theirs.fileno()),
-            "PIE_WORKER_LIMITS": json.dumps(limits),
+            "PIE_WORKER_LIMITS": json.dumps(self._limits.rlimits()),
             "PIE_WORKER_STALL_S": str(self._config.stall_s),
         }
         if (uid := bwrap.worker_uid(slot)) is not None:
@@ -168,9 +197,10 @@ class WorkerPool:
         env |= {"RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # few threads
         argv = [sys.executable, "-m", "pie_cluster.sandbox.worker_main"]
         try:
+            confined = bwrap.command(self._config, mounts, argv, {**env, "PYTHONDONTWRITEBYTECODE": "1"}, rules)
             process = await asyncio.create_subprocess_exec(
-                *bwrap.command(self._config, mounts, argv, {**env, "PYTHONDONTWRITEBYTECODE": "1"}),
-                pass_fds=(theirs.fileno(),),
+                *self._limits.confine(slot, confined),  # in its cgroup, where there are cgroups
+                pass_fds=(theirs.fileno(), rules),
                 env={"PATH": "/usr/bin:/bin"},  # bwrap's own: its init process inside must not carry the host's
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
@@ -179,47 +209,55 @@ class WorkerPool:
             )
         finally:
             theirs.close()
+            os.close(rules)
         reader, writer = await asyncio.open_unix_connection(sock=ours)
-        worker = Worker(slot, directory, process, FrameWriter(writer), uid=uid)
+        worker = Worker(slot, directory, process, FrameWriter(writer))
         self._spawn_task(self._serve(worker, reader))
         self._spawn_task(self._keep_tail(worker))
         self._spawn_task(self._watch(worker))
         return worker
 
     async def _serve(self, worker: Worker, reader: asyncio.StreamReader) -> None:
-        """Read the worker's messages until it goes away; then end its instances, saying why."""
+        """Read the worker's messages until it goes away; then end its instances, saying why. Whatever it sends,
+        only this worker pays: what is not the protocol ends it (its instances end with an error saying what it
+        sent), and so does a fault of the host's own in handling a message of its."""
         try:
-            await read_frames(reader, lambda message: self._handle(worker, message))
-        except (ValueError, TypeError) as e:
-            worker.death = worker.death or f"it broke the host protocol ({e})"
+            handle = functools.partial(self._handle, worker)
+            await read_frames(reader, handle, MAX_WORKER_MESSAGE_BYTES, WORKER_READ_RATE)
+        except ProtocolError as e:
+            self._stop(worker, f"it broke the host protocol ({e})")
         except OSError:
             pass
+        except Exception as e:
+            self._stop(worker, f"the host failed on what it sent ({type(e).__name__}: {e})")
         await self._end(worker)
 
     def _handle(self, worker: Worker, message: list) -> None:
-        kind, *args = message
-        if kind == "pong":
-            worker.pongs = args[0]
+        """One message of the worker's, checked (``worker_message``) before anything is done with it."""
+        checked = worker_message(message)
+        if isinstance(checked, PongMessage):
+            worker.pongs = checked.seq
             return
-        instance_id = args[0]
+        instance_id = checked.instance
         if instance_id not in worker.instances:  # not one of its own: a worker cannot speak for others
-            raise ValueError(f"it named an instance it does not run ({instance_id!r:.40})")
-        if kind == "event":
-            _, event, value = args
-            self._host.emit(instance_id, str(event), value)
-            if event in ("return", "error"):
+            raise ProtocolError(f"it named an instance it does not run ({instance_id!r:.40})")
+        if isinstance(checked, EventMessage):
+            self._host.emit(instance_id, checked.kind, checked.value)
+            if checked.kind in ("return", "error"):
                 self._instance_ended(worker, instance_id)
-        elif kind == "receive":
-            _, what, rid = args
-            self._spawn_task(self._answer(worker, instance_id, what, rid))
+        elif worker.receiving >= MAX_RECEIVING:
+            raise ProtocolError(f"it waits on more than {MAX_RECEIVING} receives at once")
         else:
-            raise ValueError(f"unknown message {kind!r:.40}")
+            worker.receiving += 1
+            self._spawn_task(self._answer(worker, instance_id, checked.kind, checked.rid))
 
     async def _answer(self, worker: Worker, instance_id: str, what: str, rid: int) -> None:
         try:
             worker.out.send("reply", rid, None, await self._host.receive(instance_id, what))
         except Exception as e:
             worker.out.send("reply", rid, str(e) or type(e).__name__, None)
+        finally:
+            worker.receiving -= 1
 
     def _overdue(self, worker: Worker, instance_id: str) -> None:
         if instance_id in worker.instances:
@@ -249,15 +287,11 @@ class WorkerPool:
                 if worker.user is not None and now - worker.idle_since > self._config.idle_s:
                     self._stop(worker, None)
                 continue
-            usage = self._census(worker, now)
-            if usage.cpu_s >= self._config.cpu_seconds / 2:
-                self._retire(worker)
-            if usage.tasks >= self._config.max_processes:
-                self._stop(
-                    worker,
-                    f"it reached its limit of {self._config.max_processes} processes and threads (a fork bomb in "
-                    "one of this user's inferlets?)",
-                )
+            usage = self._limits.usage(worker.slot, worker.process.pid, now)
+            if usage.cpu_s >= self._config.cpu_seconds / 2:  # so the kernel's limit ends only a worker that its
+                self._retire(worker)  # instances keep busy for the other half
+            if (why := self._limits.exceeded(usage)) is not None:
+                self._stop(worker, why)
                 continue
             if now - answered_at > self._config.stall_s * UNANSWERED_STALLS:
                 self._stop(worker, f"it answered nothing for {self._config.stall_s * UNANSWERED_STALLS:g} s")
@@ -265,15 +299,6 @@ class WorkerPool:
             if worker.pongs == seq:
                 seq += 1
                 worker.out.send("ping", seq)
-
-    def _census(self, worker: Worker, now: float) -> Usage:
-        """``worker``'s usage, from /proc read at most once a second for all workers (none without a uid of its
-        own). A worker at its process limit is ended rather than left with a swarm that spins, failing to fork; one
-        past half its CPU-time limit takes no new instances, so that the kernel's limit only ever ends a worker that
-        its instances keep busy for the other half."""
-        if now - self._census_at >= 1.0:
-            self._census_at, self._usage = now, _usage_by_uid()
-        return self._usage.get(worker.uid, Usage()) if worker.uid is not None else Usage()
 
     async def _keep_tail(self, worker: Worker) -> None:
         while data := await worker.process.stdout.read(1 << 16):
@@ -298,8 +323,9 @@ class WorkerPool:
             worker.death = worker.death or f"its socket to the host closed; it did not exit within {EXIT_GRACE_S:g} s"
             _kill(worker.process)
             code = await worker.process.wait()
+        ended_by_limit = self._limits.released(worker.slot)
         if worker.instances:
-            why = worker.death or _describe_exit(code, self._config)
+            why = worker.death or ended_by_limit or _describe_exit(code, self._config)
             tail = bytes(worker.tail).decode(errors="replace").strip().splitlines()[-3:]
             message = f"this user's sandboxed worker was ended: {why}" + (f" — {' | '.join(tail)}" if tail else "")
             for instance_id in sorted(worker.instances):
@@ -312,6 +338,7 @@ class WorkerPool:
             users.remove(worker)
             if not users:
                 del self._workers[worker.user]
+            await self._notify_freed()
         shutil.rmtree(worker.directory, ignore_errors=True)
 
     def _spawn_task(self, work) -> None:
@@ -328,6 +355,7 @@ class WorkerPool:
             "users": len(self._workers),
             "instances": len(self._by_instance),
             "spare": self._spare is not None,
+            "limits": self._limits.mode,  # "cgroup": the kernel bounds each worker as a whole; "rlimit": see limits.py
         }
 
     async def close(self) -> None:
@@ -339,6 +367,7 @@ class WorkerPool:
             for worker in list(workers):
                 self._stop(worker, "the host is shutting down")
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._limits.close()
 
     async def _discard(self, spare: asyncio.Task) -> None:
         with contextlib.suppress(Exception):
@@ -352,33 +381,6 @@ def _kill(process: asyncio.subprocess.Process) -> None:
     if process.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-
-
-@dataclass
-class Usage:
-    """What one worker uid holds right now: tasks (processes and threads) and CPU seconds used."""
-
-    tasks: int = 0
-    cpu_s: float = 0.0
-
-
-def _usage_by_uid() -> dict[int, Usage]:
-    """Workers' usage, from /proc (only workers' own uids: a root host gives each worker one)."""
-    usage: dict[int, Usage] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-            uid = int(fields["Uid"].split()[0])
-            if uid < bwrap.WORKER_UID_BASE:
-                continue
-            stat = (status.parent / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it exited while being read
-            continue
-        entry = usage.setdefault(uid, Usage())
-        entry.tasks += int(fields["Threads"])
-        entry.cpu_s += (int(stat[11]) + int(stat[12])) / tick  # utime and stime, in clock ticks
-    return usage
 
 
 def _describe_exit(code: int, config: SandboxConfig) -> str:

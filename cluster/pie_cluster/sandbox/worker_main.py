@@ -22,11 +22,15 @@ from pathlib import Path
 import inferlet.runtime
 
 from pie_cluster import stdio
+from pie_cluster.config import EVENT_BYTES_CEILING
+from pie_cluster.event_limits import STREAMS, TERMINAL, check_event, cut, size_of
 from pie_cluster.host import serve_instance
 from pie_cluster.programs import Program
 from pie_cluster.sandbox import watchdog
 from pie_cluster.sandbox.bwrap import PROGRAMS
 from pie_cluster.sandbox.protocol import FrameWriter, InstanceSpec, ProgramRef, read_frames
+
+OUTPUT_BACKLOG_BYTES = 4 << 20  # unread by the host, past which the worker drops its instances' output
 
 
 def confine(uid: int | None, limits: dict[str, int]) -> None:
@@ -47,10 +51,10 @@ class _Session:
         self._worker, self._id = worker, instance_id
 
     def send(self, text: str) -> None:
-        self._worker.out.send("event", self._id, "message", text)
+        self._worker.event(self._id, "message", text)
 
     def send_file(self, data: bytes) -> None:
-        self._worker.out.send("event", self._id, "file", bytes(data))
+        self._worker.event(self._id, "file", bytes(data))
 
     async def receive(self) -> str:
         return await self._worker.ask(self._id, "message")
@@ -68,6 +72,7 @@ class Worker:
         self._waiting: dict[int, asyncio.Future] = {}
         self._rids = itertools.count()
         self._programs: dict[str, Program] = {}
+        self._dropped: dict[str, int] = {}  # instance -> characters of output dropped since it last went out
 
     def handle(self, message: list) -> None:
         kind, *args = message
@@ -93,6 +98,32 @@ class Worker:
         elif kind == "ping":
             self.out.send("pong", args[0])
 
+    def event(self, instance_id: str, kind: str, value) -> None:
+        """An instance's event to the host, as the protocol carries it: a stream's writes of one turn merged, and
+        no value larger than any event may be (the host enforces the smaller ``[limits]``): a message or file that
+        is raises here, in the program; a return value or error that is becomes an error that says so."""
+        check_event(kind, value)
+        if kind in STREAMS:
+            self._output(instance_id, kind, value)
+            return
+        if (size := size_of(value)) > EVENT_BYTES_CEILING:
+            over = f"{size} bytes, over the most any event may have ({EVENT_BYTES_CEILING})"
+            if kind not in TERMINAL:
+                raise ValueError(f"this {kind} has {over}")
+            value = cut(value, EVENT_BYTES_CEILING) if kind == "error" else f"its return value has {over}"
+            kind = "error"
+        self.out.send("event", instance_id, kind, value)
+
+    def _output(self, instance_id: str, kind: str, text: str) -> None:
+        """Stdout or stderr to the host, dropped (and counted, for a line saying so) while the host has not yet
+        read ``OUTPUT_BACKLOG_BYTES`` written before: the worker's memory and its answers to pings wait on no flood."""
+        if self.out.backlog() > OUTPUT_BACKLOG_BYTES:
+            self._dropped[instance_id] = self._dropped.get(instance_id, 0) + len(text)
+            return
+        if dropped := self._dropped.pop(instance_id, 0):
+            text = f"[pie: {dropped} characters of output dropped: written faster than the host reads]\n{text}"
+        self.out.send_text("event", instance_id, kind, text=text)
+
     async def ask(self, instance_id: str, kind: str):
         rid = next(self._rids)
         waiter = self._waiting[rid] = asyncio.get_running_loop().create_future()
@@ -115,7 +146,7 @@ class Worker:
         def emit(kind: str, value) -> None:
             if kind == "error" and value.startswith("MemoryError"):
                 value += f" (this user's worker may use {self.memory_mib} MiB)"
-            self.out.send("event", instance_id, kind, value)
+            self.event(instance_id, kind, value)
 
         root = Path(PROGRAMS) / spec.program.id
         try:

@@ -9,6 +9,10 @@ PEFT's layout in the user's directory under the adapter root.
 With the cluster's directory (``directory_link``), names are the user's across every replica of the model: a name
 made elsewhere is copied here when opened, new weights loaded anywhere reach every copy, a destroy drops them all,
 and a path saved on one node loads on any other.
+
+Each user's adapters here are bounded (``TenantLimits``): their rank (by ``adapter_max_rank`` and by the model's
+dimensions), their count and the bytes of their weights, checked before anything is made, so a refused request
+(``QuotaExceeded``) costs nothing and no other user's adapters are touched.
 """
 
 from __future__ import annotations
@@ -19,9 +23,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pie_workers.adapters import DEFAULT_SIGMA, DEFAULT_TARGETS, LoraAdapter, LoraConfig
+from pie_workers.adapters import (
+    DEFAULT_SIGMA,
+    DEFAULT_TARGETS,
+    LoraAdapter,
+    LoraConfig,
+    adapter_bytes,
+    check_rank,
+    weights_bytes,
+)
 from pie_workers.engine.directory_link import DirectoryLink
 from pie_workers.engine.record import Session
+from pie_workers.engine.tenancy import QuotaExceeded, TenantLimits
 from pie_workers.peft_format import default_root, read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.messages import AdapterReply, encode
@@ -32,12 +45,14 @@ class NamedAdapter:
     owner: str
     name: str
     salt: bytes  # KV written under these weights hashes with it; renewed whenever the weights change
+    size: int  # bytes of its weights, counted against its owner's ``adapter_bytes_per_user``
 
 
 class AdapterRegistry:
-    def __init__(self, runner: ModelRunner, directory: DirectoryLink | None = None):
+    def __init__(self, runner: ModelRunner, directory: DirectoryLink | None = None, limits=TenantLimits()):
         self.runner = runner
         self.directory = directory
+        self.limits = limits
         self._root = Path(runner.settings.adapter_dir) if runner.settings.adapter_dir else default_root()
         self._adapters: dict[int, NamedAdapter] = {}
         self._ids: dict[tuple[str, str], int] = {}  # (user, name) -> adapter id
@@ -65,6 +80,7 @@ class AdapterRegistry:
         if not isinstance(targets, (list, tuple)):
             raise ValueError(f"LoRA target modules must be a list of module names, got {targets!r}")
         config = LoraConfig(rank, float(alpha), tuple(targets))
+        self._check_quota(session.username, config, adapter_bytes(self.runner.cfg, config))
         adapter_id = self._next_id
         self.runner.create_adapter(adapter_id, config, float(sigma))
         return await self._publish(adapter_id, key)
@@ -82,7 +98,8 @@ class AdapterRegistry:
         key = self._key(session, new_name)
         if key in self._ids:
             raise ValueError(f"adapter {new_name!r} already exists for user {session.username!r}")
-        self.owned(session, adapter)
+        source = self.owned(session, adapter)
+        self._check_quota(session.username, self.runner.adapters.get(adapter).config, source.size)
         adapter_id = self._next_id
         self.runner.fork_adapter(adapter, adapter_id)
         return await self._publish(adapter_id, key)
@@ -118,10 +135,17 @@ class AdapterRegistry:
         except OSError as e:
             raise ValueError(f"cannot read adapter {path!r}: {e.strerror}") from None
         self.owned(session, adapter)  # still there after the read
+        self._check_quota(session.username, config, weights_bytes(weights), replacing=named)
+        before = self.runner.adapters.get(adapter)
         self.runner.replace_adapter(adapter, config, weights)
-        named.salt = uuid.uuid4().bytes  # new weights: KV cached under the old ones no longer matches
+        named.salt, named.size = uuid.uuid4().bytes, weights_bytes(weights)  # KV under the old ones no longer matches
         if self.directory is not None:
-            await self.directory.update_adapter(named.owner, named.name, self.runner.adapters.get(adapter))
+            try:
+                await self.directory.update_adapter(named.owner, named.name, self.runner.adapters.get(adapter))
+            except QuotaExceeded:  # the directory cannot keep them: every copy stays as it was
+                self.runner.replace_adapter(adapter, before.config, before.weights)
+                named.size = weights_bytes(before.weights)
+                raise
         return self._describe(adapter)
 
     async def destroy(self, session: Session, adapter: int) -> None:
@@ -141,7 +165,8 @@ class AdapterRegistry:
         adapter_id = self._ids.get((user, name))
         if adapter_id is not None:
             self.runner.replace_adapter(adapter_id, adapter.config, adapter.weights)
-            self._adapters[adapter_id].salt = uuid.uuid4().bytes
+            named = self._adapters[adapter_id]
+            named.salt, named.size = uuid.uuid4().bytes, weights_bytes(adapter.weights)
 
     # -- for passes ----------------------------------------------------------------------------------------------
 
@@ -162,13 +187,44 @@ class AdapterRegistry:
         refused as it would be here (and the adapter just made is dropped)."""
         described = self._register(adapter_id, key)
         weights = self.runner.adapters.get(adapter_id)
-        if self.directory is not None and not await self.directory.add_adapter(*key, weights):
+        if self.directory is None:
+            return described
+        try:
+            added = await self.directory.add_adapter(*key, weights)
+        except BaseException:  # refused there (``adapter_store_bytes_per_user``), or no answer: not made here either
+            self._drop(adapter_id)
+            raise
+        if not added:
             self._drop(adapter_id)
             raise ValueError(f"adapter {key[1]!r} already exists for user {key[0]!r}: open it instead")
         return described
 
+    def _check_quota(self, user: str, config: LoraConfig, size: int, replacing: NamedAdapter | None = None) -> None:
+        """Refuse (``QuotaExceeded``, or ValueError for a rank the model cannot use) an adapter of ``config`` and
+        ``size`` bytes for ``user``, in place of ``replacing`` (a load) or as one more."""
+        limits = self.limits
+        if config.rank > limits.adapter_max_rank:
+            raise QuotaExceeded(
+                f"LoRA rank {config.rank} is over this cluster's limit: [limits] adapter_max_rank = "
+                f"{limits.adapter_max_rank}"
+            )
+        check_rank(self.runner.cfg, config)
+        mine = [a for a in self._adapters.values() if a.owner == user and a is not replacing]
+        if replacing is None and len(mine) >= limits.adapters_per_user:
+            raise QuotaExceeded(
+                f"user {user!r} holds {len(mine)} adapters on this replica: [limits] adapters_per_user = "
+                f"{limits.adapters_per_user} (destroy one first)"
+            )
+        held = sum(a.size for a in mine)
+        if held + size > limits.adapter_bytes_per_user:
+            raise QuotaExceeded(
+                f"an adapter of {size} bytes would take user {user!r} to {held + size} bytes of adapter weights on "
+                f"this replica: [limits] adapter_bytes_per_user = {limits.adapter_bytes_per_user}"
+            )
+
     def _copy_here(self, key: tuple[str, str], adapter: LoraAdapter) -> int:
         """A copy of an adapter made on another replica."""
+        self._check_quota(key[0], adapter.config, weights_bytes(adapter.weights))
         adapter_id = self._next_id
         self.runner.create_adapter(adapter_id, adapter.config, adapter.sigma)
         self.runner.replace_adapter(adapter_id, adapter.config, adapter.weights)
@@ -182,7 +238,8 @@ class AdapterRegistry:
 
     def _register(self, adapter_id: int, key: tuple[str, str]) -> dict:
         self._next_id += 1
-        self._adapters[adapter_id] = NamedAdapter(key[0], key[1], uuid.uuid4().bytes)
+        size = weights_bytes(self.runner.adapters.get(adapter_id).weights)
+        self._adapters[adapter_id] = NamedAdapter(key[0], key[1], uuid.uuid4().bytes, size)
         self._ids[key] = adapter_id
         return self._describe(adapter_id)
 

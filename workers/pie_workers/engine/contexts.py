@@ -5,7 +5,10 @@ that made it; a snapshot is a holding kept under a name in its owner's namespace
 creates, forks, saves, opens and destroys them, records the tokens a forward pass wrote, and answers what a forward
 pass, the residency manager and the market read from them. A snapshot whose lineage the cluster's directory also
 keeps (``mirrored``) may be let go of when memory is short, least recently used first: its name lives on there, and
-the next open recomputes it (adopting its prefix pages while they are still cached).
+the next open recomputes it (adopting its prefix pages while they are still cached). A snapshot whose KV cannot be
+recomputed (written under a custom attention mask, an adapter or a zo seed: ``salted``) is let go of too, after
+those, the user holding the most such pages first: snapshots are idle by nature and bid nothing, so none may pin
+the pool; its name stays, and opening it says what became of it.
 
 Every operation validates before it mutates: an error leaves pages, references and lineage exactly as they were.
 """
@@ -13,7 +16,7 @@ Every operation validates before it mutates: an error leaves pages, references a
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -45,6 +48,11 @@ class _Context(Holding):
 @dataclass(slots=True, eq=False)
 class _Snapshot(Holding):
     mirrored: bool = False  # its lineage is in the cluster's directory: this copy may be let go of
+    salted: bool = False  # its KV cannot be recomputed: once let go of, it is gone
+
+    def pages(self, store: PageStore) -> int:
+        """Pages it holds: its committed chain's and its own working ones."""
+        return len(store.chain(self.tail)) + len(self.working)
 
 
 class ContextTable:
@@ -53,13 +61,15 @@ class ContextTable:
         self.page_size = store.page_size
         self._contexts: dict[int, _Context] = {}
         self._snapshots: OrderedDict[tuple[str, str], _Snapshot] = OrderedDict()  # least recently used first
+        self._let_go: set[tuple[str, str]] = set()  # salted snapshots let go of: their names, until deleted
         self._next_id = 1
 
     # -- lifetime -----------------------------------------------------------------------------------------------
 
-    def create(self, owner: str, instance: str | None = None) -> int:
-        """A new empty context. ``instance`` (the inferlet run) scopes ``destroy_all``; snapshots are per owner."""
-        return self._add(Holding(owner), owner, instance)
+    def create(self, owner: str, instance: str | None = None, namespace: bytes = b"") -> int:
+        """A new empty context. ``instance`` (the inferlet run) scopes ``destroy_all``; snapshots are per owner;
+        ``namespace``: whose cached pages it may find and share (``page_store.namespace_key``)."""
+        return self._add(Holding(owner, namespace=namespace), owner, instance)
 
     def destroy(self, ctx: int) -> None:
         self._contexts.pop(self._get(ctx).id).drop(self.store)
@@ -77,6 +87,12 @@ class ContextTable:
 
     def owner_of(self, ctx: int) -> str:
         return self._get(ctx).owner
+
+    def namespace_of(self, ctx: int) -> bytes:
+        return self._get(ctx).namespace
+
+    def snapshot_namespace(self, owner: str, name: str) -> bytes:
+        return self._snapshots[owner, name].namespace
 
     # -- pages and tokens ---------------------------------------------------------------------------------------
 
@@ -168,7 +184,7 @@ class ContextTable:
             )
         if len(tokens) != len(positions):
             raise ContextError(f"cannot match context {c.id}: {len(tokens)} tokens but {len(positions)} positions")
-        node, matched = self.store.match_prefix(tokens, positions, as_bytes(salt), parent=c.tail)
+        node, matched = self.store.match_prefix(tokens, positions, as_bytes(salt), c.tail, c.namespace)
         if matched:
             c.extend_chain(self.store, node)
         return matched * self.page_size
@@ -184,26 +200,24 @@ class ContextTable:
     def save(self, ctx: int, name: str) -> PageCopies:
         """Store a snapshot of the context under ``name`` in its owner's namespace (keeps only pages with tokens)."""
         c = self._get(ctx)
-        if not name:
-            raise ContextError("a snapshot name cannot be empty")
-        if (c.owner, name) in self._snapshots:
-            raise ContextError(f"snapshot {name!r} already exists for user {c.owner!r}")
+        self._check_free(c.owner, name)
         snap, copies = c.clone(self.store, pages_for(len(c.lineage), self.page_size))
-        self._snapshots[c.owner, name] = _Snapshot(snap.owner, snap.tail, snap.working, snap.lineage)
+        self._snapshots[c.owner, name] = _Snapshot(
+            snap.owner, snap.tail, snap.working, snap.lineage, snap.namespace, salted=not snap.recomputable()
+        )
         return copies
 
     def keep(self, ctx: int, name: str) -> None:
         """The context becomes snapshot ``name``: its pages that hold tokens change hands, nothing is copied, and
         the context ends (the rest of its working pages are freed)."""
         c = self._get(ctx)
-        if not name:
-            raise ContextError("a snapshot name cannot be empty")
-        if (c.owner, name) in self._snapshots:
-            raise ContextError(f"snapshot {name!r} already exists for user {c.owner!r}")
+        self._check_free(c.owner, name)
         del self._contexts[ctx]
         used = pages_for(len(c.lineage), self.page_size)
         self.store.free(c.working[used:])
-        self._snapshots[c.owner, name] = _Snapshot(c.owner, c.tail, c.working[:used], c.lineage)
+        self._snapshots[c.owner, name] = _Snapshot(
+            c.owner, c.tail, c.working[:used], c.lineage, c.namespace, salted=not c.recomputable()
+        )
 
     def mirrored(self, owner: str, name: str) -> None:
         """The directory now keeps the snapshot's lineage: this replica may let go of its pages."""
@@ -211,18 +225,43 @@ class ContextTable:
 
     def let_go_of_snapshot(self) -> bool:
         """Drop the least recently used mirrored snapshot's pages here (its name and lineage stay in the
-        directory); False if there is none."""
+        directory), else a salted one of the user whose salted snapshots hold the most pages (its name stays, as
+        one let go of); False if there is none."""
         key = next((key for key, snap in self._snapshots.items() if snap.mirrored), None)
         if key is None:
-            return False
+            held: Counter[str] = Counter()
+            for (owner, _), snap in self._snapshots.items():
+                if snap.salted:
+                    held[owner] += snap.pages(self.store)
+            if not held:
+                return False
+            heaviest = held.most_common(1)[0][0]
+            key = next(key for key, snap in self._snapshots.items() if snap.salted and key[0] == heaviest)
+            self._let_go.add(key)
         self._snapshots.pop(key).drop(self.store)
         return True
+
+    def check_not_let_go(self, owner: str, name: str) -> None:
+        """A ContextError if the snapshot was salted and let go of when memory ran short."""
+        if (owner, name) in self._let_go:
+            raise ContextError(
+                f"snapshot {name!r} of user {owner!r} was let go of when this replica's memory ran short: it was "
+                "written under a custom attention mask, an adapter or a zo seed, so it cannot be recomputed "
+                "(delete the name to reuse it)"
+            )
+
+    def snapshot_usage(self, owner: str) -> tuple[int, int]:
+        """The owner's snapshots here (names let go of included), and the pages held by those the directory cannot
+        recompute (a mirrored one gives its pages back, at no loss, to whoever needs them)."""
+        mine = [snap for (o, _), snap in self._snapshots.items() if o == owner]
+        gone = sum(1 for o, _ in self._let_go if o == owner)
+        return len(mine) + gone, sum(snap.pages(self.store) for snap in mine if not snap.mirrored)
 
     def snapshot(self, ctx: int) -> tuple[str, PageCopies]:
         """Like ``save`` with a generated name, unique among the owner's snapshots."""
         owner = self._get(ctx).owner
         name = f"snapshot-{secrets.token_hex(8)}"
-        while (owner, name) in self._snapshots:
+        while (owner, name) in self._snapshots or (owner, name) in self._let_go:
             name = f"snapshot-{secrets.token_hex(8)}"
         return name, self.save(ctx, name)
 
@@ -241,6 +280,9 @@ class ContextTable:
         return None if snap is None else self._add(snap, owner, instance)
 
     def delete(self, owner: str, name: str) -> None:
+        if (owner, name) in self._let_go:
+            self._let_go.discard((owner, name))
+            return
         snap = self._snapshots.pop((owner, name), None)
         if snap is None:
             raise ContextError(f"no snapshot named {name!r} for user {owner!r}")
@@ -336,10 +378,18 @@ class ContextTable:
         raise ContextError(f"unknown context id {ctx!r}")
 
     def _add(self, holding: Holding, owner: str, instance: str | None) -> int:
-        ctx = _Context(owner, holding.tail, holding.working, holding.lineage, self._next_id, instance)
+        ctx = _Context(
+            owner, holding.tail, holding.working, holding.lineage, holding.namespace, self._next_id, instance
+        )
         self._contexts[ctx.id] = ctx
         self._next_id += 1
         return ctx.id
+
+    def _check_free(self, owner: str, name: str) -> None:
+        if not name:
+            raise ContextError("a snapshot name cannot be empty")
+        if (owner, name) in self._snapshots or (owner, name) in self._let_go:
+            raise ContextError(f"snapshot {name!r} already exists for user {owner!r}")
 
     @staticmethod
     def _check_count(n: int, verb: str, what: str, c: _Context) -> None:

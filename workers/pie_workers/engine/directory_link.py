@@ -11,6 +11,7 @@ replica's own.
 from __future__ import annotations
 
 from pie_workers.deadlines import DIRECTORY_S, answer
+from pie_workers.engine.tenancy import QuotaExceeded
 
 Text = list[tuple[int, int]]
 Lineage = tuple[Text | None, int]  # (token, position) per token, or None if not recomputable; committed count
@@ -19,12 +20,16 @@ Lineage = tuple[Text | None, int]  # (token, position) per token, or None if not
 class DirectoryLink:
     def __init__(self, directory, model: str, holder):
         self._directory, self._model, self._holder = directory, model, holder
+        self.model = model  # the name capabilities' model grants give this replica
 
     async def _ask(self, method: str, *args):
         """One call of the directory about this model, with a deadline (a hung directory fails the op, not the
         replica)."""
         ref = getattr(self._directory, method).remote(self._model, *args)
-        return await answer(ref, "the user directory", DIRECTORY_S)
+        try:
+            return await answer(ref, "the user directory", DIRECTORY_S)
+        except QuotaExceeded as e:  # refused there: its own message, not Ray's wrapping of it
+            raise QuotaExceeded(str(getattr(e, "cause", None) or e)) from None
 
     async def register(self, user: str, name: str, lineage: Lineage | None) -> bool:
         """False if another replica already holds a snapshot of this name for this user."""
@@ -39,7 +44,8 @@ class DirectoryLink:
         return await self._ask("remove", user, name, self._holder)
 
     async def add_adapter(self, user: str, name: str, adapter) -> bool:
-        """False if the name is taken (an adapter of this user on any replica)."""
+        """False if the name is taken (an adapter of this user on any replica); ``QuotaExceeded`` past the user's
+        ``adapter_store_bytes_per_user`` (as for ``update_adapter`` and ``save_adapter_file``)."""
         return await self._ask("add_adapter", user, name, adapter, self._holder)
 
     async def open_adapter(self, user: str, name: str):

@@ -61,13 +61,15 @@ class Holding:
     """A committed chain tail plus exclusively owned working pages: the state of a context or of a snapshot.
 
     Lineage entries are (token, position, salt); the salt is kept per token so a page mixing adapters or masks
-    still hashes by what produced each of its tokens.
+    still hashes by what produced each of its tokens. ``namespace`` (``page_store.namespace_key``) is whose lookups
+    may find its chain: its first page hangs below it, and a clone keeps it, so forks and snapshots share pages.
     """
 
     owner: str
     tail: Node | None = None
     working: list[int] = field(default_factory=list)
     lineage: list[tuple[int, int, bytes]] = field(default_factory=list)
+    namespace: bytes = b""
 
     def commit(self, store: PageStore, n_pages: int) -> None:
         """Move the first n full working pages into the chain, sharing any identical page already in the trie."""
@@ -81,6 +83,7 @@ class Holding:
                 [t for t, _, _ in entries],
                 [p for _, p, _ in entries],
                 page_salt([s for _, _, s in entries]),
+                self.namespace,
             )
             if tail is not old:
                 store.release(tail)
@@ -108,7 +111,7 @@ class Holding:
             store.retain(self.tail)
         used = pages_for(len(self.lineage), store.page_size)
         copies = list(zip(self.working[:used], pages[:used], strict=True))
-        return Holding(self.owner, self.tail, pages, list(self.lineage)), copies
+        return Holding(self.owner, self.tail, pages, list(self.lineage), self.namespace), copies
 
     def drop(self, store: PageStore) -> None:
         """Give back the chain reference and the working pages (the fields are left as they were)."""

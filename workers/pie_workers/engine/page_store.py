@@ -2,8 +2,10 @@
 
 A committed page is keyed by everything that determined its KV (the chain before it, its tokens, their positions,
 and a salt for adapter / seed / attention-mask state), so identical prefixes share one physical page, and a prefix
-nobody holds any more stays cached until its page is needed. Reference counts make forking O(1): a fork retains the
-tail of the shared chain instead of copying it.
+nobody holds any more stays cached until its page is needed. Who may find it is part of the key too: a chain's
+first page hangs below its holder's namespace (``namespace_key``: the verified user and the request's own cache
+salt), so one tenant's lookups never reach another's pages and a hit tells nobody what another user sent.
+Reference counts make forking O(1): a fork retains the tail of the shared chain instead of copying it.
 
 Counting rule: ``node.refs`` = chains that end at the node (contexts, snapshots) + the node's children. A node with
 ``refs == 0`` is an unreferenced leaf, evicted least recently used first. A node is *pinned* while some chain ends in
@@ -33,6 +35,18 @@ class OutOfPages(RuntimeError):
 
     def __reduce__(self):  # keep it picklable (Ray ships exceptions between processes)
         return OutOfPages, (self.requested, self.available, self.total)
+
+
+def namespace_key(user: str | None, cache_salt: str = "") -> bytes:
+    """The key a chain's first page hangs below: pages are found only by lookups under the same namespace. ``user``
+    None (the operator shares prefixes cluster-wide) and no salt gives the empty key every such lookup shares."""
+    if user is None and not cache_salt:
+        return b""
+    h = hashlib.blake2b(digest_size=16, person=b"pie-namespace")
+    for part in (b"" if user is None else b"u" + user.encode(), cache_salt.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
 
 
 def page_key(parent_key: bytes, tokens: Sequence[int], positions: Sequence[int], salt: bytes | str = b"") -> bytes:
@@ -162,8 +176,10 @@ class PageStore:
         tokens: Sequence[int],
         positions: Sequence[int],
         salt: bytes | str = b"",
+        namespace: bytes = b"",
     ) -> tuple[Node, bool]:
-        """Make working page ``page_id`` (full with ``tokens``) the child of ``parent``.
+        """Make working page ``page_id`` (full with ``tokens``) the child of ``parent`` (None: a first page, below
+        ``namespace``).
 
         Returns the node, retained once for the caller (whose chain now ends there), and whether the caller's page
         was kept: if an identical page already exists under ``parent`` the caller's copy is freed and the existing
@@ -176,7 +192,7 @@ class PageStore:
                 f"a committed page holds exactly {self.page_size} tokens and positions, "
                 f"got {len(tokens)} and {len(positions)}"
             )
-        key = page_key(b"" if parent is None else parent.key, tokens, positions, salt)
+        key = page_key(namespace if parent is None else parent.key, tokens, positions, salt)
         siblings = self._roots if parent is None else parent.children
         self._working.discard(page_id)
         node = siblings.get(key)
@@ -219,9 +235,15 @@ class PageStore:
                 self._unpin(node)
 
     def match_prefix(
-        self, tokens: Sequence[int], positions: Sequence[int], salt: bytes | str = b"", parent: Node | None = None
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        salt: bytes | str = b"",
+        parent: Node | None = None,
+        namespace: bytes = b"",
     ) -> tuple[Node | None, int]:
-        """Longest run of full pages of ``tokens`` already in the trie below ``parent``: (deepest node, pages).
+        """Longest run of full pages of ``tokens`` already in the trie below ``parent`` (None: from the first page,
+        of ``namespace``): (deepest node, pages).
 
         Matched nodes count as used (for LRU) but are not retained: retain the result before allocating.
         With no match the result is ``(parent, 0)``.
@@ -231,7 +253,10 @@ class PageStore:
         size, node, matched = self.page_size, parent, 0
         for start in range(0, len(tokens) - size + 1, size):
             key = page_key(
-                b"" if node is None else node.key, tokens[start : start + size], positions[start : start + size], salt
+                namespace if node is None else node.key,
+                tokens[start : start + size],
+                positions[start : start + size],
+                salt,
             )
             child = (self._roots if node is None else node.children).get(key)
             if child is None:

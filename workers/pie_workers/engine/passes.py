@@ -23,6 +23,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Callable
 
 from pie_workers.engine import ngram
@@ -34,6 +35,7 @@ from pie_workers.engine.residency import Residency, pages_to_reserve
 from pie_workers.engine.scheduler import BatchScheduler, prefill_chunks
 from pie_workers.engine.settle import settle, truncate
 from pie_workers.engine.steps import ChainedSteps, Steps
+from pie_workers.engine.token_budget import TokenBudgets
 from pie_workers.wire.batch import ForwardRequest, RequestOutput
 from pie_workers.wire.codec import output_to_wire, slot_from_wire
 from pie_workers.wire.messages import PassReply, PassRequest, encode
@@ -53,8 +55,10 @@ class Passes:
         self.adapters = adapters
         self.page_size = records.table.page_size
         self.steps = Steps(records.table, scheduler, residency)
+        self.budgets = TokenBudgets()  # each instance's tokens against its capability's budget
         self._slow_passes: set[asyncio.Task] = set()
         self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix trie instead of computed (engine stats)
+        self.prefix_hits: Counter[str] = Counter()  # the same by user: what a user's own ``stats`` reads
 
     # -- a pass's course -----------------------------------------------------------------------------------------
 
@@ -67,6 +71,7 @@ class Passes:
             tokens = self._input(state, a)
             if tokens is None:
                 return self.end(state, answer, None)
+            a = self.budgets.bound(state.session, a, walk)
             bind = self._binding(state, a)
             slots = [(int(row), slot_from_wire(s)) for row, s in a.slots]
             if (ahead := self.steps.take_ahead(state, a)) is not None:
@@ -143,7 +148,7 @@ class Passes:
             if state.suspended is not None:
                 await self.residency.restore(state, len(tokens) + len(a.drafts))
             if attention_masks is None and not a.drafts and self.contexts.seq_len(ctx) == 0:
-                tokens, positions, slots = self._reuse_cached_prefix(ctx, tokens, positions, slots, bind.salt)
+                tokens, positions, slots = self._reuse_cached_prefix(state, tokens, positions, slots, bind.salt)
             start = 0
             for begin, end in prefill_chunks(len(tokens), self.scheduler.limits.max_tokens)[:-1]:
                 if any(row < end for row, _ in slots):  # leading chunks carry no samplers
@@ -242,11 +247,13 @@ class Passes:
         the next step run ``ahead``. ``known`` >= 0: the answer carries the context's tokens from there on."""
         gate = state.gate
         try:
+            if reply is not None:
+                self.budgets.count(state.session, reply)
             if reply is not None and known >= 0:
                 reply.tail, reply.tail_positions = self.residency.tail(state, known)
             answer(error, None if reply is None else encode(reply))
         finally:
-            if ahead is None or gate.waiting() or not _started(ahead):
+            if ahead is None or gate.waiting() or self.budgets.spent(state.session) or not _started(ahead):
                 gate.give()
             self.residency.wake()  # pages may have been freed
 
@@ -295,15 +302,19 @@ class Passes:
             state.salt = uuid.uuid4().bytes
         return PassBinding(state.salt + adapter_salt, adapter, zo_seed)
 
-    def _reuse_cached_prefix(self, ctx: int, tokens: list[int], positions: list[int], slots: list, salt: bytes):
-        """A fresh context whose first pages match cached ones adopts them instead of recomputing them (prefix
-        caching). Rows that carry samplers or probes, and the last token, are always computed."""
+    def _reuse_cached_prefix(
+        self, state: EngineContext, tokens: list[int], positions: list[int], slots: list, salt: bytes
+    ):
+        """A fresh context whose first pages match cached ones (of its namespace: ``page_store.namespace_key``)
+        adopts them instead of recomputing them (prefix caching). Rows that carry samplers or probes, and the last
+        token, are always computed."""
         first_row = min((row for row, _ in slots), default=len(tokens))
         usable = min(first_row, len(tokens) - 1) // self.page_size * self.page_size
         if usable <= 0:
             return tokens, positions, slots
-        reused = self.contexts.reuse_prefix(ctx, tokens[:usable], positions[:usable], salt)
+        reused = self.contexts.reuse_prefix(state.id, tokens[:usable], positions[:usable], salt)
         self.prefix_hit_tokens += reused
+        self.prefix_hits[state.session.username] += reused
         return tokens[reused:], positions[reused:], [(row - reused, s) for row, s in slots]
 
     def _reply(self, state: EngineContext, out: RequestOutput, draft_budget: int) -> PassReply:

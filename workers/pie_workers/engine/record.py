@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING
 
 from pie_workers.engine.contexts import ContextTable
 from pie_workers.engine.gate import Gate
+from pie_workers.engine.page_store import namespace_key
+from pie_workers.wire.admission import Revocations
 from pie_workers.wire.capability import Capability, CapabilityError, verify
+from pie_workers.wire.messages import MAX_CACHE_SALT
+
+VERIFIED_CACHE = 4096  # capabilities kept verified; past it the cache starts over (a miss costs one HMAC)
 
 if TYPE_CHECKING:
     from pie_workers.engine.ngram import NgramIndex
@@ -40,27 +45,59 @@ class Session:
 
 
 class Sessions:
-    """The sessions that sent requests, by their session string, each verified once: who it is comes from its
-    capability alone (signed with the cluster's ``secret``); its expiry is checked on every request."""
+    """The sessions that sent requests, by their session string: who each is comes from its capability alone
+    (signed with the cluster's ``secret``), verified once per token; its expiry and whether its instance ended are
+    checked on every request. ``model``: this replica's model name, which a capability's ``models`` grant must
+    name (None: a replica outside a cluster, reached by any capability)."""
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, model: str | None = None) -> None:
         self._secret = secret
+        self.model = model
         self._known: dict[str, Session] = {}
+        self._verified: dict[str, Capability] = {}  # token -> what it proved (a cache, emptied past VERIFIED_CACHE)
+        self.revoked = Revocations()
+
+    def verify(self, token: str) -> Capability:
+        """What ``token`` proves here: a ``CapabilityError`` for a forged, malformed or expired one or one not granted
+        this replica's model, a ``RevokedError`` for one whose instance ended."""
+        capability = self._verified.get(token) if isinstance(token, str) else None
+        if capability is None:
+            capability = verify(self._secret, token)
+            if self.model is not None and capability.models is not None and self.model not in capability.models:
+                raise CapabilityError(
+                    f"capability of instance {capability.instance!r} does not grant model {self.model!r}"
+                )
+            if len(self._verified) >= VERIFIED_CACHE:
+                self._verified.clear()
+            self._verified[token] = capability
+        elif time.time() >= capability.expires:
+            raise CapabilityError(f"expired capability: instance {capability.instance!r} is past its lifetime")
+        self.revoked.check(capability)
+        return capability
 
     def admit(self, name: str) -> Session:
         """The session that sent a request as ``name`` (``capability/session``); a ``CapabilityError`` (which closes
-        the connection) for a forged, malformed or expired one."""
+        the connection) for a forged, malformed or expired one, a ``RevokedError`` (which fails the request) for one
+        whose instance ended."""
         session = self._known.get(name) if isinstance(name, str) else None
         if session is None:
             token, _, key = name.partition("/") if isinstance(name, str) else ("", "", "")
             if not key:
                 raise CapabilityError("malformed session: not capability/session")
-            capability = verify(self._secret, token)
+            capability = self.verify(token)
             session = Session(name, capability.user, capability.instance, key, capability.expires, capability)
             self._known[name] = session
         elif time.time() >= session.expires:
             raise CapabilityError(f"expired capability: instance {session.instance!r} is past its lifetime")
+        else:
+            self.revoked.check(session.grants)
         return session
+
+    def revoke(self, ended: dict[str, float]) -> list[Session]:
+        """The trusted side ended these instances (instance -> its capability's expiry): refuse them from now on;
+        returns their sessions still open here (to be closed as if their connections dropped)."""
+        fresh = self.revoked.add(ended)
+        return [session for session in self._known.values() if session.instance in fresh and not session.closed]
 
     def get(self, name: str) -> Session | None:
         return self._known.get(name)
@@ -94,8 +131,11 @@ class EngineContext:
 class EngineContexts:
     """The live contexts of a replica, by id, and the host memory slots none of them holds."""
 
-    def __init__(self, table: ContextTable, host_pages: int = 0) -> None:
+    def __init__(self, table: ContextTable, host_pages: int = 0, shared_prefixes: bool = False) -> None:
+        """``shared_prefixes``: any user's lookups find any user's cached pages (``[cache] share = "cluster"``);
+        else a context finds only pages its own user wrote."""
         self.table = table
+        self.shared_prefixes = shared_prefixes
         self._live: dict[int, EngineContext] = {}
         self.free_host = list(range(host_pages - 1, -1, -1))
 
@@ -108,9 +148,18 @@ class EngineContexts:
     def __len__(self) -> int:
         return len(self._live)
 
-    def create(self, session: Session) -> EngineContext:
-        """A new empty context."""
-        return self.add(self.table.create(session.username, session.key), session)
+    def create(self, session: Session, cache_salt: str = "") -> EngineContext:
+        """A new empty context, finding cached pages of its user (of everyone's, if shared) written under the same
+        ``cache_salt``."""
+        return self.add(self.table.create(session.username, session.key, self.namespace(session, cache_salt)), session)
+
+    def namespace(self, session: Session, cache_salt: str = "") -> bytes:
+        """Whose cached pages a context of ``session`` created with ``cache_salt`` may find (a ValueError for a
+        salt that is not a string of at most ``MAX_CACHE_SALT`` characters)."""
+        if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT:
+            shown = f"{len(cache_salt)} characters" if isinstance(cache_salt, str) else type(cache_salt).__name__
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters, got {shown}")
+        return namespace_key(None if self.shared_prefixes else session.username, cache_salt)
 
     def add(self, ctx: int, session: Session) -> EngineContext:
         """The record of table entry ``ctx`` (just created, forked, opened or taken)."""

@@ -22,7 +22,8 @@ has been idle), or by its own choice when it has to wait. So it can be suspended
 resident only until that bidder's next pass begins (when it had one in flight) or when its KV cannot be recomputed
 (written under a custom attention mask, an adapter or a zo seed: such contexts are never suspended). Snapshots bid
 nothing and are idle by nature: when memory is short they go first, least recently used first, where the cluster's
-directory keeps their lineage (the next open recomputes them); others are never let go of.
+directory keeps their lineage (the next open recomputes them), then those that cannot be recomputed, the user
+holding the most such pages first (``ContextTable.let_go_of_snapshot``); a recomputable one no directory keeps stays.
 
 Passes take their pages through here too (``reserve``, or ``grant`` once ``try_now`` allowed them), and every page a
 context's process makes is charged to it; ``restore`` brings a suspended context back before its next operation.

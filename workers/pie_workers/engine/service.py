@@ -67,15 +67,15 @@ class ReplicaEngine(SnapshotOperations):
         self.runner = runner
         self.store = PageStore(runner.num_pages, runner.page_size)
         self.contexts = ContextTable(self.store)
-        self.records = EngineContexts(self.contexts, runner.kv.host_pages)  # the live contexts
-        self.sessions = Sessions(secret)
+        self.records = EngineContexts(self.contexts, runner.kv.host_pages, tenants.shared_prefixes)  # live contexts
+        self.sessions = Sessions(secret, directory.model if directory is not None else None)
         self.scheduler = BatchScheduler(self._execute, limits, contexts=self.records.__len__)
         self.residency = Residency(self.records, self.scheduler, count_made=market is not None)
-        self.channel = ChannelServer(self._handle, self._disconnected)
+        self.channel = ChannelServer(self._handle, self.sessions, self._disconnected, tenants.connections)
         self.market = (
             MarketLink(market, device, self.records, self.residency, self.scheduler) if market is not None else None
         )
-        self.adapters = AdapterRegistry(runner, directory)
+        self.adapters = AdapterRegistry(runner, directory, tenants)
         self.passes = Passes(self.records, self.scheduler, self.residency, self.adapters)
         # every operation but ``forward`` (see ``_handle``): name on the wire -> handler(session, *args)
         self._operations: dict[str, Callable[..., Awaitable]] = {
@@ -158,9 +158,20 @@ class ReplicaEngine(SnapshotOperations):
         for name in names:
             session = self.sessions.get(name)
             if session is not None:
-                task = asyncio.get_running_loop().create_task(self._operation(self.op_close(session)))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                self._close_for(session)
+
+    def revoke(self, ended: dict[str, float]) -> None:
+        """The trusted side ended these instances (instance -> its capability's expiry): their capabilities are
+        refused from now on, their sessions still open here are closed as if their connections had dropped, and a
+        connection that carried only them is closed."""
+        for session in self.sessions.revoke(ended):
+            self._close_for(session)
+        self.channel.revoke(set(ended))
+
+    def _close_for(self, session: Session) -> None:
+        task = asyncio.get_running_loop().create_task(self._operation(self.op_close(session)))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _operation(self, work: Awaitable, session: Session | None = None):
         """Run an operation; one that made a context for a session closed meanwhile (a frame of ``close`` then
@@ -202,8 +213,10 @@ class ReplicaEngine(SnapshotOperations):
 
     # -- context lifetime ----------------------------------------------------------------------------------------
 
-    async def op_create(self, session: Session) -> int:
-        return self.records.create(session).id
+    async def op_create(self, session: Session, cache_salt: str = "") -> int:
+        """A new empty context; it finds cached pages of its own user (any user's where the operator shares them)
+        written by contexts created with the same ``cache_salt``."""
+        return self.records.create(session, cache_salt).id
 
     async def op_destroy(self, session: Session, ctx: int) -> None:
         state = self._own(session, ctx)
@@ -244,7 +257,7 @@ class ReplicaEngine(SnapshotOperations):
                 if suspended is None and not self.contexts.recomputable(ctx):
                     raise OutOfPages(self.contexts.view(ctx).working_pages, self.store.available, self.store.num_pages)
                 text = (suspended.text, suspended.committed) if suspended else self.contexts.text(ctx)
-                child, copies = self.contexts.create(session.username, session.key), []
+                child, copies = self.contexts.create(session.username, session.key, self.contexts.namespace_of(ctx)), []
             child_state = self._adopt(session, child, new_pages=True)
             if text is not None:
                 self.residency.add_suspended(child_state, *text)
@@ -254,15 +267,22 @@ class ReplicaEngine(SnapshotOperations):
         return self._made(child_state, known)
 
     async def op_restore(
-        self, session: Session, tokens: list, positions: list, sampled: int | None = None, bid: float = 0.0
+        self,
+        session: Session,
+        tokens: list,
+        positions: list,
+        sampled: int | None = None,
+        bid: float = 0.0,
+        cache_salt: str = "",
     ) -> dict:
         """A context rebuilt from the lineage its inferlet mirrored, after the replica that held it died: born
         suspended and recomputed on its first pass. ``sampled``: the token its last pass sampled, which a pass
-        chained on that one takes as input; ``bid``: the bid it made there."""
+        chained on that one takes as input; ``bid``: the bid it made there; ``cache_salt``: the one it was created
+        with (its recomputed pages land where its old ones were keyed)."""
         text = lineage_text(tokens, positions, self.runner.cfg.vocab_size)
         if sampled is not None and not (type(sampled) is int and 0 <= sampled < self.runner.cfg.vocab_size):
             raise ValueError(f"restore: sampled must be a token id or None, got {sampled!r}")
-        state = self.records.create(session)
+        state = self.records.create(session, cache_salt)
         if text:
             self.residency.add_suspended(state, text, 0)
         state.sampled = sampled
@@ -327,6 +347,10 @@ class ReplicaEngine(SnapshotOperations):
     # -- stats ---------------------------------------------------------------------------------------------------
 
     async def op_stats(self, session: Session | None) -> dict:
+        """The replica's numbers for the trusted side (``session`` None: ``pie status``, benchmarks); an inferlet's
+        session reads only its own user's, so no counter tells one user anything of another's work."""
+        if session is not None:
+            return self._own_stats(session.username)
         s, table = self.store.stats(), self.contexts.stats()
         steps = self.passes.steps
         return {
@@ -350,4 +374,14 @@ class ReplicaEngine(SnapshotOperations):
             "ahead_taken": steps.steps_ahead_taken,
             "market_rounds": self.market.rounds if self.market else 0,
             "price": self.market.price if self.market else 0.0,
+        }
+
+    def _own_stats(self, user: str) -> dict:
+        """What ``stats`` tells a session of ``user``: its user's contexts, snapshots and prefix hits here."""
+        own = [state for state in self.records if state.session.username == user]
+        return {
+            "contexts": len(own),
+            "snapshots": len(self.contexts.snapshots_of(user)),
+            "suspended": sum(state.suspended is not None for state in own),
+            "prefix_hit_tokens": self.passes.prefix_hits[user],
         }

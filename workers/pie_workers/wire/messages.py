@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 Message = TypeVar("Message")
 
+MAX_CACHE_SALT = 256  # characters of the salt a context is created with (``create``'s argument, vLLM's cache_salt)
+
 
 class PassKind(enum.StrEnum):
     INPUT = "input"  # runs the tokens it carries
