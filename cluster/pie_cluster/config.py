@@ -254,7 +254,9 @@ class LimitsConfig(_Strict):
     # Connections to each replica's channel and each bus shard (``pie_workers/wire/admission.py``); a connection
     # proves its capability before anything else it sends is read.
     connections_per_instance: int = Field(16, ge=1)  # live verified connections carrying one instance
-    connections_per_user: int = Field(256, ge=1)  # live verified connections carrying any instance of one user
+    # live verified connections carrying any instance of one user: on the bus one per running instance, so above
+    # [launcher] max_running_per_user (1024) times the few an instance opens
+    connections_per_user: int = Field(4096, ge=1)
     unverified_per_peer: int = Field(64, ge=1)  # connections of one Unix uid or IP not yet past their handshake
     handshake_s: float = Field(5.0, gt=0)  # how long a new replica connection may take to send its handshake
 

@@ -15,7 +15,7 @@ import threading
 
 import msgpack
 import pytest
-from engine_harness import SAMPLER
+from engine_harness import SAMPLER, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inferlet._channel import Channel
@@ -38,17 +38,7 @@ def session(user: str, instance: str, key: str) -> str:
 @pytest.fixture(scope="module")
 def replica(tiny_llama):
     """The engine serving its channel on a loop in a background thread; its ipc path, and the engine."""
-    bound: list = []
-
-    async def main():
-        engine = ReplicaEngine(ModelRunner(tiny_llama, RunnerSettings(num_pages=PAGES)), secret=TRUST.secret)
-        bound.append((engine.start("127.0.0.1")["ipc_path"], engine, asyncio.get_running_loop()))
-        await asyncio.Event().wait()
-
-    threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
-    while not bound:
-        threading.Event().wait(0.01)
-    return bound[0]
+    return serving(lambda: ReplicaEngine(ModelRunner(tiny_llama, RunnerSettings(num_pages=PAGES)), secret=TRUST.secret))
 
 
 def stats(replica) -> dict:

@@ -14,7 +14,7 @@ import time
 
 import msgpack
 import pytest
-from engine_harness import SAMPLER
+from engine_harness import SAMPLER, serving
 from inferlet._channel import Channel
 from pie_workers.engine.channel import HANDSHAKE_BYTES
 from pie_workers.engine.service import ReplicaEngine
@@ -31,18 +31,12 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def replica(tiny_llama):
     """The engine serving its channel on a loop in a background thread, with small connection limits."""
-    bound: list = []
-
-    async def main():
-        runner = ModelRunner(tiny_llama, RunnerSettings(num_pages=64))
-        engine = ReplicaEngine(runner, secret=TRUST.secret, tenants=TenantLimits(connections=LIMITS))
-        bound.append((engine.start("127.0.0.1")["ipc_path"], engine, asyncio.get_running_loop()))
-        await asyncio.Event().wait()
-
-    threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
-    while not bound:
-        threading.Event().wait(0.01)
-    return bound[0]
+    tenants = TenantLimits(connections=LIMITS)
+    return serving(
+        lambda: ReplicaEngine(
+            ModelRunner(tiny_llama, RunnerSettings(num_pages=64)), secret=TRUST.secret, tenants=tenants
+        )
+    )
 
 
 def connect(path: str) -> socket.socket:

@@ -32,7 +32,7 @@ class ConnectionLimits:
     """Bounds on connections a replica or bus shard holds (``[limits]``)."""
 
     per_instance: int = 16  # live authenticated connections carrying one instance
-    per_user: int = 256  # live authenticated connections carrying any instance of one user
+    per_user: int = 4096  # live authenticated connections carrying any instance of one user (a bus peer each)
     waiting_per_peer: int = 64  # connections of one peer (uid or IP) that have not finished their handshake
     handshake_s: float = 5.0  # how long a connection may take to send its handshake before it is closed
 
