@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "shard.sock"  # in the shard's own directory
 BURST = 256  # frames applied per turn of the event loop, so the actor's Ray calls (stats, stop) still get a turn
 SEND_HWM = 10_000  # frames queued towards one peer before it counts as gone
+MAX_MESSAGE_BYTES = 256 << 20  # a ZeroMQ message past which its peer is disconnected unread
 PEERS_NUMBERED = 1 << 16  # peers whose last applied number is kept (those gone without closing are forgotten first)
 
 
@@ -153,6 +154,8 @@ class BusShard:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
+        # a message is read whole before its capability is checked: bounded, though above what a quota refuses
+        sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_MESSAGE_BYTES, 4 * self._limits.message_bytes))
         ip, node = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
         moved = before is not None and before.node_id != node  # its node was lost, with its journal
         self._queued_topics = QueuedTopics(self._stored, self._replaced if moved else None)
