@@ -227,8 +227,8 @@ class Channels:
     def open(self, instance_id: str, user: str) -> Channel:
         limits = self._limits
         output = OutputQuota(limits.stdout_burst_bytes, time.monotonic())
-        log = EventLog(limits.event_buffer, limits.event_log_bytes)
-        channel = self._open[instance_id] = Channel(user, log, output=output)
+        events = EventLog(limits.event_buffer, limits.event_log_bytes)
+        channel = self._open[instance_id] = Channel(user, events, output=output)
         return channel
 
     def discard(self, instance_id: str) -> None:

@@ -98,9 +98,7 @@ class InferletHost:
         self._endpoints: dict[str, ModelEndpoint] | None = None  # services.endpoints as seen from this node
         self._tasks: dict[str, asyncio.Task] = {}
         self._abort_reasons: dict[str, str] = {}
-        self._channels = Channels(
-            channels or ChannelLimits(), ended=self._ended, exceeded=self._end_now
-        )
+        self._channels = Channels(channels or ChannelLimits(), ended=self._ended, exceeded=self._end_now)
         self._revoker = Revoker(lambda: self.services.revokers)
         self._sandbox = Sandbox(sandbox, self) if sandbox is not None and sandbox.enabled else None
         self._relays = ReplicaRelays(self._replica_addresses)

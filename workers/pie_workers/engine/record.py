@@ -18,11 +18,9 @@ from typing import TYPE_CHECKING
 from pie_workers.engine.contexts import ContextTable
 from pie_workers.engine.gate import Gate
 from pie_workers.engine.page_store import namespace_key
-from pie_workers.wire.admission import Revocations
-from pie_workers.wire.capability import Capability, CapabilityError, verify
+from pie_workers.wire.admission import Verifier
+from pie_workers.wire.capability import Capability, CapabilityError
 from pie_workers.wire.messages import MAX_CACHE_SALT
-
-VERIFIED_CACHE = 4096  # capabilities kept verified; past it the cache starts over (a miss costs one HMAC)
 
 if TYPE_CHECKING:
     from pie_workers.engine.ngram import NgramIndex
@@ -51,29 +49,19 @@ class Sessions:
     name (None: a replica outside a cluster, reached by any capability)."""
 
     def __init__(self, secret: bytes, model: str | None = None) -> None:
-        self._secret = secret
         self.model = model
         self._known: dict[str, Session] = {}
-        self._verified: dict[str, Capability] = {}  # token -> what it proved (a cache, emptied past VERIFIED_CACHE)
-        self.revoked = Revocations()
+        self._verifier = Verifier(secret)
+        self.revoked = self._verifier.revoked
 
     def verify(self, token: str) -> Capability:
         """What ``token`` proves here: a ``CapabilityError`` for a forged, malformed or expired one or one not granted
         this replica's model, a ``RevokedError`` for one whose instance ended."""
-        capability = self._verified.get(token) if isinstance(token, str) else None
-        if capability is None:
-            capability = verify(self._secret, token)
-            if self.model is not None and capability.models is not None and self.model not in capability.models:
-                raise CapabilityError(
-                    f"capability of instance {capability.instance!r} does not grant model {self.model!r}"
-                )
-            if len(self._verified) >= VERIFIED_CACHE:
-                self._verified.clear()
-            self._verified[token] = capability
-        elif time.time() >= capability.expires:
-            raise CapabilityError(f"expired capability: instance {capability.instance!r} is past its lifetime")
-        self.revoked.check(capability)
-        return capability
+        return self._verifier.verify(token, self._granted)
+
+    def _granted(self, capability: Capability) -> None:
+        if self.model is not None and capability.models is not None and self.model not in capability.models:
+            raise CapabilityError(f"capability of instance {capability.instance!r} does not grant model {self.model!r}")
 
     def admit(self, name: str) -> Session:
         """The session that sent a request as ``name`` (``capability/session``); a ``CapabilityError`` (which closes

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from pie_workers.wire.capability import Capability
+from pie_workers.wire.capability import Capability, CapabilityError, verify
 
 
 class ConnectionLimitError(PermissionError):
@@ -25,6 +25,9 @@ class ConnectionLimitError(PermissionError):
 class RevokedError(PermissionError):
     """The capability's instance has ended: the trusted side revoked it. Refused like a forged one at a handshake;
     a request of it on a connection that other instances share fails alone (the connection is theirs too)."""
+
+
+VERIFIED_CACHE = 4096  # capabilities kept verified; past it the cache starts over (a miss costs one HMAC)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,32 @@ class Revocations:
     def check(self, capability: Capability) -> None:
         if capability.instance in self._ended:
             raise RevokedError(f"revoked capability: instance {capability.instance!r} has ended")
+
+
+class Verifier:
+    """Capabilities verified once per token (one HMAC), their expiry and their instance's end checked on every use:
+    what a replica and a bus shard each believe of who is calling."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._verified: dict[str, Capability] = {}  # token -> what it proved (a cache, emptied past VERIFIED_CACHE)
+        self.revoked = Revocations()
+
+    def verify(self, token: str, check: Callable[[Capability], None] | None = None) -> Capability:
+        """What ``token`` proves: a ``CapabilityError`` for a forged, malformed or expired one (or one ``check``,
+        run when it is first verified, refuses), a ``RevokedError`` for one whose instance ended."""
+        capability = self._verified.get(token) if isinstance(token, str) else None
+        if capability is None:
+            capability = verify(self._secret, token)
+            if check is not None:
+                check(capability)
+            if len(self._verified) >= VERIFIED_CACHE:
+                self._verified.clear()
+            self._verified[token] = capability
+        elif time.time() >= capability.expires:
+            raise CapabilityError(f"expired capability: instance {capability.instance!r} is past its lifetime")
+        self.revoked.check(capability)
+        return capability
 
 
 class Holders:
