@@ -15,6 +15,7 @@ events from there. The launcher only learns how each instance ended.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -76,7 +77,8 @@ class EventLog:
 
     def since(self, index: int) -> list[Event]:
         """Buffered events numbered ``index`` or later, plus the terminal event even if it rotated out."""
-        got = [e for e in self._events if e.index >= index]
+        got = list(itertools.takewhile(lambda e: e.index >= index, reversed(self._events)))  # the newest: O(got)
+        got.reverse()
         if self.terminal is not None and self.terminal.index >= index and (not got or got[-1] is not self.terminal):
             got.append(self.terminal)
         return got

@@ -5,7 +5,9 @@ every 20 ms; the test measures each one's delay at arrival (through the ingress,
 nothing else running, then while alice's uploaded programs, on the same host, flood stdout (with prints, and with
 raw frames of tiny messages written to her worker's own socket), send messages over the size limit, forge event
 kinds and malformed messages. Each of alice's instances ends with an error naming what it broke; bob's messages all
-arrive, in order, and their p99 delay stays within 50 ms of its unloaded value (the issue's bound).
+arrive, in order, and their p99 delay stays within 50 ms of its unloaded value (the issue's bound) in every round
+of four but at most one: on a shared two-core machine another process's burst can cost any one window that much,
+while a host that alice can stall (a loop held per spawned worker, per flood turn) misses it in every round.
 """
 
 from __future__ import annotations
@@ -187,14 +189,14 @@ def test_alices_floods_and_forgeries_neither_stall_the_host_nor_cost_bob_an_even
     threading.Thread(target=follow, daemon=True).start()
     while len(arrivals) < 20:  # these warm the path
         time.sleep(0.1)
-    unloaded, loaded = [], []
+    rounds = []
     for _ in range(ROUNDS):  # alternated, so that both see the machine's other load alike
         time.sleep(SETTLE_S)
-        unloaded += delays_while(idle)
-        loaded += delays_while(attack)
-    p99s = f"{p99(unloaded) * 1e3:.1f} ms unloaded, {p99(loaded) * 1e3:.1f} ms under attack"
-    print(f"bob's delay p99 over {len(unloaded)} and {len(loaded)} messages: {p99s}")
-    assert p99(loaded) <= p99(unloaded) + BOUND_S, p99s
+        rounds.append((p99(delays_while(idle)), p99(delays_while(attack))))
+    shown = ", ".join(f"{quiet * 1e3:.1f} -> {loaded * 1e3:.1f} ms" for quiet, loaded in rounds)
+    print(f"bob's delay p99 per round, unloaded -> under attack: {shown}")
+    within = [loaded <= quiet + BOUND_S for quiet, loaded in rounds]
+    assert sum(within) >= ROUNDS - 1, shown  # one round may meet a stall of the machine's, not the host's
 
     assert alice.run(PRINTS)[1] == f"the instance was ended: its output went over {TOTAL}"
     reasons = ["unknown event kind 'pwned'", "'pong' with ()", "[limits] event_bytes = 1048576"]

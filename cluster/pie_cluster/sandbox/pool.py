@@ -33,6 +33,7 @@ from pie_cluster.config import SandboxConfig
 from pie_cluster.programs import Program
 from pie_cluster.sandbox import bwrap, seccomp
 from pie_cluster.sandbox.limits import WorkerLimits
+from pie_cluster.sandbox.process import WorkerProcess
 from pie_cluster.sandbox.protocol import (
     MAX_WORKER_MESSAGE_BYTES,
     WORKER_READ_RATE,
@@ -69,7 +70,7 @@ class Worker:
 
     slot: int
     directory: Path
-    process: asyncio.subprocess.Process
+    process: WorkerProcess
     out: FrameWriter
     user: str | None = None  # None: the spare, not yet anyone's
     dedicated: bool = False
@@ -198,14 +199,10 @@ class WorkerPool:
         argv = [sys.executable, "-m", "pie_cluster.sandbox.worker_main"]
         try:
             confined = bwrap.command(self._config, mounts, argv, {**env, "PYTHONDONTWRITEBYTECODE": "1"}, rules)
-            process = await asyncio.create_subprocess_exec(
-                *self._limits.confine(slot, confined),  # in its cgroup, where there are cgroups
+            process = await WorkerProcess.start(
+                self._limits.confine(slot, confined),  # niced, and in its cgroup where there are cgroups
                 pass_fds=(theirs.fileno(), rules),
                 env={"PATH": "/usr/bin:/bin"},  # bwrap's own: its init process inside must not carry the host's
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,  # its own process group: see _kill
             )
         finally:
             theirs.close()
@@ -287,7 +284,7 @@ class WorkerPool:
                 if worker.user is not None and now - worker.idle_since > self._config.idle_s:
                     self._stop(worker, None)
                 continue
-            usage = self._limits.usage(worker.slot, worker.process.pid, now)
+            usage = await self._limits.usage(worker.slot, worker.process.pid, now)
             if usage.cpu_s >= self._config.cpu_seconds / 2:  # so the kernel's limit ends only a worker that its
                 self._retire(worker)  # instances keep busy for the other half
             if (why := self._limits.exceeded(usage)) is not None:
@@ -339,7 +336,7 @@ class WorkerPool:
             if not users:
                 del self._workers[worker.user]
             await self._notify_freed()
-        shutil.rmtree(worker.directory, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, worker.directory, ignore_errors=True)
 
     def _spawn_task(self, work) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -374,7 +371,7 @@ class WorkerPool:
             self._stop(await spare, None)
 
 
-def _kill(process: asyncio.subprocess.Process) -> None:
+def _kill(process: WorkerProcess) -> None:
     """Kill a worker's whole process group, not only bwrap: a bwrap killed while it starts leaves its namespace's
     first process behind (it sets its parent-death signal only later), holding the worker's socket and output.
     Past that point ``--die-with-parent`` and the PID namespace take every process in the sandbox."""

@@ -40,7 +40,7 @@ MAX_WORKER_MESSAGE_BYTES = EVENT_BYTES_CEILING + (64 << 10)  # the largest event
 MAX_HOST_MESSAGE_BYTES = 256 << 20  # from the trusted host (a launch's input)
 TEXT_CHUNK_CHARS = 256 << 10  # a stream's writes merge into messages of at most this many characters (4 bytes each)
 READ_BYTES = 1 << 16  # read from a socket at a time
-MESSAGES_PER_TURN = 256  # handled from one socket before its reader lets the event loop run others
+MESSAGES_PER_TURN = 64  # handled from one socket before its reader lets the event loop run others (~1 ms)
 
 
 class ProtocolError(ValueError):
@@ -170,13 +170,15 @@ class FrameWriter:
 
 @dataclass(frozen=True)
 class ReadRate:
-    """How fast a reader takes one peer's input (a second's worth at once): past it, the reader waits and the
-    peer's writes back up into its own socket, so that one peer's flood costs the host a bounded share of its CPU."""
+    """How fast a reader takes one peer's input (a tenth of a second's worth at once): past it, the reader waits and
+    the peer's writes back up into its own socket, so that one peer's flood costs the host a bounded share of its
+    CPU, spread evenly rather than in bursts that hold every turn of the loop for a while."""
 
     bytes_per_s: float
     messages_per_s: float
 
 
+BURST_S = 0.1  # a reader's bucket holds this many seconds of its rate
 WORKER_READ_RATE = ReadRate(8 << 20, 10_000)  # ~5% of a core's time for small messages (stdout lines, tokens)
 
 
@@ -185,7 +187,7 @@ class _Pace:
 
     def __init__(self, rate: ReadRate | None):
         self._rate = rate
-        self._bytes, self._messages = (rate.bytes_per_s, rate.messages_per_s) if rate else (0.0, 0.0)
+        self._bytes, self._messages = (rate.bytes_per_s * BURST_S, rate.messages_per_s * BURST_S) if rate else (0, 0)
         self._at = time.monotonic()
 
     async def take(self, nbytes: int, messages: int) -> None:
@@ -193,8 +195,10 @@ class _Pace:
         if rate is not None:
             now = time.monotonic()
             elapsed, self._at = now - self._at, now
-            self._bytes = min(rate.bytes_per_s, self._bytes + elapsed * rate.bytes_per_s) - nbytes
-            self._messages = min(rate.messages_per_s, self._messages + elapsed * rate.messages_per_s) - messages
+            refilled = self._bytes + elapsed * rate.bytes_per_s
+            self._bytes = min(rate.bytes_per_s * BURST_S, refilled) - nbytes
+            refilled = self._messages + elapsed * rate.messages_per_s
+            self._messages = min(rate.messages_per_s * BURST_S, refilled) - messages
             wait = max(0.0, -self._bytes / rate.bytes_per_s, -self._messages / rate.messages_per_s)
         await asyncio.sleep(wait)
 

@@ -35,7 +35,11 @@ OUTPUT_BACKLOG_BYTES = 4 << 20  # unread by the host, past which the worker drop
 
 def confine(uid: int | None, limits: dict[str, int]) -> None:
     """Take the worker's own uid (dropping the last capabilities with it) and its kernel limits, soft and hard at
-    once: without CAP_SYS_RESOURCE it can never raise them back."""
+    once: without CAP_SYS_RESOURCE it can never raise them back. Nor may it raise its CPU priority above the one it
+    was started with (``[sandbox] nice``), below the trusted side's."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NICE)
+    floor = min(hard, 20 - os.getpriority(os.PRIO_PROCESS, 0))  # the lowest nice value allowed, as 20 - nice
+    resource.setrlimit(resource.RLIMIT_NICE, (floor, floor))
     for name, value in limits.items():
         resource.setrlimit(getattr(resource, name), (value, value))
     if uid is not None:
