@@ -214,16 +214,27 @@ class _ChoiceRun:
             session.send(Piece(index=self.choice.index, text=text, logprobs=logprobs).model_dump_json())
 
     def _parse_tool_calls(self) -> None:
-        """Split the finished text into content and calls (the family's decoder finds them)."""
+        """Split the finished text into content and calls (the family's decoder finds them). A call the token
+        limit cut off is the last call, with its arguments so far, and the choice ends with "length"; its markup
+        is never content."""
         decoder = tools.Decoder(self.model)
         event = decoder.feed(self._tokens)
         while isinstance(event, tools.Call):
-            call = ReportedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=event.name, arguments=event.args)
-            self.choice.tool_calls.append(call)
+            self._add_call(event)
             event = decoder.feed([]) if self.request.parallel_tool_calls else None
-        if self.choice.tool_calls:
+        cut = self.choice.finish_reason == "length" and isinstance(event, tools.Start)
+        if cut and (partial := decoder.pending()) is not None:
+            self._add_call(partial)
+        if self.choice.tool_calls or cut:  # cut before its name was whole: no call, and no markup as text either
             self.choice.text = _without_calls(self.model, self.choice.text)
+        elif self.choice.finish_reason == "length":  # cut inside a call's opening tag
+            self.choice.text = _without_opening(self.model, self.choice.text)
+        if self.choice.tool_calls and not cut:
             self.choice.finish_reason = "tool_calls"
+
+    def _add_call(self, call: tools.Call) -> None:
+        reported = ReportedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=call.name, arguments=call.args)
+        self.choice.tool_calls.append(reported)
 
 
 def _without_calls(model: Model, text: str) -> str:
@@ -238,6 +249,13 @@ def _without_calls(model: Model, text: str) -> str:
         at = len(text) if end < 0 else end + len(fmt.close)
     kept.append(text[at:])
     return "".join(kept).strip()
+
+
+def _without_opening(model: Model, text: str) -> str:
+    """``text`` without the start of a call's opening tag that it ends with."""
+    opening = model.instruct.tool_call_format.open
+    cut = next((k for k in range(len(opening) - 1, 0, -1) if text.endswith(opening[:k])), 0)
+    return text[: len(text) - cut].rstrip() if cut else text
 
 
 def prompts(model: Model, request: Request) -> list[tuple[list[int], str]]:

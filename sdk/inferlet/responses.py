@@ -67,13 +67,15 @@ def _new_input(model: Model, turn: Turn) -> tuple[ChatCompletionRequest, list[in
 
 def _output(choice: Choice) -> list[OutputItem]:
     """The choice as output items: its text as one assistant message (if any, or if there is nothing else), then
-    its tool calls."""
-    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    its tool calls. Cut off by the token limit, the last item is what was cut: ``incomplete``."""
+    cut = choice.finish_reason == "length"
     items: list[OutputItem] = []
     if choice.text or not choice.tool_calls:
         content = [OutputText(text=choice.text)]
+        status = "incomplete" if cut and not choice.tool_calls else "completed"
         items.append(MessageItem(role="assistant", content=content, id=f"msg_{uuid.uuid4().hex}", status=status))
-    for call in choice.tool_calls:
+    for k, call in enumerate(choice.tool_calls, 1):
+        status = "incomplete" if cut and k == len(choice.tool_calls) else "completed"
         items.append(
             FunctionCallItem(
                 id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.name, arguments=call.arguments, status=status

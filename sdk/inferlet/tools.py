@@ -10,6 +10,7 @@ parser does not need to see the end-of-turn token (the Generator strips stop tok
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,6 +21,8 @@ from inferlet.tokenizer import TextStream
 
 _JSON = json.JSONDecoder()
 _ARGS_KEYS = ("arguments", "parameters")
+_NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
 def equip_prefix(model: ModelLike, schemas: Iterable[dict | str]) -> list[int]:
@@ -167,6 +170,32 @@ class Decoder:
             return Start()  # the object is still being written
         self._pos = end
         return self._call(value) or Idle()
+
+    def pending(self) -> Call | None:
+        """The call that was still being written when generation stopped (the last ``feed`` returned ``Start``),
+        with its arguments' JSON text so far; None if there is none or its name is not written whole. A reply cut
+        off by its token limit reports this as a call, never as the call's markup."""
+        at = self._pos
+        if self._format.open:
+            if not self._text.startswith(self._format.open, at):
+                return None
+            at += len(self._format.open)
+        body = self._text[at:].lstrip(" \t\r\n;")
+        found = _NAME.search(body) if body.startswith("{") else None
+        try:
+            name = json.loads(found.group(1)) if found else None
+        except json.JSONDecodeError:  # an escape cut in half
+            name = None
+        if name is None:
+            return None
+        args = _ARGS.search(body, found.end())  # (arguments written before the name are not looked for)
+        if args is None:
+            return Call(name, "")
+        try:  # written whole (only what closes the call is missing): as a complete call reports it
+            value, _ = _JSON.raw_decode(body, args.end())
+            return Call(name, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+        except json.JSONDecodeError:
+            return Call(name, body[args.end() :].rstrip())
 
     def _call(self, value: Any) -> Call | None:
         """The call a parsed JSON value describes, if it is one; the family's args key is preferred."""

@@ -195,6 +195,40 @@ def test_forced_tool_calls_are_parsed_into_tool_calls(api):
     assert [c.choices[0].finish_reason for c in streamed if c.choices[0].finish_reason] == ["tool_calls"]
 
 
+OPEN_WEATHER = {  # as a new user writes it: nothing bounds the city's length
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def _squeezed(json_text: str) -> str:
+    return json_text.replace(" ", "")
+
+
+def test_a_forced_tool_call_cut_by_the_token_limit_is_a_partial_call_never_markup(api):
+    """Cut at each of several token limits short of the whole call, the reply is a partial ``tool_calls`` entry
+    (its arguments a prefix of the whole call's) with ``finish_reason`` "length", or, cut before the name is whole,
+    no call; its markup is never the message's content."""
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    whole = chat(api, "Weather in Oslo?", max_tokens=256, temperature=0, tools=[OPEN_WEATHER], tool_choice=forced)
+    (call,) = whole.choices[0].message.tool_calls
+    needed = whole.usage.completion_tokens
+    partial_calls = 0
+    for limit in sorted({needed - 1, needed - 3, needed // 2, 4} - {0}, reverse=True):
+        got = chat(api, "Weather in Oslo?", max_tokens=limit, temperature=0, tools=[OPEN_WEATHER], tool_choice=forced)
+        choice = got.choices[0]
+        assert choice.finish_reason == "length" and not choice.message.content, (limit, choice)
+        for cut in choice.message.tool_calls or []:
+            partial_calls += 1
+            assert cut.function.name == "get_weather" and _squeezed(call.function.arguments).startswith(
+                _squeezed(cut.function.arguments)
+            )  # (the whole call's arguments are re-encoded; a cut one is the text written so far)
+    assert partial_calls >= 1  # the limit one short of the whole call cuts it after its name
+
+
 def test_a_conversation_with_tool_results_and_text_parts_continues(api):
     messages = [
         {"role": "system", "content": "You call tools."},

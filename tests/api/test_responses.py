@@ -288,6 +288,24 @@ def test_a_function_tool_round_trip_continues_with_the_output(api):
     assert item.type == "function_call" and set(json.loads(item.arguments)) == {"city"}
 
 
+def test_a_forced_function_call_cut_by_the_token_limit_is_an_incomplete_function_call(api):
+    """The issue's report, with the ``openai`` client: a forced call cut by ``max_output_tokens`` is a
+    ``function_call`` item with the arguments so far, ``incomplete``; never its markup as output text."""
+    tool = {**WEATHER, "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    forced = {"type": "function", "name": "get_weather"}
+    whole = greedy(api, input="Weather in Oslo?", tools=[tool], tool_choice=forced, max_output_tokens=256)
+    (call,) = whole.output
+    (cut,) = greedy(
+        api, input="Weather in Oslo?", tools=[tool], tool_choice=forced, max_output_tokens=whole.usage.output_tokens - 1
+    ).output
+    assert (cut.type, cut.name, cut.status) == ("function_call", "get_weather", "incomplete")
+    assert call.arguments.replace(" ", "").startswith(cut.arguments.replace(" ", ""))
+    assert call.status == whole.status  # "completed", unless 256 tokens cut even the whole one
+    for choice in (forced, "required"):
+        got = greedy(api, input="Weather in Oslo?", tools=[tool], tool_choice=choice, max_output_tokens=6)
+        assert got.status == "incomplete" and "tool_call" not in got.output_text, got.output
+
+
 def test_json_schema_text_format_parses_and_validates(api):
     schema = {
         "type": "object",

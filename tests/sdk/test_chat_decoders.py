@@ -196,3 +196,22 @@ def test_tool_decoder_llama3_format(llama3):
     assert decoder.feed(both) == tools.Event.Call("get_weather", CALL_ARGS)
     assert decoder.feed([]) == tools.Event.Call("get_time", CALL_ARGS)
     assert decoder.feed([tk.token_id("<|eom_id|>")]) == tools.Event.Idle()
+
+
+def test_a_call_cut_off_mid_arguments_is_pending_with_its_arguments_so_far(qwen3, llama3):
+    llama_call = '{"name": "get_weather", "parameters": {"city": "Paris", "note": "é 中文"}}'
+    for model, text in ((qwen3, QWEN_CALL), (llama3, llama_call)):
+        tk = model.tokenizer()
+        for cut in range(1, len(text)):
+            decoder = tools.Decoder(model)
+            event = decoder.feed(tk.encode(text[:cut]))
+            pending = decoder.pending()
+            if event != tools.Event.Start():
+                assert pending is None
+                continue
+            if pending is not None:  # once its name is whole: the name, and a prefix of the arguments' text
+                assert pending.name == "get_weather" and CALL_ARGS.startswith(pending.args), pending
+        assert decoder.pending() is not None  # one character short of the whole call
+    decoder = tools.Decoder(qwen3)
+    assert decoder.feed(qwen3.tokenizer().encode('<tool_call>\n{"name": "get_wea')) == tools.Event.Start()
+    assert decoder.pending() is None  # its name is not whole: no call to report
