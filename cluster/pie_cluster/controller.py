@@ -133,7 +133,8 @@ class Controller:
             max_restarts=-1,
             **here,
         )
-        self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision)
+        channels = config.launcher.channel_limits(config.limits)
+        self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision, channels)
         services = self._services(nodes)
         self.hosts = {node: self._start_host(node, services[node]) for node in nodes}
         pool = HostPool(

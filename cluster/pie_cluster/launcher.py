@@ -68,10 +68,13 @@ def _store_directory(parent: str | None) -> Path:
 
 
 class Launcher:
-    def __init__(self, config: LauncherConfig, sandboxed: bool, supervision: SupervisionConfig):
+    def __init__(
+        self, config: LauncherConfig, sandboxed: bool, supervision: SupervisionConfig, channels: ChannelLimits
+    ):
         """``sandboxed``: uploaded programs run in the nodes' sandboxed workers (``[sandbox]`` is not off), so a
         manifest may not ask for a Ray runtime_env and an isolated program gets a worker, not a Ray actor, of its
-        own; ``supervision``: how pooled hosts are pinged (a hung one is killed for Ray to restart)."""
+        own; ``supervision``: how pooled hosts are pinged (a hung one is killed for Ray to restart); ``channels``:
+        what an instance may put through its channel (``[limits]``), on a host of its own too."""
         self._supervision = supervision
         self._memory = LauncherMemory()
         saved = self._memory.load()
@@ -89,7 +92,7 @@ class Launcher:
         self._instances: dict[str, InstanceRecord] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._keep_finished = config.keep_finished
-        self._dedicated_channels = ChannelLimits(config.event_buffer, keep_finished=1)
+        self._dedicated_channels = dataclasses.replace(channels, keep_finished=1)
         self._default_deadline_s = config.default_deadline_s
         self._watching: set[asyncio.Task] = set()
         self._down: set[str] = set()  # nodes whose pooled host is dead (restarting, or its node is lost)

@@ -1,7 +1,8 @@
 """What a bus shard lets each user put on it (``[limits]``, ``bus/quotas.py``), on real shards with inferlets that use
 only the SDK: alice goes past the message size, her queued bytes and the shard's journal bound, and gets a
 ``QuotaExceeded`` naming the limit in her inferlet; bob's messages queued on the same shard all arrive, and the
-journal on the node's disk stays within its bound however much goes through it."""
+journal on the node's disk stays within its bound however much goes through it. A raw peer with no capability is
+refused, and one that sends a message past the shard's size bound is dropped before it is read."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import os
 import uuid
 from pathlib import Path
 
+import msgpack
 import pytest
+import zmq
 from bus_calls import run
 from inferlet import QuotaExceeded, messaging
 from pie_cluster.bus import start_bus
+from pie_cluster.bus.shard import MAX_MESSAGE_BYTES
 from pie_cluster.config import BusLimits
 from sdk_host import TRUST
 
@@ -150,3 +154,35 @@ def test_a_journal_rewritten_to_stay_within_its_bound_reads_back_the_same_queues
     again = Topics(lambda peer, user, event: None, None, Journal(path).replay().queues)
     assert again.queued_messages() == topics.queued_messages()
     assert again.queued_bytes("alice") == topics.queued_bytes("alice") == 20 * 1004
+
+
+def _answer(dealer, wait_ms: int) -> list | None:
+    """The events of the shard's next frame to this raw peer, or None if none came within ``wait_ms``."""
+    if not dealer.poll(wait_ms):
+        return None
+    return msgpack.unpackb(dealer.recv_multipart()[-1])
+
+
+def test_a_peer_without_a_capability_is_refused_and_one_past_the_size_bound_is_dropped_unread(default_bus):
+    """Before any capability: a small frame is answered with a refusal; a message past the shard's ZeroMQ size bound
+    disconnects its peer as soon as its length is read (no answer, nothing allocated for it); bob is served on."""
+    context = zmq.Context.instance()
+    address = default_bus.addresses()[0]
+    stranger, flooder = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    for peer, name in ((stranger, b"someone/1"), (flooder, b"someone/2")):
+        peer.setsockopt(zmq.IDENTITY, name)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(address)
+    try:
+        stranger.send_multipart([b"not a capability", msgpack.packb([["cast", "t", "hi"]])])
+        [refused] = _answer(stranger, 10_000)
+        assert refused[0] == "refused" and "malformed capability" in refused[1], refused
+
+        flooder.send_multipart([b"x" * (MAX_MESSAGE_BYTES + 1)])
+        assert _answer(flooder, 2_000) is None  # never read, so never answered: the shard dropped the connection
+        bob = f"bob-{uuid.uuid4().hex[:6]}"
+        run(default_bus, (push_then_confirm, {"topic": "after-flood", "sizes": [3]}), user=bob)
+        assert run(default_bus, (pull_n, {"topic": "after-flood", "n": 2}), user=bob) == [[3, 5]]
+    finally:
+        stranger.close()
+        flooder.close()

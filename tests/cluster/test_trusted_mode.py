@@ -104,3 +104,12 @@ def test_an_in_process_instance_is_held_to_the_same_event_limits(launcher):
     for send, limit in [(True, "event_bytes = 1048576"), (False, "stdout_total_bytes = 1048576")]:
         *_, (_, kind, message) = run_to_end(launcher, launch(launcher, program, {"send": send}))
         assert kind == "error" and message.startswith("the instance was ended: ") and f"[limits] {limit}" in message
+
+
+def test_an_isolated_instance_on_a_dedicated_host_is_held_to_the_configured_limits(launcher):
+    """A dedicated host takes the cluster's ``[limits]`` too (here a 1 MiB stdout total), not the defaults."""
+    manifest = '[package]\nname = "loud"\nversion = "0.1.0"\n[inferlet]\nisolated = true\n'
+    data = zip_program({"pie.toml": manifest, "main.py": OVER_LIMITS.decode()})
+    program = ray.get(launcher.upload.remote("alice", "loud.zip", data))["program"]
+    *_, (_, kind, message) = run_to_end(launcher, launch(launcher, program, {"send": False}))
+    assert kind == "error" and "[limits] stdout_total_bytes = 1048576" in message, message
