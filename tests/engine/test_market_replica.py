@@ -12,6 +12,7 @@ import math
 import pytest
 import ray
 from inferlet import Context, Model, Sampler, scheduling
+from pie_workers.engine.market_link import ROUND_S
 from pie_workers.wire.pages import pages_for
 from sdk_host import TRUST
 
@@ -61,7 +62,8 @@ _started: set[int] = set()
 
 
 async def reader(input):
-    """Continues a long text greedily; records the highest page price it saw and its balance along the way."""
+    """Continues a long text greedily; records the highest page price it saw and its balance along the way. With
+    ``pause``, it holds its pages that long between steps, so that a rival waits in line across market rounds."""
     model = Model.load("default")
     with Context(model) as ctx:
         if "bid" in input:
@@ -74,6 +76,7 @@ async def reader(input):
             _started.add(input["seed"])
             prices.append(scheduling.rent(ctx))
             paid.append(scheduling.readings(model)["paid"])
+            await asyncio.sleep(input.get("pause", 0.0))
         return {
             "paid": max(paid),
             "tokens": tokens,
@@ -86,8 +89,10 @@ async def reader(input):
 
 def test_contention_charges_rent_and_make_cost_and_every_credit_is_accounted_for(replica, market):
     before = ray.get(market.ledger.remote())
-    solo = [run_all(replica, market, [(reader, {"seed": s}, 1000.0)])[0]["tokens"] for s in (0, 1)]
-    together = run_all(replica, market, [(reader, {"seed": s}, 1000.0) for s in (0, 1)])
+    # each reader's 60 steps span several market rounds (ROUND_S apart): contention is priced while it lasts
+    readers = [(reader, {"seed": s, "pause": 2 * ROUND_S / 10}, 1000.0) for s in (0, 1)]
+    solo = [run_all(replica, market, [run])[0]["tokens"] for run in readers]
+    together = run_all(replica, market, readers)
     assert [r["tokens"] for r in together] == solo  # suspension and recomputation lose nothing
     assert max(r["price"] for r in together) > 0, "two readers that cannot both fit set a price"
     assert max(r["paid"] for r in together) > 0, "and the resident one pays rent"
