@@ -50,7 +50,7 @@ import vllm_peer
 from agents_report import SYSTEMS, Cell, Cells, reason, report
 from local_pie import LocalPie, local_pie
 from pie_cluster.config import ResponsesConfig
-from pie_cluster.events import follow
+from pie_cluster.hosts.events import follow
 from pie_cluster.launch_request import LaunchRequest
 from pie_workers.tiny_model import default_model_path
 from report import add_out_option

@@ -21,9 +21,9 @@ import time
 import ray
 from inferlet import messaging
 from pie_cluster.bus import start_bus
-from pie_cluster.host import run_inferlet
-from pie_cluster.local_ray import init_ray
-from pie_cluster.local_trust import LocalTrust
+from pie_cluster.hosts.in_process import LocalTrust
+from pie_cluster.hosts.run import run_inferlet
+from pie_cluster.ray_session import init_ray
 from ray.util.queue import Queue
 from report import add_out_option, write_markdown
 from rich.console import Console

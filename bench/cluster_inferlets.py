@@ -12,7 +12,7 @@ import textwrap
 import zipfile
 
 import ray
-from pie_cluster.events import TERMINAL, follow
+from pie_cluster.hosts.events import TERMINAL, follow
 
 DEADLINE_S = 300.0
 USER = "bench"

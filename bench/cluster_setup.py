@@ -22,9 +22,9 @@ import ray
 from local_pie import wait_healthy
 from pie_cluster.client import PieClient
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
-from pie_cluster.controller import LAUNCHER, start_controller
-from pie_cluster.http_app import serve_http, stop_http
-from pie_cluster.local_ray import NAMESPACE, job_env
+from pie_cluster.control.controller import LAUNCHER, start_controller
+from pie_cluster.ingress.app import serve_http, stop_http
+from pie_cluster.ray_session import NAMESPACE, job_env
 from rich.console import Console
 from vllm_peer import free_port
 

@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 from inferlet import Context, JsonSchema, Model, Sampler
 from inferlet.constraints import ConstraintSet
-from pie_cluster.host import endpoints_for, run_inferlet
-from pie_cluster.local_ray import init_ray
-from pie_cluster.local_trust import LocalTrust
+from pie_cluster.hosts.in_process import LocalTrust
+from pie_cluster.hosts.run import endpoints_for, run_inferlet
+from pie_cluster.ray_session import init_ray
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
 from pie_workers.runner import RunnerSettings

@@ -8,7 +8,7 @@ model, sandbox off: the launcher does the same work either way, and the bench sh
 row is one request's worth of calls, as the component that makes them does:
 
 * launcher, OpenAI request: ``admit_many`` + ``ended`` (the ingress replica runs the instance itself, and the
-  admissions of one event-loop turn go as one call: local_instances.py);
+  admissions of one event-loop turn go as one call: ingress/own_programs.py);
 * launcher, uploaded program: ``launch`` + ``locate(wait)`` of a trivial program; the host runs it and reports its
   ending to the launcher with ``ended`` (batched per host loop turn), so the host's work is in this row too;
 * market: ``join_many`` + ``leave_many`` (once per instance, from where it runs; those of one event-loop turn go
@@ -37,14 +37,14 @@ from bus import TRUST, bus_rows
 from pie_cluster.bus import start_bus
 from pie_cluster.coalesced_calls import CoalescedCalls
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
-from pie_cluster.controller import LAUNCHER, start_controller
-from pie_cluster.directory import DIRECTORY
+from pie_cluster.control.controller import LAUNCHER, start_controller
+from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.launcher import OPENAI_PROGRAM
-from pie_cluster.local_ray import init_ray
+from pie_cluster.launcher.actor import OPENAI_PROGRAM
 from pie_cluster.market.actor import MARKET_NAME
-from pie_cluster.responses_store import RESPONSES, ResponseRecord
-from pie_cluster.wallet_calls import wallet_calls
+from pie_cluster.ray_session import init_ray
+from pie_cluster.stores.directory import DIRECTORY
+from pie_cluster.stores.responses import RESPONSES, ResponseRecord
 from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table

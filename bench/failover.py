@@ -28,8 +28,8 @@ import ray
 import torch
 import uvloop
 from inferlet import Context, Model, Sampler
-from pie_cluster.host import endpoints_for
-from pie_cluster.local_ray import init_ray
+from pie_cluster.hosts.run import endpoints_for
+from pie_cluster.ray_session import init_ray
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
 from pie_workers.runner import RunnerSettings

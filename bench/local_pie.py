@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import ray
 from pie_cluster.config import AuthConfig, CacheConfig, ModelConfigEntry, PieConfig, ResponsesConfig, SandboxConfig
-from pie_cluster.controller import LAUNCHER, find_controller, start_controller
-from pie_cluster.http_app import serve_http, stop_http
-from pie_cluster.local_ray import NAMESPACE, job_env
+from pie_cluster.control.controller import LAUNCHER, find_controller, start_controller
+from pie_cluster.ingress.app import serve_http, stop_http
+from pie_cluster.ray_session import NAMESPACE, job_env
 from vllm_peer import free_port
 
 

@@ -28,8 +28,8 @@ import time
 
 import numpy as np
 import ray
-from pie_cluster.local_ray import NAMESPACE, init_ray
 from pie_cluster.market import Market, get_or_create_market
+from pie_cluster.ray_session import NAMESPACE, init_ray
 from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table
@@ -172,8 +172,8 @@ async def continue_text(input):
 
 
 def contended_run(args, with_market: bool, host_buffer: bool) -> dict:
-    from pie_cluster.host import endpoints_for, run_inferlet
-    from pie_cluster.local_trust import LocalTrust
+    from pie_cluster.hosts.in_process import LocalTrust
+    from pie_cluster.hosts.run import endpoints_for, run_inferlet
     from pie_cluster.market import MarketActor
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica

@@ -67,7 +67,7 @@ def worker_pids() -> set[int]:
     pids = set()
     for p in psutil.process_iter(["cmdline", "name"]):
         cmdline = p.info["cmdline"] or []
-        if "pie_cluster.sandbox.worker_main" in cmdline and p.info["name"] != "bwrap":
+        if "pie_cluster.hosts.sandbox.worker_main" in cmdline and p.info["name"] != "bwrap":
             pids.add(p.pid)
     return pids
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import ray
 import vllm_peer
 from local_pie import local_pie
-from pie_cluster.events import follow
+from pie_cluster.hosts.events import follow
 from pie_cluster.launch_request import LaunchRequest
 from pie_workers.tiny_model import default_model_path
 from random_model import random_llama

@@ -29,9 +29,9 @@ import torch
 import uvloop
 from forward import paged_decode
 from inferlet import Context, Model, Sampler
-from pie_cluster.host import endpoints_for, run_inferlet
-from pie_cluster.local_ray import init_ray
-from pie_cluster.local_trust import LocalTrust
+from pie_cluster.hosts.in_process import LocalTrust
+from pie_cluster.hosts.run import endpoints_for, run_inferlet
+from pie_cluster.ray_session import init_ray
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
 from pie_workers.runner import ModelRunner, RunnerSettings

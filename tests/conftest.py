@@ -93,7 +93,7 @@ def market(ray_session):
 
 def _served(tiny_llama, backend: str):
     """One replica of the tiny Llama with its engine running, served under the model name "default"."""
-    from pie_cluster.host import endpoints_for
+    from pie_cluster.hosts.run import endpoints_for
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings

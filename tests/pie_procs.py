@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-PIE = [sys.executable, "-m", "pie_cluster.cli"]
+PIE = [sys.executable, "-m", "pie_cluster.cli.app"]
 
 
 def free_port() -> int:
@@ -89,7 +89,7 @@ def pie_start_refused(jail: list[str], home: Path) -> str:
     config = home / "config.toml"
     config.write_text('[auth]\ntokens = { "t" = "alice" }\n')
     config.chmod(0o644)
-    argv = [*jail, "--setenv", "PIE_HOME", str(home), sys.executable, "-m", "pie_cluster.cli", "start"]
+    argv = [*jail, "--setenv", "PIE_HOME", str(home), sys.executable, "-m", "pie_cluster.cli.app", "start"]
     got = subprocess.run([*argv, "--config", str(config)], capture_output=True, text=True, timeout=120)
     assert got.returncode == 2, got.stderr
     assert "Traceback" not in got.stderr

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import ray
-from pie_cluster.host import run_inferlet
-from pie_cluster.local_trust import LocalTrust
+from pie_cluster.hosts.in_process import LocalTrust
+from pie_cluster.hosts.run import run_inferlet
 
 TRUST = LocalTrust(b"the test session's cluster secret")
 """The test session's trusted side: its replicas and buses verify with ``TRUST.secret``, and each inferlet a test

@@ -34,7 +34,6 @@ from pie_workers.engine.tenancy import TenantLimits
 from pie_workers.wire.admission import ConnectionLimits
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pie_cluster.admission import AdmissionLimits
 from pie_cluster.mcp_servers import parse_mcp_servers
 
 
@@ -63,7 +62,7 @@ class ServerConfig(_Strict):
     ingress_replicas: int = Field(1, ge=1)  # HTTP ingress replicas (each a light actor: the launcher does the work)
     autoscaling: IngressAutoscaling | None = None  # scale the ingress with load instead (overrides ingress_replicas)
     # how the ingress spreads OpenAI requests over a model's replicas: by shared prompt prefix (cache hits) with a
-    # load cap, or by requests in flight alone (see prefix_routing.py)
+    # load cap, or by requests in flight alone (see ingress/routing.py)
     routing: Literal["prefix", "least_loaded"] = "prefix"
 
     def deployment_options(self) -> dict:
@@ -104,6 +103,16 @@ class ModelConfigEntry(_Strict):
 
 
 EVENT_BYTES_CEILING = 16 << 20  # no event value may be larger, whatever [limits] says: the worker protocol's bound
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """How many instances run and wait in the launcher's queue, per user and cluster-wide (``[launcher]``)."""
+
+    running: int = 4096
+    running_per_user: int = 1024
+    queued: int = 4096
+    queued_per_user: int = 1024
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def test_a_manifests_runtime_env_is_400_naming_it_when_sandboxed(pie):
 
 
 def test_pie_submit_over_http_folds_arguments_and_prints_the_return_value(pie, served):
-    from pie_cluster.host import load_program
+    from pie_cluster.hosts.run import load_program
 
     got = pie_cli(pie, "submit", str(ROOT / "examples/text_completion.py"), "--", "--prompt", "hi", "--max-tokens", "8")
     assert got.returncode == 0, got.stderr
@@ -222,7 +222,7 @@ def test_an_inferlet_error_exits_non_zero_with_its_message(pie, tmp_path):
 
 
 def test_pie_submit_as_a_ray_job(pie, ray_cluster, served):
-    from pie_cluster.host import load_program
+    from pie_cluster.hosts.run import load_program
 
     dashboard = ray_cluster.head_node.address_info["webui_url"]
     got = pie_cli(

@@ -22,9 +22,9 @@ import openai
 import pytest
 from inferlet.openai_schema import ChatCompletionRequest, CompletionRequest, read_request
 from pie_cluster.client import PieClient
+from pie_cluster.ingress.openai.chat_objects import parse_report
+from pie_cluster.ingress.openai.checks import OpenAIError
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.openai_requests import OpenAIError
-from pie_cluster.openai_responses import parse_report
 from pie_procs import PIE, engine_status, started_pie
 from pydantic import ValidationError
 

@@ -1,6 +1,6 @@
 """Prefix-aware placement on a `pie start`ed cluster with two replicas of the tiny model: requests that share a long
 system prompt go to one replica, whose prefix trie then serves that prompt from cache, and a second family of
-prompts goes to the other replica (``[server] routing = "prefix"``, the default; see prefix_routing.py). The caches
+prompts goes to the other replica (``[server] routing = "prefix"``, the default; see ingress/routing.py). The caches
 are per user (``[cache] share = "user"``, the default) and narrowed by a request's ``cache_salt``."""
 
 from __future__ import annotations

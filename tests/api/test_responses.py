@@ -22,7 +22,7 @@ import pytest
 from inferlet.responses_schema import snapshot_name
 from pie_cluster.client import PieClient
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.responses_store import RESPONSES
+from pie_cluster.stores.responses import RESPONSES
 from pie_procs import engine_status, started_pie
 from pydantic import Field
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from inferlet import messaging
-from pie_cluster.host import run_inferlet
+from pie_cluster.hosts.run import run_inferlet
 from sdk_host import TRUST
 
 BUS = "pie-bus-test"

@@ -11,7 +11,7 @@ import ray
 from bus_calls import BUS
 from pie_cluster.bus import start_bus
 from pie_cluster.config import AuthConfig, LauncherConfig, ModelConfigEntry, PieConfig
-from pie_cluster.controller import start_controller
+from pie_cluster.control.controller import start_controller
 from sdk_host import TRUST
 
 

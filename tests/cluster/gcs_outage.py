@@ -59,8 +59,8 @@ def main() -> None:
     import ray
     from launching import SAVES_AND_WAITS, launch, run_to_end, upload
     from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
-    from pie_cluster.controller import start_controller
-    from pie_cluster.events import poll
+    from pie_cluster.control.controller import start_controller
+    from pie_cluster.hosts.events import poll
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})

@@ -8,7 +8,7 @@ import time
 
 import ray
 from launching import launch, run_to_end
-from pie_cluster.events import poll
+from pie_cluster.hosts.events import poll
 
 HALVES = """
 from inferlet import Context, Model, Sampler, session

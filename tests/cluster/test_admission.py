@@ -7,7 +7,8 @@ import pickle
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pie_cluster.admission import Admission, AdmissionLimits, Overloaded
+from pie_cluster.config import AdmissionLimits
+from pie_cluster.launcher.admission import Admission, Overloaded
 
 
 def test_runs_then_queues_then_refuses_and_starts_waiters_in_order():

@@ -15,7 +15,7 @@ from inferlet import messaging
 from inferlet.messaging import BusError
 from pie_cluster.bus import start_bus
 from pie_cluster.bus.topics import Topics
-from pie_cluster.host import run_inferlet
+from pie_cluster.hosts.run import run_inferlet
 from sdk_host import TRUST
 
 # -- namespacing, errors ------------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def test_a_killed_host_is_dropped_at_the_next_delivery(bus, user):
     class Host:
         async def run(self, user, identity, addresses):
             from inferlet import messaging
-            from pie_cluster.host import run_inferlet
+            from pie_cluster.hosts.run import run_inferlet
 
             async def holder(input):
                 messaging.subscribe("feed")
@@ -161,7 +161,7 @@ def test_an_inferlet_in_a_ray_task_finds_the_bus_and_plays(bus, user):
 
         from inferlet import messaging
         from pie_cluster.bus import find_bus
-        from pie_cluster.host import run_inferlet
+        from pie_cluster.hosts.run import run_inferlet
 
         async def pong(input):
             got = []

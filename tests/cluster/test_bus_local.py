@@ -14,7 +14,7 @@ import asyncio
 import ray
 from bus_calls import BUS, NOTHING_HELD, wait_for_stats
 from inferlet import messaging
-from pie_cluster.host import run_inferlet
+from pie_cluster.hosts.run import run_inferlet
 from sdk_host import TRUST
 
 

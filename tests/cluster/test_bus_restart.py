@@ -16,7 +16,7 @@ import ray
 from bus_calls import BUS, NOTHING_HELD, wait_for_stats
 from inferlet import _bus_socket, messaging
 from pie_cluster.bus import start_bus
-from pie_cluster.host import move_bus, run_inferlet
+from pie_cluster.hosts.run import move_bus, run_inferlet
 from ray.util.state import list_actors
 from sdk_host import TRUST
 

@@ -15,7 +15,7 @@ from forgery import SECRET, expired, forged
 from inferlet import messaging
 from inferlet.messaging import BusError
 from pie_cluster.bus import start_bus
-from pie_cluster.host import run_inferlet
+from pie_cluster.hosts.run import run_inferlet
 from pie_workers.wire.capability import mint
 from sdk_host import TRUST
 

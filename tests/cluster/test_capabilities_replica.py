@@ -19,7 +19,7 @@ import ray
 from engine_harness import SAMPLER
 from forgery import SECRET, claims, expired, forged
 from inferlet import Context, Model, runtime
-from pie_cluster.host import endpoints_for, run_inferlet
+from pie_cluster.hosts.run import endpoints_for, run_inferlet
 from pie_workers.wire.capability import mint
 from pie_workers.wire.messages import PassRequest, encode
 from sdk_host import TRUST

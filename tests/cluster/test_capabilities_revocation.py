@@ -1,8 +1,8 @@
 """Capabilities end with their instance, and name only what it was given, on a real replica (a Ray actor serving
 the tiny model, named "default" in the cluster's directory) and a real bus shard: a capability whose ``models``
 grant leaves this model out is refused at the handshake; when alice's instance ends, the trusted side's revocation
-(``pie_cluster.revocations.Revoker``, as the node hosts and the ingress send it) closes her lingering raw connection
-to the replica, refuses her capability on both from then on and drops what she held on the bus, while bob's
+(``pie_cluster.hosts.revocations.Revoker``, as the node hosts and the ingress send it) closes her lingering raw
+connection to the replica, refuses her capability on both from then on and drops what she held on the bus, while bob's
 inferlet on the same replica and bus runs on with the tokens it makes unloaded. An instance holds a bounded number of
 peers on a bus shard (replica connections: ``tests/engine/test_channel_handshake.py``)."""
 
@@ -17,8 +17,8 @@ import ray
 from forgery import SECRET
 from inferlet import Context, Model, Sampler, messaging
 from pie_cluster.bus import start_bus
-from pie_cluster.host import endpoints_for, run_inferlet
-from pie_cluster.revocations import Revoker
+from pie_cluster.hosts.revocations import Revoker
+from pie_cluster.hosts.run import endpoints_for, run_inferlet
 from pie_workers.wire.capability import mint
 from sdk_host import TRUST
 from test_capabilities_bus import dealer, events
@@ -30,7 +30,7 @@ def replica(ray_session, tiny_llama):
     """The tiny model's replica, named "default" in a user directory of its own (so it knows its model's name)."""
     import uuid
 
-    from pie_cluster.directory import get_or_create_directory
+    from pie_cluster.stores.directory import get_or_create_directory
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pie_cluster.arguments import fold_arguments
+from pie_cluster.cli.arguments import fold_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_argument_folding_follows_pie(args, expected):
 def pie(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
     return subprocess.run(
-        [sys.executable, "-m", "pie_cluster.cli", *args],
+        [sys.executable, "-m", "pie_cluster.cli.app", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -99,7 +99,7 @@ def test_pie_run_serves_messaging_and_the_market_like_a_cluster(tmp_path):
 
 
 def test_pie_model_commands(tmp_path, tiny_llama):
-    from pie_cluster.cli import app
+    from pie_cluster.cli.app import app
     from typer.testing import CliRunner
 
     runner = CliRunner()

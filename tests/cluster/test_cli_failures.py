@@ -60,7 +60,7 @@ def test_stop_after_the_head_died_clears_the_record_so_start_starts_clean(tmp_pa
 
 
 def test_rays_cli_is_found_beside_the_interpreter_when_the_venv_is_not_activated():
-    script = "from pie_cluster.local_ray import ray_cli; print(ray_cli())"
+    script = "from pie_cluster.ray_session import ray_cli; print(ray_cli())"
     got = subprocess.run(
         [sys.executable, "-c", script], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60
     )

@@ -17,7 +17,7 @@ import pytest
 import ray
 from launching import engine_stats, launch, run_to_end, upload
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
-from pie_cluster.controller import Controller
+from pie_cluster.control.controller import Controller
 
 LAUNCHER_LIMITS = {"max_running_per_user": 10}  # the launcher's restart test fills one user's slots
 
@@ -34,7 +34,7 @@ async def main(input):
 
 
 def test_launch_runs_the_program_and_returns_what_pie_run_returns(cluster, launcher, served):
-    from pie_cluster.programs import Program
+    from pie_cluster.programs.program import Program
 
     program = upload(launcher, GREEDY)
     instance = launch(launcher, program, {"prompt": "hello there", "n": 12})
@@ -53,7 +53,7 @@ def test_replicas_on_two_nodes_each_load_their_own_copy_and_serve_their_nodes_in
     import hashlib
     import json
 
-    from pie_cluster.programs import Program
+    from pie_cluster.programs.program import Program
 
     second = ray.get(
         ray.remote(lambda: ray.get_runtime_context().get_node_id()).options(resources={"second_node": 0.01}).remote()
@@ -121,7 +121,7 @@ def test_the_user_directory_restarts_with_every_snapshot_name_it_held(cluster, l
     import os
     import signal
 
-    from pie_cluster.directory import DIRECTORY
+    from pie_cluster.stores.directory import DIRECTORY
     from ray.util.state import list_actors
 
     head, second = node_pair(cluster)
@@ -171,7 +171,7 @@ def test_the_market_restarts_with_its_wallets_and_running_instances_finish(clust
     import os
     import signal
 
-    from pie_cluster.events import poll
+    from pie_cluster.hosts.events import poll
     from pie_cluster.market import MARKET_NAME
     from ray.util.state import list_actors
 
@@ -220,7 +220,7 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
     import shutil
     import signal
 
-    from pie_cluster.events import poll
+    from pie_cluster.hosts.events import poll
     from ray.util.state import list_actors
 
     program = upload(launcher, WAITS_WITH_A_WALLET)
@@ -539,7 +539,7 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
     import os
     import signal
 
-    from pie_cluster.events import poll
+    from pie_cluster.hosts.events import poll
     from ray.util.state import list_actors
 
     head, second = node_pair(cluster)

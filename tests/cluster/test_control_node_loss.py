@@ -23,10 +23,10 @@ from launching import SAVES_AND_WAITS, launch, run_to_end, upload
 from pie_cluster.bus import find_bus
 from pie_cluster.bus.queued_topics import SHRINK_S
 from pie_cluster.config import AuthConfig, BusConfig, ModelConfigEntry, PieConfig, SupervisionConfig
-from pie_cluster.controller import CONTROLLER, LAUNCHER, start_controller
-from pie_cluster.directory import DIRECTORY
+from pie_cluster.control.controller import CONTROLLER, LAUNCHER, start_controller
 from pie_cluster.market.actor import MARKET_NAME
-from pie_cluster.responses_store import RESPONSES
+from pie_cluster.stores.directory import DIRECTORY
+from pie_cluster.stores.responses import RESPONSES
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.util.state import list_actors
 

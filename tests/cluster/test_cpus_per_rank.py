@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from pie_cluster.config import ModelConfigEntry
-from pie_cluster.cpu_share import ModelShape, NodeRoom, automatic_cpus_per_rank, places
+from pie_cluster.control.cpu_share import ModelShape, NodeRoom, automatic_cpus_per_rank, places
 
 
 def nodes(*cpus: float) -> list[NodeRoom]:

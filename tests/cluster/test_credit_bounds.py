@@ -8,8 +8,8 @@ import asyncio
 import uuid
 
 import ray
+from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.market import MICRO, endowment_for, get_or_create_market
-from pie_cluster.wallet_calls import wallet_calls
 
 
 def test_a_huge_token_budget_endows_no_more_than_the_bound(ray_session):

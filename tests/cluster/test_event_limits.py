@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 from pie_cluster.config import ChannelLimits, PieConfig
-from pie_cluster.events import Channels
+from pie_cluster.hosts.events import Channels
 
 SMALL = ChannelLimits(
     stdout_bytes_per_s=1000,

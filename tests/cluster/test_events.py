@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pie_cluster.events import EventLog
+from pie_cluster.hosts.events import EventLog
 
 
 def kinds(events) -> list[str]:

@@ -22,9 +22,9 @@ import psutil
 import pytest
 import ray
 from pie_cluster.client import PieClient
-from pie_cluster.controller import LAUNCHER
+from pie_cluster.control.controller import LAUNCHER
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.local_ray import NAMESPACE
+from pie_cluster.ray_session import NAMESPACE
 from pie_procs import started_pie
 
 PERIOD_S = 0.02
@@ -205,7 +205,7 @@ def test_alices_floods_and_forgeries_neither_stall_the_host_nor_cost_bob_an_even
     # and tenants' code 10 steps below it.
     for title in ("ray::InferletHost", "ray::ServeReplica", "ray::ProxyActor"):
         assert priorities(title) == {0}, title
-    assert priorities("pie_cluster.sandbox.worker_main") == {10}
+    assert priorities("pie_cluster.hosts.sandbox.worker_main") == {10}
     rounds = []
     for _ in range(ROUNDS):  # alternated, so that both see the machine's other load alike
         time.sleep(SETTLE_S)

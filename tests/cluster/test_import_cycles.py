@@ -94,7 +94,7 @@ def test_no_import_cycles_in_the_sdk_the_workers_or_the_cluster():
     for package, at_least in (("inferlet", 15), ("pie_workers", 30), ("pie_cluster", 30)):
         inside = [m for m in graph if m.split(".")[0] == package]
         assert len(inside) >= at_least, f"{package}'s modules were read (the graph is not vacuously acyclic)"
-    assert graph["inferlet.constraints"] and graph["pie_workers.replica"] and graph["pie_cluster.launcher"]
+    assert graph["inferlet.constraints"] and graph["pie_workers.replica"] and graph["pie_cluster.launcher.actor"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
@@ -111,6 +111,38 @@ def test_the_dependency_arrows_point_one_way():
     }
     assert not wrong, sorted(wrong)
     assert any(m.startswith("inferlet") for m, _ in crossings), "the crossings were read"
+
+
+ROOMS = [  # pie_cluster's subpackages, each importing only from layers before its own
+    {"bus", "market", "programs", "stores"},  # after the modules at the top, which every room shares
+    {"hosts"},
+    {"launcher"},
+    {"ingress", "control"},
+    {"cli"},
+]
+
+
+def room_of(module: str) -> str:
+    """A pie_cluster module's room (its subpackage), or "" for the shared modules at the package's top."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (ROOT / "cluster" / "pie_cluster" / parts[-1]).is_dir() else ""
+
+
+def test_the_cluster_s_rooms_depend_one_way():
+    """The README's parts, as ``pie_cluster``'s subpackages: hosts run what the launcher places, the ingress and the
+    controller sit on the launcher, the CLI on everything; the shared modules at the top import no room."""
+    layer = {"": 0} | {room: i + 1 for i, rooms in enumerate(ROOMS) for room in rooms}
+    graph = {m: targets for m, targets in import_graph().items() if m.startswith("pie_cluster.")}
+    rooms = {room_of(m) for m in graph}
+    assert rooms == set(layer), "every room has a layer, and every layer's rooms exist"
+    wrong = {
+        (m, n)
+        for m, targets in graph.items()
+        for n in targets
+        if n.startswith("pie_cluster.") and room_of(n) != room_of(m) and layer[room_of(n)] >= layer[room_of(m)]
+    }
+    assert not wrong, sorted(wrong)
+    assert any(room_of(n) == "hosts" for n in graph["pie_cluster.launcher.actor"]), "the crossings were read"
 
 
 def test_the_cycle_finder_finds_a_cycle():

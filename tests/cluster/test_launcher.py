@@ -13,8 +13,8 @@ import time
 import pytest
 import ray
 from launching import LONG, engine_stats, launch, run_to_end, upload
-from pie_cluster.events import deliver, poll
-from pie_cluster.launcher import NotFound
+from pie_cluster.hosts.events import deliver, poll
+from pie_cluster.launcher.actor import NotFound
 from program_zips import isolated_shouter, zip_program
 
 SESSION = """
@@ -166,7 +166,7 @@ def test_another_users_program_id_is_unknown_to_them_and_the_store_is_private(la
 
 
 def test_bad_programs_and_launches_get_clear_errors(launcher):
-    from pie_cluster.programs import ProgramError
+    from pie_cluster.programs.program import ProgramError
 
     with pytest.raises(ProgramError, match="line 1"):
         ray.get(launcher.upload.remote("alice", "bad.py", b"async def main(input) return 1\n"))
@@ -211,7 +211,7 @@ def test_a_manifests_runtime_env_is_refused_when_sandboxed(launcher):
     pip = ["rapidfuzz"]
     """
     data = zip_program({"pie.toml": manifest, "main.py": "async def main(input):\n    return 'never'\n"})
-    from pie_cluster.programs import ProgramError
+    from pie_cluster.programs.program import ProgramError
 
     with pytest.raises(ProgramError, match=r"wider@0\.1\.0: pie.toml's \[inferlet.runtime_env\] is refused.*sandbox"):
         ray.get(launcher.upload.remote("alice", "wider.zip", data))
@@ -221,7 +221,7 @@ def test_a_batch_of_admissions_answers_each_request_on_its_own(cluster, launcher
     """An ingress replica's admissions of one loop turn go as one ``admit_many``: a request the launcher refuses
     gets its own error in its place, and the others in the batch are admitted all the same. The runner names the
     instances; a name already taken is refused."""
-    from pie_cluster.launcher import OPENAI_PROGRAM
+    from pie_cluster.launcher.actor import OPENAI_PROGRAM
 
     node = ray.get(cluster.nodes.remote())[0]
     requests = [

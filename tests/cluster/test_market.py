@@ -8,8 +8,8 @@ import asyncio
 
 import numpy as np
 import pytest
+from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.market import DEFAULT_ENDOWMENT, MICRO, PAGE_COST, Market, endowment_for, get_or_create_market
-from pie_cluster.wallet_calls import wallet_calls
 
 # Pie's fixture: a budget of 160 tokens at 16 tokens per page endows 10 credits.
 BUDGET_160_TOKENS = endowment_for(160, 16)

@@ -11,7 +11,7 @@ import pytest
 from inferlet.instruct import Instruct
 from inferlet.runtime import ModelEndpoint
 from inferlet.tokenizer import Tokenizer
-from pie_cluster.model_files import local_endpoints, write_files
+from pie_cluster.hosts.model_files import local_endpoints, write_files
 from pie_workers.model_dir import description_files, local_model_dir
 from pie_workers.tiny_model import EmbeddedModel
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
-from pie_cluster.controller import start_controller
-from pie_cluster.events import poll
+from pie_cluster.control.controller import start_controller
+from pie_cluster.hosts.events import poll
 from pie_cluster.launch_request import LaunchRequest
 
 PARKED = b"""

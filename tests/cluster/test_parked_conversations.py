@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from inferlet.responses_schema import DISCARD, SAVE
-from pie_cluster.events import Channel, EventLog
-from pie_cluster.parked_conversations import ParkedConversations, ParkedTurn
+from pie_cluster.hosts.events import Channel, EventLog
+from pie_cluster.ingress.responses.parked import ParkedConversations, ParkedTurn
 
 
 def _parked(response_id: str, user: str = "alice", header: str = "h") -> ParkedTurn:

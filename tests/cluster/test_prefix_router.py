@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pie_cluster.prefix_routing import BLOCK_CHARS, LOAD_FACTOR, LOAD_SLACK, PrefixRouter, Prompt, block_hashes
+from pie_cluster.ingress.routing import BLOCK_CHARS, LOAD_FACTOR, LOAD_SLACK, PrefixRouter, Prompt, block_hashes
 
 A, B = "tcp://a", "tcp://b"
 SYSTEM_1 = "You are a careful assistant for a shipping company. " * 20

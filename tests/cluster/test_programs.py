@@ -13,8 +13,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from pie_cluster.program_store import ProgramStore
-from pie_cluster.programs import MAX_ARCHIVE_MEMBERS, MAX_PROGRAM_BYTES, Program, ProgramError
+from pie_cluster.programs.program import MAX_ARCHIVE_MEMBERS, MAX_PROGRAM_BYTES, Program, ProgramError
+from pie_cluster.programs.store import ProgramStore
 
 MANIFEST = '[package]\nname = "p"\nversion = "0.1.0"\n'
 MAIN = "from .helpers import VALUE\n\nasync def main(input):\n    return VALUE\n"
@@ -196,7 +196,7 @@ def test_a_store_reopened_on_a_disk_without_its_files_reads_them_from_the_gcs(tm
     the GCS's key-value store, the files are written to the new disk, and content nobody holds leaves both."""
     from uuid import uuid4
 
-    from pie_cluster.durable import GcsStore
+    from pie_cluster.gcs_store import GcsStore
 
     key = uuid4().hex
     holds, blobs = GcsStore("pie-test-programs", f"{key}/holds"), GcsStore("pie-test-programs", f"{key}/blobs")

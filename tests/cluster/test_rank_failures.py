@@ -18,7 +18,7 @@ import ray
 from halves import HALVES, run_halves, wait_for_message
 from launching import launch, run_to_end, upload
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig, SupervisionConfig
-from pie_cluster.controller import start_controller
+from pie_cluster.control.controller import start_controller
 
 STALL_S = 2.0  # shorter than a replacement takes: a blocking call waiting for one must not count as a stall
 

@@ -14,7 +14,7 @@ import ray
 from halves import HALVES, run_halves
 from launching import upload
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
-from pie_cluster.controller import start_controller
+from pie_cluster.control.controller import start_controller
 
 INSTANCES = 32
 

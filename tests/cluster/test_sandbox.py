@@ -18,8 +18,8 @@ import httpx
 import pytest
 from pie_cluster.client import PieClient
 from pie_cluster.config import SandboxConfig
+from pie_cluster.hosts.sandbox.limits import WorkerLimits
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.sandbox.limits import WorkerLimits
 from pie_procs import engine_status, started_pie
 
 SANDBOX = """

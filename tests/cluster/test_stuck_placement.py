@@ -13,7 +13,7 @@ import pytest
 import ray
 from launching import launch, run_to_end, upload
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
-from pie_cluster.controller import start_controller
+from pie_cluster.control.controller import start_controller
 
 GREEDY = """
 from inferlet import Context, Model, Sampler

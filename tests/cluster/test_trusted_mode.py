@@ -11,8 +11,8 @@ import pytest
 import ray
 from launching import launch, run_to_end
 from pie_cluster.config import AuthConfig, LimitsConfig, ModelConfigEntry, PieConfig, SandboxConfig
-from pie_cluster.controller import start_controller
-from pie_cluster.events import poll
+from pie_cluster.control.controller import start_controller
+from pie_cluster.hosts.events import poll
 from program_zips import isolated_shouter, zip_program
 
 

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pie_cluster.config import ChannelLimits, SandboxConfig
-from pie_cluster.events import KINDS, Channels
-from pie_cluster.sandbox.pool import HostSide, WorkerPool
-from pie_cluster.sandbox.view import Relays, build_view
+from pie_cluster.hosts.events import KINDS, Channels
+from pie_cluster.hosts.sandbox.pool import HostSide, WorkerPool
+from pie_cluster.hosts.sandbox.view import Relays, build_view
 from test_sandbox_pool import WAITS, launch
 
 WRITER = """

@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 from inferlet import Context
-from pie_cluster.host import load_program
+from pie_cluster.hosts.run import load_program
 from sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend

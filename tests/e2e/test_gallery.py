@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import torch
 from pie_cluster.bus import start_bus
-from pie_cluster.host import run_inferlet
+from pie_cluster.hosts.run import run_inferlet
 from sdk_host import TRUST, each_backend
 from test_examples import EXAMPLES, example, hf_greedy_ids, record_forwarded_tokens
 

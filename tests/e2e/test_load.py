@@ -14,8 +14,8 @@ import psutil
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
-from pie_cluster.controller import start_controller
-from pie_cluster.events import poll
+from pie_cluster.control.controller import start_controller
+from pie_cluster.hosts.events import poll
 from pie_cluster.launch_request import LaunchRequest
 
 N = 1000
@@ -63,7 +63,7 @@ def worker_process(uid: int) -> psutil.Process:
         p
         for p in psutil.process_iter(["uids", "cmdline"])
         if p.info["uids"].real == uid
-        and "pie_cluster.sandbox.worker_main" in (p.info["cmdline"] or [])
+        and "pie_cluster.hosts.sandbox.worker_main" in (p.info["cmdline"] or [])
         and any("InferletHost" in " ".join(parent.cmdline()) for parent in p.parents())
     ]
     return found

@@ -183,7 +183,7 @@ def test_kv_under_a_zo_seed_is_never_shared_and_adapters_share_only_with_themsel
 
 
 def test_tensor_parallel_adapters_match_single_rank(served, tiny_llama, user, replica_root):
-    from pie_cluster.host import endpoints_for, run_inferlet
+    from pie_cluster.hosts.run import endpoints_for, run_inferlet
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
 

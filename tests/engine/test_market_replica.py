@@ -35,7 +35,7 @@ def replica(ray_session, tiny_llama, market):
 
 def run_all(replica, market, runs: list[tuple]) -> list:
     """Run (main, input, endowment) triples concurrently, each with its own wallet on ``market``."""
-    from pie_cluster.host import endpoints_for, run_inferlet
+    from pie_cluster.hosts.run import endpoints_for, run_inferlet
 
     endpoints = endpoints_for("default", replica)
 
@@ -176,7 +176,7 @@ def test_the_generator_bids_by_default_unless_told_otherwise(replica, market):
 
 
 def test_without_a_market_there_are_no_credits_to_read(ray_session, tiny_llama):
-    from pie_cluster.host import endpoints_for, run_inferlet
+    from pie_cluster.hosts.run import endpoints_for, run_inferlet
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings

@@ -22,7 +22,7 @@ MEMORY = [100 + i % 50 for i in range(320)]  # a 320-token text
 def scarce(ray_session, tiny_llama, request):
     """A replica with too few pages for what the tests run on it, on each backend (suspension moves whole pages
     in the backend's own layout)."""
-    from pie_cluster.host import endpoints_for
+    from pie_cluster.hosts.run import endpoints_for
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings

@@ -26,8 +26,8 @@ def text(seed: int, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def mirrored(ray_session, tiny_llama):
     """A replica with few pages whose snapshots the cluster's user directory also keeps."""
-    from pie_cluster.directory import get_or_create_directory
-    from pie_cluster.host import endpoints_for
+    from pie_cluster.hosts.run import endpoints_for
+    from pie_cluster.stores.directory import get_or_create_directory
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings

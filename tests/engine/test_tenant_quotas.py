@@ -238,8 +238,8 @@ RANK_8 = 4 * 4 * 8 * (128 + 128 + 128 + 64)  # float32 bytes of a rank-8 q_proj 
 def stored(ray_session, tiny_llama):
     """A replica whose snapshots and adapters the cluster's directory keeps, with room there for two snapshot names
     and three rank-8 adapters a user."""
-    from pie_cluster.directory import get_or_create_directory
-    from pie_cluster.host import endpoints_for
+    from pie_cluster.hosts.run import endpoints_for
+    from pie_cluster.stores.directory import get_or_create_directory
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings
     from sdk_host import Served
@@ -322,7 +322,7 @@ async def spend_past_the_budget(input):
 
 
 def test_a_budget_the_sdk_ignores_is_still_enforced_by_the_replica(served):
-    from pie_cluster.host import run_inferlet
+    from pie_cluster.hosts.run import run_inferlet
 
     instance = uuid.uuid4().hex
     capability = mint(TRUST.secret, "alice", instance, 3600, token_budget=20)

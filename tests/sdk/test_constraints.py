@@ -28,7 +28,7 @@ from inferlet import (
     tools,
 )
 from inferlet.tokenizer import Tokenizer
-from pie_cluster.host import load_program
+from pie_cluster.hosts.run import load_program
 from pie_workers.wire import brle
 from sdk_host import each_backend
 

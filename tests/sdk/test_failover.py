@@ -15,7 +15,7 @@ import pytest
 import ray
 from inferlet import Context, ContextLost, Model, Sampler
 from inferlet._channel import ReplicaLost
-from pie_cluster.host import endpoints_for, run_inferlet
+from pie_cluster.hosts.run import endpoints_for, run_inferlet
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
 from pie_workers.runner import RunnerSettings

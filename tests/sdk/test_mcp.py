@@ -16,7 +16,7 @@ import pytest
 from inferlet import mcp
 from inferlet.mcp import McpError, ServerSpec
 from inferlet.runtime import Runtime, install, uninstall
-from pie_cluster.host import load_program
+from pie_cluster.hosts.run import load_program
 from pie_cluster.mcp_servers import McpServer, parse_mcp_servers
 from sdk_host import TRUST
 
@@ -27,7 +27,7 @@ SERVERS = {"echo": ECHO, "docs": ServerSpec(url="http://127.0.0.1:9/mcp")}
 
 
 def run(main, input: dict | None = None, servers: dict[str, ServerSpec] = SERVERS):
-    """Run an inferlet as ``pie_cluster.host.run_inferlet`` does, its runtime carrying the declared MCP servers."""
+    """Run an inferlet as ``pie_cluster.hosts.run.run_inferlet`` does, its runtime carrying the declared MCP servers."""
 
     async def inferlet():
         identity = TRUST.instance("alice")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from inferlet import Context, Logits, Model, Sampler
 from inferlet._channel import ReplicaError
-from pie_cluster.host import run_inferlet
+from pie_cluster.hosts.run import run_inferlet
 from pie_workers.wire.pages import pages_for
 from sdk_host import TRUST, each_backend
 

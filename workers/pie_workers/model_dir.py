@@ -2,7 +2,7 @@
 
 A cluster's nodes do not share a filesystem unless the operator made them: a path is resolved on the node of the
 rank that loads it, and the tokenizer and chat-template files travel to inferlet hosts through Ray instead of by
-path (see ``pie_cluster.model_files``).
+path (see ``pie_cluster.hosts.model_files``).
 """
 
 from __future__ import annotations

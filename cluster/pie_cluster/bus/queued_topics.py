@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from pie_cluster.durable import GcsStore
+from pie_cluster.gcs_store import GcsStore
 
 Key = tuple[str, str]
 SHRINK_S = 1.0  # how often topics that hold nothing leave the record

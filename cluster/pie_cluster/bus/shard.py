@@ -72,7 +72,7 @@ from pie_cluster.bus.queued_topics import SHRINK_S, QueuedTopics
 from pie_cluster.bus.quotas import refusal
 from pie_cluster.bus.topics import Topics
 from pie_cluster.config import BusLimits
-from pie_cluster.durable import GcsStore
+from pie_cluster.gcs_store import GcsStore
 
 log = logging.getLogger(__name__)
 

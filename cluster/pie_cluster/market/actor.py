@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import ray
 
-from pie_cluster.durable import GcsStore
+from pie_cluster.gcs_store import GcsStore
 from pie_cluster.market.market import DEFAULT_ENDOWMENT, MAX_ENDOWMENT, Market
 from pie_cluster.market.wallets import MICRO, Ledger
 from pie_cluster.market.wire import Account, DeviceDecision, DeviceReport

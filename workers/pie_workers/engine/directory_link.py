@@ -1,4 +1,4 @@
-"""The engine's link to the cluster's directory of what users name (``pie_cluster.directory``).
+"""The engine's link to the cluster's directory of what users name (``pie_cluster.stores.directory``).
 
 The cluster hands the engine the directory actor, the model's name and this replica's own actor (the holder of
 what it saves). Snapshots: a save registers the name with its token lineage; an open or take that misses here asks

@@ -1,0 +1,420 @@
+"""The controller: brings up (and tears down) everything a Pie cluster runs on top of Ray.
+
+``pie start`` creates it as a detached named actor, so the services outlive the command: the KV-page market, the
+model replicas of every ``[[model]]`` (tensor-parallel groups, one bundle each of the model's placement group, so
+replicas spread over nodes; each reports to the market), the message bus shards, one pooled inferlet host per node
+(nodes that join later get theirs), and the launcher (named, so the HTTP app and Ray jobs find it). It also
+computes, per node, how an inferlet there reaches each model: over ipc to a replica on the same node when there is
+one, else over tcp. Models are named to replicas by path or as the embedded model, never by a path from the
+controller's node: each replica resolves its model where it runs, and hosts get a model's tokenizer files through
+Ray. Replicas that die or hang are replaced by the supervisor (``supervisor.py``).
+
+It stays one file past 400 lines: building, watching, saving and tearing down share one set of handles, and its
+recovery, status and drain already live beside it (``control/recovery.py``, ``control/status.py``, ``drain.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+
+import ray
+import ray.exceptions
+from inferlet.runtime import ModelEndpoint
+from pie_workers.deadlines import LAUNCHER_S, answered
+from pie_workers.engine.scheduler import BatchLimits
+from pie_workers.model_dir import ModelSource
+from pie_workers.replica import Replica, replica_placement
+from pie_workers.runner import RunnerSettings
+from pie_workers.tiny_model import EmbeddedModel
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pie_cluster.bus import replace_shards, start_bus
+from pie_cluster.config import ModelConfigEntry, PieConfig
+from pie_cluster.control.cpu_share import automatic_cpus_for
+from pie_cluster.control.drain import drain_node
+from pie_cluster.control.preferred_node import preferring
+from pie_cluster.control.recovery import (
+    HOST_PREFIX,
+    REPLICA_PREFIX,
+    ControllerMemory,
+    ControllerState,
+    ModelPlacement,
+    kill_orphans,
+    kill_saved,
+)
+from pie_cluster.control.status import cluster_status
+from pie_cluster.control.supervisor import Supervisor
+from pie_cluster.hosts.node_host import InferletHost, NodeServices
+from pie_cluster.launcher.actor import Launcher
+from pie_cluster.launcher.records import HostPool
+from pie_cluster.market import get_or_create_market
+from pie_cluster.stores.directory import get_or_create_directory
+from pie_cluster.stores.responses import get_or_create_store
+
+CONTROLLER = "pie-controller"
+LAUNCHER = "pie-launcher"
+log = logging.getLogger(__name__)
+
+
+def _model_source(entry: ModelConfigEntry) -> ModelSource:
+    return entry.path if entry.path is not None else EmbeddedModel(entry.arch)
+
+
+def _check_placements(config: PieConfig) -> None:
+    """Refuse, before anything starts, what Ray could never place (it would wait forever)."""
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    for entry in config.model:
+        if entry.placement == "strict_spread" and entry.replicas > nodes:
+            raise ValueError(
+                f"model {entry.name!r}: placement 'strict_spread' needs a node per replica, but {entry.replicas} "
+                f"replicas were asked of {nodes} node(s)"
+            )
+
+
+class Controller:
+    """Builds the cluster, or, restarted by Ray (``restartable``), adopts the one it had built (control/recovery.py)."""
+
+    def __init__(self, config: PieConfig, restartable: bool = False):
+        self.config = config
+        self._detached = restartable  # what it starts outlives it, so that its restart finds it all running
+        self._namespace = ray.get_runtime_context().namespace
+        self._memory = ControllerMemory(self._namespace, _reconstructed()) if restartable else None
+        self.secret = self._memory.secret(_new_secret) if restartable else _new_secret()
+        saved = self._memory.load() if restartable else None
+        self.hosting = threading.Lock()  # hosts added and services published one at a time
+        self._stopping = threading.Event()
+        if saved is None:
+            self._build()
+        else:
+            self._adopt(saved)
+        self._bus_published = True  # False: the hosts are yet to be given the bus shards' new addresses
+        self.supervisor = Supervisor(config.supervision, self.replicas, self._new_replica, self._publish)
+        threading.Thread(target=self._watch_nodes, name="node-watcher", daemon=True).start()
+
+    def _build(self) -> None:
+        config = self.config
+        self.replicas: dict[str, list[Replica]] = {}
+        self._models: dict[str, ModelPlacement] = {}
+        self.drained: set[str] = set()  # nodes `pie drain` released: no host is started there again
+        self.restarts = 0
+        _check_placements(config)
+        self._auto_cpus = automatic_cpus_for(config.model)
+        # the control plane starts on the controller's node (the head's, for `pie start`) rather than on any worker.
+        # The market, the directory, the response store and the launcher keep their state in the GCS, so where
+        # their node is lost Ray restarts them on another
+        here = preferring(ray.get_runtime_context().get_node_id())
+        lifetime = "detached" if self._detached else None
+        limits, placed = config.limits, {"lifetime": lifetime, "placement": here}
+        endowments = {"default_endowment": config.market.default_endowment, "max_endowment": limits.max_endowment}
+        self.market = get_or_create_market(self._namespace, **endowments, **placed)
+        stored = {
+            "store_bytes_per_user": limits.adapter_store_bytes_per_user,
+            "snapshots_per_user": limits.snapshots_per_user,
+        }
+        self.directory = get_or_create_directory(self._namespace, **placed, **stored)
+        self.responses = get_or_create_store(
+            self._namespace, config.responses, self.directory, lifetime=lifetime, placement=here
+        )
+        for entry in config.model:
+            self.replicas[entry.name] = self._start_replicas(entry)
+        bounds = {"limits": limits.bus_limits(), "connections": limits.connection_limits()}
+        self.bus = start_bus(shards=config.bus.shards, detached=self._detached, secret=self.secret, **bounds)
+        nodes = sorted(_alive_nodes())
+        launcher_cls = ray.remote(Launcher).options(
+            name=LAUNCHER,
+            get_if_exists=True,  # one a previous process of a restarted controller made before it died
+            lifetime=lifetime,
+            num_cpus=0,
+            max_concurrency=100_000,
+            max_restarts=-1,
+            **here,
+        )
+        channels = config.launcher.channel_limits(config.limits)
+        self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision, channels)
+        services = self._services(nodes)
+        self.hosts = {node: self._start_host(node, services[node]) for node in nodes}
+        pool = HostPool(
+            hosts=self.hosts,
+            services=services,
+            secret=self.secret,
+            model_nodes=tuple(sorted({r.info.node_id for rs in self.replicas.values() for r in rs})),
+        )
+        answered(self.launcher.attach_pool.remote(pool), "the launcher", LAUNCHER_S)
+        self.save()
+
+    def _adopt(self, saved: ControllerState) -> None:
+        """Take over what the previous process built; what it left half-made is killed."""
+        self._models, self.replicas, self.drained = saved.models, saved.replicas, saved.drained
+        self.market, self.directory, self.responses = saved.market, saved.directory, saved.responses
+        self.launcher, self.bus, self.hosts = saved.launcher, saved.bus, saved.hosts
+        self.restarts = saved.restarts + 1
+        killed = kill_orphans(saved)
+        log.warning("controller restarted: adopted its cluster (restart %d; killed %s)", self.restarts, killed or "-")
+        self.save()
+
+    def save(self) -> None:
+        """Write what this controller holds where its restart finds it (nothing, when it is not restartable)."""
+        if self._memory is None:
+            return
+        state = ControllerState(
+            self._models,
+            self.replicas,
+            self.market,
+            self.directory,
+            self.responses,
+            self.launcher,
+            self.bus,
+            self.hosts,
+            self.drained,
+            self.restarts,
+        )
+        self._memory.save(state)
+
+    def cpus_per_rank(self, model: str) -> int:
+        return self._models[model].cpus_per_rank
+
+    def _start_host(self, node: str, services: NodeServices):
+        """The pooled inferlet host of ``node``; Ray restarts it if it dies (the launcher fails what it ran)."""
+        channels = self.config.launcher.channel_limits(self.config.limits)
+        return (
+            ray.remote(InferletHost)
+            .options(
+                name=f"{HOST_PREFIX}{node}/{secrets.token_hex(4)}",
+                lifetime="detached" if self._detached else None,
+                num_cpus=0,
+                max_restarts=-1,
+                max_concurrency=100_000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            )
+            .remote(self.launcher, services, self.secret, self.config.sandbox, channels)
+        )
+
+    def _watch_nodes(self) -> None:
+        """A node that joins after the start gets a pooled host, and the launcher places launches there; a bus
+        shard whose node is lost is made again on another."""
+        while not self._stopping.wait(self.config.supervision.probe_every_s):
+            alive = _alive_nodes()
+            for node in sorted(alive - set(self.hosts) - self.drained):
+                try:
+                    self._add_host(node)
+                except Exception:  # e.g. the launcher does not answer: tried again on the next round
+                    log.exception("starting an inferlet host on the new node %s failed", node)
+            try:
+                self._follow_bus(alive)
+            except Exception:  # e.g. the launcher does not answer: tried again on the next round
+                log.exception("replacing the bus shards of a lost node failed")
+
+    def _follow_bus(self, alive: set[str]) -> None:
+        """Replace the bus shards whose node is not ``alive`` and hand the hosts their new addresses."""
+        lost = [info.index for info in self.bus.infos if info.node_id not in alive]
+        if lost:
+            self.bus = replace_shards(self.bus, lost, sorted(alive - self.drained), self.secret, self._deadline)
+            log.warning("bus shards %s replaced on other nodes (theirs were lost)", lost)
+            self._bus_published = False
+        if not self._bus_published:
+            self._publish()
+            self._bus_published = True
+
+    def _add_host(self, node: str) -> None:
+        with self.hosting:
+            services = self._services([*self.hosts, node])
+            host = self._start_host(node, services[node])
+            try:
+                answered(self.launcher.add_host.remote(node, host, services), "the launcher", LAUNCHER_S)
+            except BaseException:  # the next round makes another
+                ray.kill(host)
+                raise
+            self.hosts[node] = host
+            self.save()
+            log.info("node %s joined: its inferlet host takes launches", node)
+
+    def _services(self, nodes) -> dict[str, NodeServices]:
+        """What inferlets on each node reach: the models (through this node's view of the replicas), bus, MCP
+        servers, market, and the models' tokenizer files (fetched anew: a dead replica's would be lost)."""
+        model_files = {name: replicas[0].leader.model_files.remote() for name, replicas in self.replicas.items()}
+        revokers = (*(r.leader for replicas in self.replicas.values() for r in replicas), *self.bus.shards)
+        return {
+            node: NodeServices(
+                endpoints=self.endpoints(node),
+                replicas=self.replica_endpoints(node),
+                bus=self.bus.addresses(node),
+                mcp_servers=self.config.mcp_specs(),
+                market=self.market,
+                model_files=model_files,
+                revokers=revokers,
+            )
+            for node in nodes
+        }
+
+    def _publish(self) -> None:
+        """A replica was replaced or a bus shard moved: hosts and the launcher get the new addresses."""
+        with self.hosting:
+            services = self._services(list(self.hosts))
+            for node, host in self.hosts.items():
+                host.set_services.remote(services[node])
+            answered(self.launcher.set_services.remote(services), "the launcher", LAUNCHER_S)
+            self.save()
+
+    @property
+    def _deadline(self) -> float:
+        return self.config.supervision.probe_deadline_s
+
+    def _start_replicas(self, entry: ModelConfigEntry) -> list[Replica]:
+        """The model's replicas, one bundle each of one placement group (spread over nodes as configured)."""
+        use_gpu = entry.use_gpu
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        cpus = entry.cpus_per_rank or self._auto_cpus
+        log.info("model %r: %d CPU(s) per rank (%s)", entry.name, cpus, "set" if entry.cpus_per_rank else "automatic")
+        group = replica_placement(
+            entry.replicas,
+            entry.tensor_parallel,
+            cpus,
+            use_gpu,
+            entry.placement.upper(),
+            entry.resources,
+            detached=self._detached,
+        )
+        self._models[entry.name] = ModelPlacement(entry, group, use_gpu, cpus)
+        return [self._new_replica(entry.name, i) for i in range(entry.replicas)]
+
+    def _new_replica(self, name: str, index: int) -> Replica:
+        """Replica ``index`` of model ``name``, in its bundle of the model's placement group."""
+        model = self._models[name]
+        entry = model.entry
+        return Replica(
+            _model_source(entry),
+            entry.tensor_parallel,
+            RunnerSettings(num_pages=entry.pages, page_size=entry.page_size, backend=entry.backend),
+            model.cpus_per_rank,
+            model.use_gpu,
+            BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests),
+            market=self.market,
+            placement=(model.group, index),
+            directory=(self.directory, name),
+            secret=self.secret,
+            start_s=self.config.supervision.start_s,
+            name=f"{REPLICA_PREFIX}{name}/{index}/{secrets.token_hex(4)}",
+            detached=self._detached,
+            fit_threads=entry.cpus_per_rank is None,
+            tenants=self.config.limits.tenant_limits(self.config.cache),
+        )
+
+    def ready(self) -> bool:
+        return True
+
+    def endpoints(self, node_id: str) -> dict[str, ModelEndpoint]:
+        """How an inferlet on ``node_id`` reaches each model: a same-node replica over ipc, else one over tcp."""
+        out = {}
+        for name, replicas in self.replicas.items():
+            local = [r for r in replicas if r.info.node_id == node_id]
+            chosen = local[0] if local else replicas[hash(node_id) % len(replicas)]
+            out[name] = _endpoint(name, chosen, node_id)
+        return out
+
+    def replica_endpoints(self, node_id: str) -> dict[str, tuple[ModelEndpoint, ...]]:
+        """Every replica of each model as reached from ``node_id`` (ipc on that node, tcp elsewhere), in replica
+        order: what the ingress there spreads its own requests over (``routing``)."""
+        return {name: tuple(_endpoint(name, r, node_id) for r in replicas) for name, replicas in self.replicas.items()}
+
+    def status(self) -> dict:
+        """``pie status`` (``pie_cluster.control.status``)."""
+        return cluster_status(self)
+
+    def nodes(self) -> list[str]:
+        return list(self.hosts)
+
+    def drain(self, node: str, timeout_s: float) -> dict:
+        """``pie drain`` (``pie_cluster.control.drain``)."""
+        return drain_node(self, node, timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop everything, whatever has died already (a dead part is simply skipped)."""
+        self.supervisor.stop()
+        self._stopping.set()
+        with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            ray.get(self.launcher.close.remote(), timeout=self._deadline)  # its program store leaves the disk
+        for actor in [self.launcher, *self.hosts.values(), self.market, self.directory, self.responses]:
+            ray.kill(actor)
+        with contextlib.suppress(ray.exceptions.RayError):
+            self.bus.shutdown()
+        for group in self.replicas.values():
+            for replica in group:
+                try:
+                    replica.shutdown()
+                except ray.exceptions.RayError:
+                    for rank in replica.ranks:
+                        ray.kill(rank)
+        for model in self._models.values():
+            remove_placement_group(model.group)
+        if self._memory is not None:
+            self._memory.clear()
+
+
+def start_controller(config: PieConfig, detached: bool = True):
+    """Create the controller in the current namespace (or return the running one) once every service is up, on
+    the caller's node (`pie start` runs on the head)."""
+    # beside the caller (the head, for `pie start`); a restartable one may go elsewhere, and is restarted on another
+    # node when that one is lost (its state is in the GCS); one that is not would die with any node it landed on
+    node = ray.get_runtime_context().get_node_id()
+    options = {"name": CONTROLLER, "num_cpus": 0, "max_concurrency": 16, "get_if_exists": True}
+    if detached:  # outlives the command, and is restarted (adopting what it built) when its process dies
+        options |= {"lifetime": "detached", "max_restarts": -1, "max_task_retries": -1, **preferring(node)}
+    else:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+    controller = ray.remote(Controller).options(**options).remote(config, restartable=detached)
+    ray.get(controller.ready.remote())
+    return controller
+
+
+def find_controller():
+    """The running controller of this namespace; a clear error when Pie was not started."""
+    try:
+        return ray.get_actor(CONTROLLER)
+    except ValueError:
+        raise RuntimeError("no Pie cluster is running in this Ray namespace: start one with `pie start`") from None
+
+
+def stop_controller() -> bool:
+    """Shut every service down and remove the controller; False when none was running. A controller that died or
+    hangs is killed outright, and so is what it saved that it had started (the rest were its own actors and go with
+    it)."""
+    try:
+        controller = ray.get_actor(CONTROLLER)
+    except ValueError:
+        return False
+    try:
+        ray.get(controller.shutdown.remote(), timeout=120)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):  # what it started may be detached: by hand
+        kill_saved(ray.get_runtime_context().namespace)
+    ray.kill(controller)
+    return True
+
+
+def _endpoint(name: str, replica: Replica, node_id: str) -> ModelEndpoint:
+    """How an inferlet on ``node_id`` reaches ``replica``: over ipc on its node, else over tcp."""
+    info = replica.info
+    return ModelEndpoint(
+        name=name,
+        address=replica.addresses["ipc" if info.node_id == node_id else "tcp"],
+        model_dir=info.model_dir,
+        page_size=info.page_size,
+        vocab_size=info.vocab_size,
+        architecture=info.architecture,
+    )
+
+
+def _alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def _reconstructed() -> bool:
+    return ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def _new_secret() -> bytes:
+    return secrets.token_bytes(32)  # signs instances' capabilities; only trusted actors are given it

@@ -1,0 +1,501 @@
+"""The launcher: one named actor that owns programs, admits and places instances, and learns how each one ended.
+
+It is on no instance's per-event path: the host that runs an instance keeps its event stream and inbox
+(``pie_cluster.hosts.events``); a client asks ``locate`` once and reads from there, and the host tells the launcher the
+instance's ending. Its calls per instance are constant in the number of events (counted in ``stats``).
+
+Clients (the HTTP app, ``pie submit`` through Ray Jobs) call it with the authenticated user's name; every
+program belongs to the users who uploaded it and every instance to the user who launched it, and another user's
+program or instance is reported as not existing (the same answer as a wrong id, so ids cannot be probed). Instances
+run on inferlet hosts (``hosts.node_host``): the pooled host of a node that serves the models (least busy first) or of
+the node asked for, or — only when the sandbox is off — a dedicated host for programs that want isolation.
+Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended. Ray restarts it when
+its process dies, and it learns again what it had (``launcher.recovery``).
+
+(Past 450 lines: it is one actor's whole API — programs, launches, the hosts' side, the ingress's admissions,
+draining, taking its state back after a restart — and the parts that hold no launcher state live in their own
+modules: what it saves and asks the hosts for is ``launcher.recovery``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import tempfile
+import time
+import uuid
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+import ray
+import ray.exceptions
+from pie_workers.deadlines import DEDICATED_START_S, HOST_S, MARKET_S, NoAnswer, answer
+from pydantic import ValidationError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pie_cluster.config import ChannelLimits, LauncherConfig, SupervisionConfig
+from pie_cluster.hosts.events import TERMINAL, NotFound
+from pie_cluster.hosts.node_host import InferletHost, InstanceLimits, NodeServices
+from pie_cluster.launch_request import LaunchRequest, describe_errors
+from pie_cluster.launcher.admission import Admission, Overloaded
+from pie_cluster.launcher.host_watch import until_gone
+from pie_cluster.launcher.ingress_runners import Runners
+from pie_cluster.launcher.records import HostPool, InstanceRecord
+from pie_cluster.launcher.recovery import LauncherMemory, LauncherState, WaitingLaunch, known_to_hosts, program_of
+from pie_cluster.market import endowment_for
+from pie_cluster.programs import BUILTIN_DIR
+from pie_cluster.programs.program import Program, ProgramError
+from pie_cluster.programs.store import ProgramStore
+
+OPENAI_PROGRAM = "pie:openai-completions"
+"""The built-in program serving the OpenAI-compatible routes, launched by this id like any uploaded program."""
+RESPONSES_PROGRAM = "pie:openai-responses"
+"""The built-in program serving ``POST /v1/responses``: one turn of a conversation kept as a snapshot."""
+DEDICATED_GRACE_S = 60.0
+"""How long a dedicated host outlives its instance's end, so that its client can read what it has not read yet."""
+BUILTINS = {
+    OPENAI_PROGRAM: BUILTIN_DIR / "openai_completions.py",
+    RESPONSES_PROGRAM: BUILTIN_DIR / "openai_responses_api.py",
+}
+
+
+def _store_directory(parent: str | None) -> Path:
+    """A new directory for the uploaded programs, readable by this OS user only, under ``parent`` (default: the
+    system's temporary directory)."""
+    if parent is not None:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="pie-program-store-", dir=parent))  # mode 0700
+
+
+class Launcher:
+    def __init__(
+        self, config: LauncherConfig, sandboxed: bool, supervision: SupervisionConfig, channels: ChannelLimits
+    ):
+        """``sandboxed``: uploaded programs run in the nodes' sandboxed workers (``[sandbox]`` is not off), so a
+        manifest may not ask for a Ray runtime_env and an isolated program gets a worker, not a Ray actor, of its
+        own; ``supervision``: how pooled hosts are pinged (a hung one is killed for Ray to restart); ``channels``:
+        what an instance may put through its channel (``[limits]``), on a host of its own too."""
+        self._supervision = supervision
+        self._memory = LauncherMemory()
+        saved = self._memory.load()
+        store = Path(saved.store) if saved else _store_directory(config.program_store_dir)
+        self._state = saved or LauncherState(str(store))
+        self._pool: HostPool | None = self._state.pool
+        self._sandboxed = sandboxed
+        capacity = config.program_store_mib << 20
+        self._programs = ProgramStore(
+            store, capacity, stored=self._memory.holds, restore=saved is not None, blobs=self._memory.programs
+        )
+        self._builtins = {name: Program.from_path(path) for name, path in BUILTINS.items()}
+        self._builtin_ids = {program.id for program in self._builtins.values()}
+        self._admission = Admission(config.admission_limits())
+        self._instances: dict[str, InstanceRecord] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._keep_finished = config.keep_finished
+        self._dedicated_channels = dataclasses.replace(channels, keep_finished=1)
+        self._default_deadline_s = config.default_deadline_s
+        self._watching: set[asyncio.Task] = set()
+        self._down: set[str] = set()  # nodes whose pooled host is dead (restarting, or its node is lost)
+        self._draining = self._state.draining  # nodes ``pie drain`` closed to launches
+        self.launched = 0
+        self.calls: Counter[str] = Counter()  # calls taken from clients and hosts, by method
+        self._runners = Runners(supervision, self._runner_died)
+        self._services_version = 0  # bumped when what inferlets reach changes: runners then ask for it again
+        self._memory.save(self._state)
+        if saved is not None and saved.pool is not None:  # Ray restarted it: learn again what runs (see module)
+            self._spawn(self._recover(saved.pool))
+
+    async def _recover(self, pool: HostPool) -> None:
+        for record in await known_to_hosts(pool, self._programs, self._builtins):
+            self._instances[record.id] = record
+            if record.ending is None:
+                self._admission.resume(record.user)
+                self._programs.started(record.user, record.program.id)
+            else:
+                self._keep_listed(record)
+        waiting = sorted(self._memory.waiting.load().values(), key=lambda launch: launch.created)
+        for launch in waiting:
+            self._queue_again(launch)
+        for node, host in pool.hosts.items():
+            self._spawn(self._watch_host(node, host))
+
+    def _queue_again(self, launch: WaitingLaunch) -> None:
+        """A launch that waited for a slot when the old process died waits again (or starts, if one is free)."""
+        program = program_of(launch.program, launch.user, self._programs, self._builtins)
+        if program is None:  # deleted meanwhile: nothing to run
+            self._memory.waiting.delete((launch.id,))
+            return
+        node = launch.node_id if launch.node_id in self._pool.hosts else self._choose_node(None)
+        instance = self._instances[launch.id] = launch.record(program, node, self._pool.hosts[node])
+        self._programs.started(instance.user, program.id)
+        if launch.runner is not None:
+            self._runners.seen(launch.runner, launch.runner_handle)
+        try:
+            if self._admission.admit(instance.user, instance.id):
+                self._start(instance)
+        except Overloaded as e:
+            self._finish(instance, "error", f"lost its place in the queue when the launcher restarted: {e}")
+
+    def _pool_changed(self, pool: HostPool) -> None:
+        self._pool = self._state.pool = pool
+        self._memory.save(self._state)
+
+    async def attach_pool(self, pool: HostPool) -> None:
+        self._pool_changed(pool)
+        for node, host in pool.hosts.items():
+            self._spawn(self._watch_host(node, host))
+
+    async def add_host(self, node: str, host, services: dict[str, NodeServices]) -> None:
+        """A node joined: its pooled host takes launches from now on, watched like the others (``services``: every
+        node's, the new one's included)."""
+        self._pool_changed(dataclasses.replace(self._pool, hosts={**self._pool.hosts, node: host}, services=services))
+        self._services_version += 1
+        self._spawn(self._watch_host(node, host))
+
+    async def set_services(self, services: dict[str, NodeServices]) -> None:
+        """Replicas were replaced: what each node's instances reach from now on (dedicated hosts made later, and
+        pooled hosts that Ray restarts, get these)."""
+        self._pool_changed(dataclasses.replace(self._pool, services=services))
+        self._services_version += 1
+
+    def _spawn(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._watching.add(task)
+        task.add_done_callback(self._watching.discard)
+
+    async def _watch_host(self, node: str, host) -> None:
+        """A pooled host that dies (its process killed, its node lost) or hangs (then it is killed) takes its
+        instances with it: they end with an error event and their wallets close. Ray restarts the host; launches on
+        the node then work again."""
+        while node in self._pool.hosts:
+            await until_gone(node, host, self._supervision)
+            if node not in self._pool.hosts:  # drained: its host was stopped with nothing left on it
+                return
+            lost = [i for i in self._instances.values() if i.host is host and not i.queued and i.ending is None]
+            self._down.add(node)
+            await self._lose(lost, f"the inferlet host on node {node} died; the instance was lost with it")
+            while True:  # until Ray has restarted it (a lost node's host never comes back)
+                try:
+                    await asyncio.wait_for(host.ready.remote(), timeout=30)
+                    services = host.set_services.remote(self._pool.services[node])  # it restarted with the first ones
+                    await answer(services, f"the inferlet host on node {node}", HOST_S)
+                    self._down.discard(node)
+                    break
+                except (ray.exceptions.RayError, TimeoutError):
+                    await asyncio.sleep(1.0)
+
+    async def _lose(self, lost: list[InstanceRecord], message: str) -> None:
+        """Instances whose host died: their wallets close and they end with ``message``."""
+        market = next(iter(self._pool.services.values())).market  # one market: every node's services name it
+        if market is not None:
+            with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
+                await answer(market.leave_many.remote([i.id for i in lost]), "the market", MARKET_S)
+        for instance in lost:
+            self._finish(instance, "error", message)
+
+    # -- programs ------------------------------------------------------------------------------------------------
+
+    async def upload(self, user: str, filename: str, data: bytes) -> dict:
+        """Store a program for ``user`` (a .py file or a .zip with pie.toml); returns its id and name@version."""
+        program = Program.from_upload(filename, data)
+        if self._sandboxed and program.runtime_env is not None:
+            raise ProgramError(
+                f"{program.label}: pie.toml's [inferlet.runtime_env] is refused: programs run in the cluster's "
+                "sandbox with its Python environment (an operator whose users are all trusted may allow it with "
+                '[sandbox] mode = "off")'
+            )
+        self._programs.put(user, program)
+        return {"program": program.id, "name": program.label, "isolated": program.isolated}
+
+    # -- instances -----------------------------------------------------------------------------------------------
+
+    async def launch(self, user: str, request: LaunchRequest) -> str:
+        """Start an instance of an uploaded program, or queue it behind the admission limits; returns its id (or
+        raises ``Overloaded`` past them). ``request.token_budget`` limits the tokens it may generate and endows it
+        with that many tokens' worth of pages on the market (default: the market's default endowment)."""
+        self.calls["launch"] += 1
+        if self._pool is None:
+            raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
+        try:
+            request = LaunchRequest.model_validate(request)  # Ray callers may pass the fields as a dict
+        except ValidationError as e:  # a ValueError with one line, which crosses Ray as itself
+            raise ValueError(describe_errors(e.errors())) from None
+        program = self._builtins.get(request.program) or self._programs.get(user, request.program)
+        if program is None:
+            raise NotFound(f"no program {request.program!r}; upload it first")
+        node = self._choose_node(request.node_id)
+        instance_id = uuid.uuid4().hex
+        runs_now = self._admission.admit(user, instance_id)  # raises Overloaded: nothing is created then
+        # sandboxed, the pooled host gives an isolated program a worker of its own; otherwise it gets a dedicated
+        # host (a Ray actor, made when it starts)
+        dedicated = program.isolated and not self._sandboxed
+        host = None if dedicated else self._pool.hosts[node]
+        instance = InstanceRecord(instance_id, user, program, dict(request.input), node, host, dedicated)
+        self._instances[instance_id] = instance
+        self._programs.started(user, program.id)
+        page_size = min(e.page_size for e in self._pool.services[node].endpoints.values())
+        deadline_s = request.deadline_s if request.deadline_s is not None else self._default_deadline_s
+        endowment = endowment_for(request.token_budget, page_size)
+        instance.limits = InstanceLimits(deadline_s, endowment, request.token_budget)
+        self._run_or_wait(instance, runs_now)
+        self.launched += 1
+        return instance_id
+
+    def _run_or_wait(self, instance: InstanceRecord, runs_now: bool, runner_handle=None) -> None:
+        """Start an admitted instance, or save it as waiting for a slot (a restarted launcher queues it again)."""
+        instance.queued = not runs_now
+        if runs_now:
+            self._start(instance)
+        else:
+            self._memory.waiting.put((instance.id,), WaitingLaunch.of(instance, runner_handle))
+
+    def _start(self, instance: InstanceRecord) -> None:
+        if instance.queued:
+            self._memory.waiting.delete((instance.id,))
+        instance.queued = False
+        if instance.runner is not None:  # its runner starts it as soon as ``admit_many`` answers
+            instance.settled.set()
+            return
+        if instance.dedicated:
+            instance.host = self._dedicated_host(instance.node_id, instance.program)
+        trusted = instance.program.id in self._builtin_ids  # the cluster's own programs need no sandbox
+        started = instance.host.start.remote(
+            instance.id, instance.program, instance.input, instance.user, instance.limits, trusted
+        )
+        self._spawn(self._watch_start(instance, started))
+
+    async def _watch_start(self, instance: InstanceRecord, started) -> None:
+        """The id goes back without waiting for the host to take the instance; ``locate`` waits for it (then the
+        host holds its channel). A host that could not take it ends the instance with an error, which it would
+        otherwise never get; so does a dedicated host that dies while its instance runs."""
+        deadline = DEDICATED_START_S if instance.dedicated else HOST_S
+        try:
+            await answer(started, f"the inferlet host on node {instance.node_id}", deadline)
+        except Exception as e:
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # Ray's errors carry tracebacks
+            message = f"the inferlet host on node {instance.node_id} could not start the instance: {cause}"
+            self._finish(instance, "error", message)
+            return
+        instance.settled.set()
+        if instance.dedicated:  # not restarted by Ray: if it dies before its one instance ends, that is lost
+            with contextlib.suppress(ray.exceptions.RayError):
+                await instance.host.lifetime.remote()
+            if instance.ending is None:
+                await self._lose([instance], f"the dedicated inferlet host on node {instance.node_id} died")
+
+    def _choose_node(self, node_id: str | None) -> str:
+        closed = {n: "it was drained (`pie drain`)" for n in self._draining}
+        closed |= {n: "its inferlet host is down (restarting, or its node is lost)" for n in self._down}
+        return self._pool.choose_node(node_id, closed, Counter(i.node_id for i in self._running()))
+
+    def _running(self) -> list[InstanceRecord]:
+        return [i for i in self._instances.values() if i.ending is None]
+
+    # -- draining a node -----------------------------------------------------------------------------------------
+
+    async def drain(self, node: str, abort: str | None = None) -> list[str]:
+        """Close ``node`` to launches; the ids of the instances still there (``abort``: end them with that reason)."""
+        if node not in self._draining:  # asked again and again while its instances finish
+            self._draining.add(node)
+            self._memory.save(self._state)
+        there = [i for i in self._running() if i.node_id == node and i.runner is None]
+        for instance in there if abort is not None else ():
+            if instance.queued or instance.host is None:
+                self._finish(instance, "error", abort)
+            else:
+                with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
+                    await answer(instance.host.abort.remote(instance.id, abort), f"the host on node {node}", HOST_S)
+        return [i.id for i in there]
+
+    async def remove_host(self, node: str, reason: str) -> None:
+        """``node`` was drained: its host is stopped and takes no launch again; what still runs there ends."""
+        self._pool_changed(self._pool.without(node))
+        self._services_version += 1
+        await self._lose([i for i in self._running() if i.node_id == node and i.runner is None], reason)
+
+    def _dedicated_host(self, node: str, program: Program):
+        options = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+        if program.runtime_env:
+            options["runtime_env"] = program.runtime_env
+        launcher = ray.get_runtime_context().current_actor
+        host = ray.remote(InferletHost).options(**options)
+        return host.remote(launcher, self._pool.services[node], self._pool.secret, None, self._dedicated_channels)
+
+    async def locate(self, user: str, instance_id: str, wait: float = 0.0) -> dict:
+        """Where the instance's events and inbox are: its host (None while it waits for admission, up to ``wait``
+        seconds), and its ending once known (``[kind, value]``: what a client reads when the host cannot answer).
+        One that an ingress replica runs is read there by the request it serves: others learn only its ending."""
+        self.calls["locate"] += 1
+        instance = self._own(user, instance_id)
+        until = instance.finished if instance.runner is not None else instance.settled
+        if not until.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(until.wait(), min(max(wait, 0.0), 60.0))
+        started = instance.settled.is_set() and not instance.queued
+        return {
+            "host": instance.host if started else None,
+            "ending": list(instance.ending) if instance.ending is not None else None,
+        }
+
+    async def abort(self, user: str, instance_id: str) -> bool:
+        """Stop a running instance (its pages, subscriptions and sessions are released); False if it had ended."""
+        self.calls["abort"] += 1
+        instance = self._own(user, instance_id)
+        if instance.ending is not None:
+            return False
+        if instance.queued:  # never started: it ends here, without a host
+            self._finish(instance, "error", "aborted by its user")
+            return True
+        if instance.runner is not None:
+            self._runners.abort(instance.runner, instance_id)
+            return True
+        aborted = instance.host.abort.remote(instance_id, "aborted by its user")
+        return await answer(aborted, f"the inferlet host on node {instance.node_id}", HOST_S)
+
+    async def models(self) -> list[str]:
+        """The names of the models the cluster serves (every node's inferlets reach the same ones)."""
+        if self._pool is None:
+            raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
+        return sorted({name for services in self._pool.services.values() for name in services.endpoints})
+
+    async def list(self, user: str) -> list[dict]:
+        return [i.summary() for i in self._instances.values() if i.user == user]
+
+    async def close(self) -> None:
+        """The cluster stops: the stored programs leave the disk (the controller calls this before killing it)."""
+        self._programs.remove_all()
+
+    async def stats(self) -> dict:
+        return {
+            "launched": self.launched,
+            "calls": dict(self.calls),
+            "ingress_replicas": self._runners.admitted(),
+            "running": self._admission.running,
+            "queued": self._admission.queued,
+            "programs": len(self._programs),
+            "sandbox": "bubblewrap" if self._sandboxed else "off",
+        }
+
+    # -- instances that an ingress replica runs itself ----------------------------------------------------------
+
+    async def admit_many(self, node: str, runner: str, handle, requests: list[tuple[str, str, str, dict]]) -> list:
+        """Admit instances of the cluster's own programs that ``runner`` (an ingress replica on ``node``, actor
+        ``handle``) runs in its own process: no host, no event relay. ``requests`` are ``(instance_id, user,
+        program, input)``, those of one event-loop turn of the runner (``ingress/own_programs.py`` coalesces them; it
+        names each instance, so it opens the instance's wallet while this admits it). Each answer is the instance's
+        id and limits (``queued`` true when it waits for a slot: ``admitted`` waits on; ``spare``: how many more
+        the user may start now, so the runner may begin those before their answer), None when this node has no
+        view of the models (the runner launches it on a host instead), or the exception that refused it
+        (``Overloaded``, a program that is not the cluster's, an id already taken)."""
+        self.calls["admit"] += 1
+        if self._pool is None:
+            raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
+        if node not in self._pool.services:
+            return [None] * len(requests)
+        answers = []
+        for instance_id, user, program, input in requests:
+            try:
+                instance = self._admit(instance_id, user, program, input, node, runner, handle)
+            except (Overloaded, ValueError) as e:
+                answers.append(e)
+                continue
+            answers.append(await self._admission_answer(instance, 0.0))
+        return answers
+
+    def _admit(
+        self, instance_id: str, user: str, program: str, input: dict, node: str, runner: str, handle
+    ) -> InstanceRecord:
+        if program not in self._builtins:
+            raise ValueError(f"{program!r} is not one of the cluster's own programs")
+        if instance_id in self._instances:
+            raise ValueError(f"the instance id {instance_id!r} is taken")
+        runs_now = self._admission.admit(user, instance_id)
+        instance = InstanceRecord(instance_id, user, self._builtins[program], dict(input), node, None, False)
+        instance.runner = runner
+        instance.limits = InstanceLimits(self._default_deadline_s)
+        self._instances[instance_id] = instance
+        self._programs.started(user, instance.program.id)
+        self._runners.seen(runner, handle)
+        self._run_or_wait(instance, runs_now, handle)
+        self.launched += 1
+        return instance
+
+    async def admitted(self, runner: str, instance_id: str, wait: float) -> dict:
+        """For a runner whose admission came back queued: waits up to ``wait`` s more for the slot."""
+        instance = self._instances.get(instance_id)
+        if instance is None or instance.runner != runner:
+            raise NotFound(f"no instance {instance_id!r}")
+        return await self._admission_answer(instance, wait)
+
+    async def _admission_answer(self, instance: InstanceRecord, wait: float) -> dict:
+        if wait > 0 and not instance.settled.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(instance.settled.wait(), min(wait, 60.0))
+        return {
+            "id": instance.id,
+            "queued": not instance.settled.is_set(),
+            "ending": list(instance.ending) if instance.ending is not None else None,
+            "deadline_s": instance.limits.deadline_s,
+            "services": self._services_version,
+            "spare": self._admission.spare(instance.user),
+        }
+
+    async def services_for(self, node: str) -> tuple[NodeServices, bytes, int]:
+        """What instances a runner on ``node`` runs reach, the secret to mint their capabilities with, and the
+        version of both (``admit_many`` answers the current one: a runner holding another asks again)."""
+        return self._pool.services[node], self._pool.secret, self._services_version
+
+    async def waiting_aborts(self, runner: str, wait: float = 30.0) -> list[str]:
+        """The runner's instances that their users aborted since it last asked (a long poll it keeps open)."""
+        return await self._runners.waiting_aborts(runner, wait)
+
+    async def _runner_died(self, runner: str) -> None:
+        lost = [i for i in self._instances.values() if i.runner == runner and i.ending is None]
+        await self._lose(lost, "the ingress replica that ran it died; the instance was lost with it")
+
+    # -- the host side -------------------------------------------------------------------------------------------
+
+    async def ended(self, batch: list[tuple[str, str, str | bytes]]) -> None:
+        """Instances' terminal events, from the hosts that ran them (one call per loop turn of a host)."""
+        self.calls["ended"] += 1
+        for instance_id, kind, value in batch:
+            instance = self._instances.get(instance_id)
+            if instance is not None:
+                self._finish(instance, kind, value)
+
+    def _finish(self, instance: InstanceRecord, kind: str, value: str | bytes) -> None:
+        """The instance ended (``kind`` is ``return`` or ``error``): its admission slot goes to the next waiting
+        launch, and it stays listed until ``keep_finished`` newer ones have ended."""
+        if instance.ending is not None or kind not in TERMINAL:
+            return
+        instance.ending, instance.ended = (kind, value), time.time()
+        instance.settled.set()
+        instance.finished.set()
+        self._programs.ended(instance.user, instance.program.id)
+        if instance.queued:
+            self._admission.withdraw(instance.user, instance.id)
+            self._memory.waiting.delete((instance.id,))
+        else:
+            for waiting in self._admission.ended(instance.user):
+                self._start(self._instances[waiting])
+        if instance.dedicated and instance.host is not None:  # None: it ended while waiting for admission
+            # kept a while, so that its client reads the events it has not read yet
+            asyncio.get_running_loop().call_later(DEDICATED_GRACE_S, ray.kill, instance.host)
+        self._keep_listed(instance)
+
+    def _keep_listed(self, instance: InstanceRecord) -> None:
+        """An ended instance stays listed until ``keep_finished`` newer ones have ended."""
+        self._finished[instance.id] = None
+        while len(self._finished) > self._keep_finished:
+            old, _ = self._finished.popitem(last=False)
+            self._instances.pop(old, None)
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+
+    def _own(self, user: str, instance_id: str) -> InstanceRecord:
+        instance = self._instances.get(instance_id)
+        if instance is None or instance.user != user:
+            raise NotFound(f"no instance {instance_id!r}")
+        return instance

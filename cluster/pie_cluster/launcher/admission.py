@@ -1,0 +1,92 @@
+"""Admission control: how many instances run and wait, per user and cluster-wide.
+
+A launch runs at once while its user and the cluster are under their running limits; past them it waits in a
+FIFO queue, and past the queue's limits it is refused with ``Overloaded`` (HTTP 429 with ``Retry-After``), so a
+flood of launches costs the cluster a bounded amount of memory instead of growing it without end. When an instance
+ends, the first waiting launch whose user is under the per-user limit starts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from pie_cluster.config import AdmissionLimits
+
+
+class Overloaded(Exception):
+    """The cluster (or this user) is at its limit of running and queued instances; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message, retry_after_s)  # both in args, so it crosses Ray (pickling) intact
+
+    @property
+    def retry_after_s(self) -> float:
+        return self.args[1]
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class Admission:
+    def __init__(self, limits: AdmissionLimits):
+        self.limits = limits
+        self._running: Counter[str] = Counter()
+        self._queued: Counter[str] = Counter()
+        self._queue: deque[tuple[str, str]] = deque()  # (user, instance id), oldest first
+
+    @property
+    def running(self) -> int:
+        return self._running.total()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def spare(self, user: str) -> int:
+        """How many more instances ``user`` could start now without waiting (none while any launch waits): what
+        an ingress replica may begin before their admission answers."""
+        if self._queue:
+            return 0
+        return max(0, min(self.limits.running - self.running, self.limits.running_per_user - self._running[user]))
+
+    def admit(self, user: str, instance_id: str) -> bool:
+        """True: run it now (counted as running). False: it waits (queued). Raises Overloaded when it can't."""
+        limits = self.limits
+        if self.running < limits.running and self._running[user] < limits.running_per_user:
+            self._running[user] += 1
+            return True
+        if self._queued[user] >= limits.queued_per_user:
+            raise Overloaded(f"user {user!r} already has {self._queued[user]} launches waiting (the limit)")
+        if len(self._queue) >= limits.queued:
+            raise Overloaded(f"the cluster already has {len(self._queue)} launches waiting (the limit)")
+        self._queue.append((user, instance_id))
+        self._queued[user] += 1
+        return False
+
+    def resume(self, user: str) -> None:
+        """Count an instance that was running before the launcher restarted, whatever the limits say now."""
+        self._running[user] += 1
+
+    def withdraw(self, user: str, instance_id: str) -> bool:
+        """Take a waiting launch out of the queue (it was aborted); False if it was not waiting."""
+        try:
+            self._queue.remove((user, instance_id))
+        except ValueError:
+            return False
+        self._queued[user] -= 1
+        return True
+
+    def ended(self, user: str) -> list[str]:
+        """A running instance of ``user`` ended: the waiting launches that start now (counted as running)."""
+        self._running[user] -= 1
+        starting = []
+        for entry in list(self._queue):
+            if self.running >= self.limits.running:
+                break
+            waiting_user, instance_id = entry
+            if self._running[waiting_user] < self.limits.running_per_user:
+                self._queue.remove(entry)
+                self._queued[waiting_user] -= 1
+                self._running[waiting_user] += 1
+                starting.append(instance_id)
+        return starting
