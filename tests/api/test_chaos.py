@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from pie_procs import engine_status, started_pie
 from ray.util.state import list_actors
+from support.pie_procs import engine_status, started_pie
 from test_event_path import sse_events
 
 ALICE = {"Authorization": "Bearer tok-alice"}

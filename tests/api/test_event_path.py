@@ -14,8 +14,8 @@ import time
 
 import httpx
 import pytest
-from pie_procs import engine_status, started_pie
 from prometheus_client.parser import text_string_to_metric_families
+from support.pie_procs import engine_status, started_pie
 
 MODEL = "default"
 ALICE = {"Authorization": "Bearer tok-alice"}
@@ -298,7 +298,7 @@ def test_pie_drain_names_what_it_did_and_refuses_what_it_cannot(pie):
     """Last in the module: it takes a node out of this cluster's use."""
     import subprocess
 
-    from pie_procs import PIE
+    from support.pie_procs import PIE
 
     def drain(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([*PIE, "drain", *args], env=pie["env"], capture_output=True, text=True, timeout=300)

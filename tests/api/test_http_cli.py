@@ -17,9 +17,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from pie_cluster.client import PieClient, PieClientError
 from pie_cluster.launch_request import LaunchRequest
-from pie_procs import PIE, engine_status, started_pie
-
-ROOT = Path(__file__).resolve().parents[2]
+from support.paths import ROOT
+from support.pie_procs import PIE, engine_status, started_pie
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import math
 import subprocess
 import textwrap
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -25,21 +24,16 @@ from pie_cluster.client import PieClient
 from pie_cluster.ingress.openai.chat_objects import parse_report
 from pie_cluster.ingress.openai.checks import OpenAIError
 from pie_cluster.launch_request import LaunchRequest
-from pie_procs import PIE, engine_status, started_pie
 from pydantic import ValidationError
+from support.paths import ROOT
+from support.pie_procs import PIE, engine_status, started_pie
 
 MODEL = "default"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def pie(ray_cluster, tmp_path_factory):
     yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-openai"))
-
-
-@pytest.fixture(scope="module")
-def api(pie) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{pie['url']}/v1", api_key="tok-alice", max_retries=0, timeout=120)
 
 
 def chat(api, content="Tell me about paged attention.", **kw):

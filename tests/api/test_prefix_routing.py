@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from pie_procs import engine_status, started_pie
+from support.pie_procs import engine_status, started_pie
 
 MODEL = "default"
 FAMILY_A = "You are the support assistant of a shipping company; answer briefly and politely. " * 12
@@ -18,11 +18,6 @@ FAMILY_B = "Translate every sentence the user sends from French into German, kee
 def pie(ray_cluster, tmp_path_factory):
     # appended to the config's [[model]] table
     yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-prefix-routing"), "replicas = 2\n")
-
-
-@pytest.fixture(scope="module")
-def api(pie) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{pie['url']}/v1", api_key="tok-alice", max_retries=0, timeout=120)
 
 
 def hits(pie) -> dict[int, int]:

@@ -23,8 +23,8 @@ from inferlet.responses_schema import snapshot_name
 from pie_cluster.client import PieClient
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.stores.responses import RESPONSES
-from pie_procs import engine_status, started_pie
 from pydantic import Field
+from support.pie_procs import engine_status, started_pie
 
 MODEL = "default"
 TTL_S = 40
@@ -45,11 +45,6 @@ def pie(ray_cluster, tmp_path_factory):
         tmp_path_factory.mktemp("pie-responses"),
         f"[responses]\nttl_s = {TTL_S}\nresident_s = {RESIDENT_S}\npark_s = {PARK_S}\n",
     )
-
-
-@pytest.fixture(scope="module")
-def api(pie) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{pie['url']}/v1", api_key="tok-alice", max_retries=0, timeout=120)
 
 
 SNAPSHOT_PROBE = """

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import ray
-from bus_calls import BUS
 from pie_cluster.bus import start_bus
 from pie_cluster.config import AuthConfig, LauncherConfig, ModelConfigEntry, PieConfig
 from pie_cluster.control.controller import start_controller
-from sdk_host import TRUST
+from support.bus_calls import BUS
+from support.sdk_host import TRUST
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.paths import ROOT
+
 PACKAGES = {
     "inferlet": ROOT / "sdk" / "inferlet",
     "pie_workers": ROOT / "workers" / "pie_workers",

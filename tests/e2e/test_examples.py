@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pytest
 import ray
 import torch
 from inferlet import Context
 from pie_cluster.hosts.run import load_program
-from sdk_host import each_backend
+from support.paths import EXAMPLES
+from support.sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|>
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from pie_cluster.bus import start_bus
 from pie_cluster.hosts.run import run_inferlet
-from sdk_host import TRUST, each_backend
+from support.sdk_host import TRUST, each_backend
 from test_examples import EXAMPLES, example, hf_greedy_ids, record_forwarded_tokens
 
 served = each_backend()  # every test here runs on the torch and the vllm backend

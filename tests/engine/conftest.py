@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from engine_harness import PAGES
 from pie_workers.runner import ModelRunner, RunnerSettings
+from support.engine_harness import PAGES
 
 
 @pytest.fixture(scope="module")

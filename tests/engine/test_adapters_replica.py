@@ -19,7 +19,7 @@ from inferlet import Adapter, Context, Logits, Model, Sampler
 from peft_refs import peft_adapter, tokens_of
 from pie_workers.peft_format import default_root, read_adapter
 from pie_workers.runner import RunnerSettings
-from sdk_host import TRUST, each_backend
+from support.sdk_host import TRUST, each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from paged import LOGITS, PageAllocator, Seq, request_for
 from peft import PeftModel
 from peft_refs import hf_model, peft_adapter, tokens_of
 from pie_workers.adapters import LoraAdapter, LoraConfig, perturbed
@@ -17,6 +16,7 @@ from pie_workers.layers.lora import PEFT_MODULES, module_shapes
 from pie_workers.peft_format import read_adapter, user_path, write_adapter
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
+from support.paged import LOGITS, PageAllocator, Seq, request_for
 
 PAGES = 128
 

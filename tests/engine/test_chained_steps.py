@@ -15,9 +15,9 @@ import asyncio
 import contextlib
 
 import pytest
-from engine_harness import PROMPT, Engine, run
 from inferlet import Context, Model, Sampler
-from sdk_host import each_backend
+from support.engine_harness import PROMPT, Engine, run
+from support.sdk_host import each_backend
 
 served = each_backend()  # the SDK tests below run on the torch and the vllm backend; the engine tests use ``runner``
 

@@ -13,7 +13,7 @@ import pytest
 from inferlet._channel import Channel, ReplicaError
 from pie_workers.engine.channel import ChannelServer
 from pie_workers.engine.record import Sessions
-from sdk_host import TRUST
+from support.sdk_host import TRUST
 
 
 def named(user: str, instance: str, key: str) -> str:

@@ -15,7 +15,6 @@ import threading
 
 import msgpack
 import pytest
-from engine_harness import SAMPLER, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inferlet._channel import Channel
@@ -23,7 +22,8 @@ from pie_workers.engine.channel import MAX_FRAME_BYTES
 from pie_workers.engine.service import ReplicaEngine
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.messages import PassReply, PassRequest, decode, encode
-from sdk_host import TRUST
+from support.engine_harness import SAMPLER, serving
+from support.sdk_host import TRUST
 
 PAGES = 64
 OPS = ["create", "destroy", "close", "fork", "save", "keep", "snapshot", "open", "take", "delete", "truncate", "stats",

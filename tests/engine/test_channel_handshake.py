@@ -14,7 +14,6 @@ import time
 
 import msgpack
 import pytest
-from engine_harness import SAMPLER, serving
 from inferlet._channel import Channel
 from pie_workers.engine.channel import HANDSHAKE_BYTES
 from pie_workers.engine.service import ReplicaEngine
@@ -22,7 +21,8 @@ from pie_workers.engine.tenancy import TenantLimits
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.admission import ConnectionLimits
 from pie_workers.wire.messages import PassReply, PassRequest, decode, encode
-from sdk_host import TRUST
+from support.engine_harness import SAMPLER, serving
+from support.sdk_host import TRUST
 
 LIMITS = ConnectionLimits(per_instance=4, per_user=8, waiting_per_peer=4, handshake_s=1.0)
 STEPS = 12

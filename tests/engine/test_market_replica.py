@@ -14,7 +14,7 @@ import ray
 from inferlet import Context, Model, Sampler, scheduling
 from pie_workers.engine.market_link import ROUND_S
 from pie_workers.wire.pages import pages_for
-from sdk_host import TRUST
+from support.sdk_host import TRUST
 
 PAGES = 24
 

@@ -7,7 +7,6 @@ import asyncio
 
 import msgpack
 import pytest
-from engine_harness import PROMPT, SAMPLER, SESSION, Engine, run
 from hypothesis import given
 from hypothesis import strategies as st
 from pie_workers.wire.messages import (
@@ -20,6 +19,7 @@ from pie_workers.wire.messages import (
     decode,
     encode,
 )
+from support.engine_harness import PROMPT, SAMPLER, SESSION, Engine, run
 
 ids = st.lists(st.integers(0, 1 << 20), max_size=8)
 optional_int = st.none() | st.integers(-(1 << 40), 1 << 40)

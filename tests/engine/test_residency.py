@@ -26,7 +26,7 @@ def scarce(ray_session, tiny_llama, request):
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings
-    from sdk_host import TRUST, Served
+    from support.sdk_host import TRUST, Served
 
     settings = RunnerSettings(num_pages=PAGES, backend=request.param)
     replica = Replica(tiny_llama, 1, settings, cpus_per_rank=1, engine=BatchLimits(), secret=TRUST.secret)

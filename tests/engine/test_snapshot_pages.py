@@ -31,7 +31,7 @@ def mirrored(ray_session, tiny_llama):
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings
-    from sdk_host import TRUST, Served
+    from support.sdk_host import TRUST, Served
 
     directory = get_or_create_directory(f"pie-test-snapshots-{uuid.uuid4().hex[:8]}")
     settings = RunnerSettings(num_pages=PAGES)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from engine_harness import PROMPT, SAMPLER, Engine, run
 from inferlet import Context, Model, Sampler
 from pie_workers.wire.batch import Slot, SlotKind
 from pie_workers.wire.codec import slot_to_wire
-from sdk_host import each_backend
+from support.engine_harness import PROMPT, SAMPLER, Engine, run
+from support.sdk_host import each_backend
 
 served = each_backend()  # the SDK tests below run on the torch and the vllm backend; the engine tests use ``runner``
 

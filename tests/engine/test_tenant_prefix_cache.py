@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from engine_harness import PROMPT
 from inferlet._lineage import Lineage
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.engine.service import ReplicaEngine
@@ -18,7 +17,8 @@ from pie_workers.engine.tenancy import TenantLimits
 from pie_workers.wire.batch import Slot
 from pie_workers.wire.codec import slot_to_wire
 from pie_workers.wire.messages import MAX_CACHE_SALT, ContextReply, PassReply, PassRequest, decode, encode
-from sdk_host import TRUST
+from support.engine_harness import PROMPT
+from support.sdk_host import TRUST
 
 GREEDY = slot_to_wire(Slot.argmax())
 SECRET = PROMPT + [17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36]  # 49 tokens

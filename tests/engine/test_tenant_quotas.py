@@ -13,7 +13,6 @@ import uuid
 
 import pytest
 import ray
-from engine_harness import SAMPLER
 from inferlet import QuotaExceeded as QuotaExceededInSdk
 from pie_workers.engine.contexts import ContextError
 from pie_workers.engine.scheduler import BatchLimits
@@ -23,7 +22,8 @@ from pie_workers.wire.batch import Slot, SlotKind
 from pie_workers.wire.capability import mint
 from pie_workers.wire.codec import slot_to_wire
 from pie_workers.wire.messages import AdapterReply, ContextReply, PassKind, PassReply, PassRequest, decode, encode
-from sdk_host import TRUST
+from support.engine_harness import SAMPLER
+from support.sdk_host import TRUST
 
 PAGE = 16  # tokens per page of the tiny Llama's runner (``engine_harness.PAGES`` = 64 pages)
 
@@ -242,7 +242,7 @@ def stored(ray_session, tiny_llama):
     from pie_cluster.stores.directory import get_or_create_directory
     from pie_workers.replica import Replica
     from pie_workers.runner import RunnerSettings
-    from sdk_host import Served
+    from support.sdk_host import Served
 
     namespace = f"pie-test-quotas-{uuid.uuid4().hex[:8]}"
     directory = get_or_create_directory(namespace, store_bytes_per_user=3 * RANK_8, snapshots_per_user=2)

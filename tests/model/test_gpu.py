@@ -16,9 +16,9 @@ import random
 
 import pytest
 import torch
-from paged import LOGITS, PageAllocator, Seq, request_for
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
+from support.paged import LOGITS, PageAllocator, Seq, request_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,7 +54,7 @@ def test_bf16_logits_agree_with_transformers_on_the_gpu(tiny_llama, backend):
 
 def test_the_default_backend_on_a_gpu_is_the_tested_torch_pool(tiny_llama):
     """``backend = "auto"`` (the default) must pick the backend the GPU tests cover, and decode as it does."""
-    from paged import greedy_generate
+    from support.paged import greedy_generate
 
     auto = ModelRunner(tiny_llama, RunnerSettings(num_pages=64, device="cuda"))
     assert auto.settings.backend == "torch"
@@ -79,8 +79,8 @@ def test_suspended_pages_wait_in_pinned_host_memory_and_come_back_intact(tiny_ll
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
 def test_tp2_over_nccl_matches_one_gpu(tiny_llama, ray_session):
-    from paged import greedy_generate
     from pie_workers.replica import Replica
+    from support.paged import greedy_generate
     from test_tensor_parallel import ReplicaAsRunner
 
     settings = RunnerSettings(num_pages=64, device="cuda")

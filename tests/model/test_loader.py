@@ -9,13 +9,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from paged import LOGITS, PageAllocator, Seq, request_for
 from pie_workers.config import ModelConfig, UnsupportedModelError
 from pie_workers.kv_pool import page_bytes
 from pie_workers.loader import CheckpointError
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
 from safetensors.torch import load_file, save_file
+from support.paged import LOGITS, PageAllocator, Seq, request_for
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 

@@ -14,9 +14,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from paged import LOGITS, PageAllocator, Seq, greedy_generate, greedy_step, request_for
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
+from support.paged import LOGITS, PageAllocator, Seq, greedy_generate, greedy_step, request_for
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 PAGES = 96

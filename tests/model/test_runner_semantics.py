@@ -9,11 +9,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from paged import LOGITS, PageAllocator, Seq, greedy_generate, greedy_step, request_for
 from pie_workers import logit_masks
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire import brle
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot, SlotKind
+from support.paged import LOGITS, PageAllocator, Seq, greedy_generate, greedy_step, request_for
 from transformers import AutoModelForCausalLM
 
 PAGES = 128

@@ -6,10 +6,10 @@ import random
 
 import numpy as np
 import pytest
-from paged import LOGITS, PageAllocator, Seq, greedy_generate, request_for
 from pie_workers.replica import Replica
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch
+from support.paged import LOGITS, PageAllocator, Seq, greedy_generate, request_for
 
 
 class ReplicaAsRunner:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -30,7 +29,8 @@ from inferlet import (
 from inferlet.tokenizer import Tokenizer
 from pie_cluster.hosts.run import load_program
 from pie_workers.wire import brle
-from sdk_host import each_backend
+from support.paths import EXAMPLES
+from support.sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 
@@ -195,7 +195,7 @@ def test_native_tool_calls_parse_and_match_their_schema(served):
 
 
 def test_json_extraction_example_validates(served):
-    example = load_program(Path(__file__).resolve().parents[2] / "examples" / "json_extraction.py")
+    example = load_program(EXAMPLES / "json_extraction.py")
     person = example.__globals__["PERSON"]
     custom = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
     inputs = [{"temperature": 1.0, "seed": s} for s in range(1, 5)] + [{}, {"schema": json.dumps(custom)}]

@@ -19,7 +19,7 @@ from pie_cluster.hosts.run import endpoints_for, run_inferlet
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
 from pie_workers.runner import RunnerSettings
-from sdk_host import TRUST
+from support.sdk_host import TRUST
 
 TOKENS = 40  # each inferlet's greedy tokens
 KILL_AFTER = 32 * 6  # steps the stepping inferlets have made, all together, when the replica is killed

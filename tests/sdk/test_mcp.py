@@ -1,5 +1,6 @@
-"""MCP for inferlets: servers declared in config, sessions against a real MCP server (tests/mcp_echo_server.py) over
-stdio and streamable HTTP, raw JSON results, errors, and sessions ended with their inferlet."""
+"""MCP for inferlets: servers declared in config, sessions against a real MCP server
+(tests/support/mcp_echo_server.py) over stdio and streamable HTTP, raw JSON results, errors, and sessions ended
+with their inferlet."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from inferlet.mcp import McpError, ServerSpec
 from inferlet.runtime import Runtime, install, uninstall
 from pie_cluster.hosts.run import load_program
 from pie_cluster.mcp_servers import McpServer, parse_mcp_servers
-from sdk_host import TRUST
+from support.paths import EXAMPLES, SUPPORT
+from support.sdk_host import TRUST
 
-ECHO_SERVER = Path(__file__).resolve().parents[1] / "mcp_echo_server.py"
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ECHO_SERVER = SUPPORT / "mcp_echo_server.py"
 ECHO = ServerSpec(command=(sys.executable, str(ECHO_SERVER)), env={"ECHO_MARK": "declared"})
 SERVERS = {"echo": ECHO, "docs": ServerSpec(url="http://127.0.0.1:9/mcp")}
 

@@ -12,7 +12,7 @@ from inferlet import Context, Logits, Model, Sampler
 from inferlet._channel import ReplicaError
 from pie_cluster.hosts.run import run_inferlet
 from pie_workers.wire.pages import pages_for
-from sdk_host import TRUST, each_backend
+from support.sdk_host import TRUST, each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 

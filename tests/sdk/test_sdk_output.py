@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from inferlet import Context, Distribution, Entropy, Logits, Logprob, Logprobs, Model, Sampler
-from sdk_host import each_backend
+from support.sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 

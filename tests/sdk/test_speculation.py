@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from inferlet import Context, Model, Regex, Sampler
 from pie_workers.engine.ngram import draft
-from sdk_host import each_backend
+from support.sdk_host import each_backend
 
 served = each_backend()  # every test here runs on the torch and the vllm backend
 

@@ -1,0 +1,74 @@
+"""A replacement Ray cannot place never holds up another model's supervision: model "pinned" is kept (by a custom
+resource) to a third node that is then removed, so its replacement waits for a bundle no node can take; meanwhile
+the leader of model "default" is SIGKILLed, and it is replaced and serves while "pinned" is still restarting."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import ray
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
+from pie_cluster.control.controller import start_controller
+from support.launching import launch, run_to_end, upload
+
+GREEDY = """
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    with Context(Model.load("default")) as ctx:
+        ctx.user("who is still here?")
+        return await ctx.generate(Sampler.argmax(), max_tokens=4, stop=[]).collect_tokens()
+"""
+
+
+def rows(controller) -> tuple[dict, dict[str, dict]]:
+    status = ray.get(controller.status.remote())
+    return status, {r["model"]: r for r in status["replicas"]}
+
+
+@pytest.mark.slow
+def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replacement(ray_cluster, ray_session):
+    before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    third = ray_cluster.add_node(num_cpus=1, resources={"pinned_node": 1})
+    ray_cluster.wait_for_nodes()
+    (pinned_node,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before
+    models = [  # "pinned" first, so it takes the third node's only CPU and "default" goes elsewhere
+        ModelConfigEntry(name="pinned", pages=64, resources={"pinned_node": 1}),
+        ModelConfigEntry(name="default", pages=64),
+    ]
+    supervision = SupervisionConfig(probe_every_s=1.0, probe_deadline_s=3.0, start_s=5.0)
+    config = PieConfig(auth=AuthConfig(enabled=False), model=models, supervision=supervision)
+    controller = start_controller(config, detached=False)
+    try:
+        launcher = ray.get_actor("pie-launcher")
+        program = upload(launcher, GREEDY)
+        status, by_model = rows(controller)
+        assert by_model["pinned"]["node"] == pinned_node and by_model["default"]["node"] != pinned_node, by_model
+
+        ray_cluster.remove_node(third)  # "pinned"'s bundle now fits no node: its replacement waits and times out
+        for _ in range(120):
+            status, by_model = rows(controller)
+            if by_model["pinned"]["state"] == "restarting":
+                break
+            time.sleep(0.5)
+        assert by_model["pinned"]["state"] == "restarting", by_model
+
+        killed = time.monotonic()
+        os.kill(by_model["default"]["pids"][0], signal.SIGKILL)
+        for _ in range(480):
+            status, by_model = rows(controller)
+            if status["replica_restarts"] >= 1 and by_model["default"]["state"] == "serving":
+                break
+            time.sleep(0.25)
+        print(f"leader SIGKILL beside a stuck placement -> serving again in {time.monotonic() - killed:.1f} s")
+        assert by_model["default"]["state"] == "serving" and status["replica_restarts"] == 1, status
+        assert by_model["pinned"]["state"] == "restarting", by_model  # still waiting for a node with its resource
+        last = run_to_end(launcher, launch(launcher, program))[-1]
+        assert last[1] == "return" and len(json.loads(last[2])) == 4, last
+    finally:
+        ray.get(controller.shutdown.remote())
+        ray.kill(controller)
