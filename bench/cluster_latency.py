@@ -54,7 +54,7 @@ def direct_launch_ms(launcher, program: str) -> float:
     endpoint acts for without auth, who owns the program uploaded over HTTP."""
     start = time.perf_counter()
     instance_id = ray.get(launcher.launch.remote(LOCAL_USER, LaunchRequest(program=program, deadline_s=DEADLINE_S)))
-    while not (got := poll(launcher, LOCAL_USER, instance_id, 0, 30.0))["events"]:
+    while not (got := poll(launcher, LOCAL_USER, instance_id, 0, 30.0)).events:
         pass
     first = time.perf_counter()
     if run_to_end(launcher, LOCAL_USER, instance_id) != ("return", "ok"):

@@ -35,11 +35,11 @@ def wait_for_message(launcher, ids: list[str], timeout: float = DEADLINE_S) -> d
             raise TimeoutError(f"{len(ids) - len(got)} idle inferlets never reached session.receive()")
         pending = [i for i in ids if i not in got]
         placed = ray.get([launcher.locate.remote(USER, i, 10.0) for i in pending])  # where each one's events are
-        hosts = {i: where["host"] for i, where in zip(pending, placed, strict=True)}
+        hosts = {i: where.host for i, where in zip(pending, placed, strict=True)}
         waiting = [i for i in pending if hosts[i] is not None]
         batches = ray.get([hosts[i].events.remote(USER, i, 0, 10.0) for i in waiting])
         for instance_id, batch in zip(waiting, batches, strict=True):
-            for _, kind, value in batch["events"]:
+            for _, kind, value in batch.events:
                 if kind == "message":
                     got[instance_id] = value
                     break

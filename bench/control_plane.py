@@ -90,7 +90,7 @@ class Components:
     async def uploaded(self, k: int) -> None:
         instance = await self.launcher.launch.remote("bench", LaunchRequest(program=self.program))
         located = await self.launcher.locate.remote("bench", instance, 30.0)
-        assert located["host"] is not None or located["ending"] is not None, located
+        assert located.host is not None or located.ending is not None, located
 
     async def market_call(self, k: int) -> None:
         process = uuid.uuid4().hex

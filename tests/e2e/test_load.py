@@ -73,10 +73,10 @@ def first_event(launcher, instance: str, kind: str, timeout: float = 300) -> lis
     since, deadline = 0, time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = poll(launcher, "load", instance, since, 10.0)
-        for event in got["events"]:
+        for event in got.events:
             if event[1] in (kind, "error", "return"):
                 return event
-        since = got["next"]
+        since = got.next_index
     raise TimeoutError(f"no {kind} event from {instance}")
 
 

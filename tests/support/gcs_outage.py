@@ -70,8 +70,8 @@ def main() -> None:
         since, seen = 0, []
         while "message" not in seen:  # it saved the snapshot and waits
             got = poll(launcher, "alice", waiting, since, 5.0)
-            since, seen = got["next"], [e[1] for e in got["events"]]
-        host = ray.get(launcher.locate.remote("alice", waiting))["host"]
+            since, seen = got.next_index, [e[1] for e in got.events]
+        host = ray.get(launcher.locate.remote("alice", waiting)).host
         market = ray.get(controller.status.remote())["market"]
         busy, load = upload(launcher, BUSY), []
         for i in range(LOAD):  # they run from before the kill until after the GCS is back

@@ -38,7 +38,7 @@ def run_halves(launcher, program: str, model: str, node: str, kill=None, count: 
         kill()
         killed = time.monotonic()
         for instance in instances:
-            host = ray.get(launcher.locate.remote("alice", instance))["host"]
+            host = ray.get(launcher.locate.remote("alice", instance)).host
             ray.get(host.send.remote("alice", instance, "message", "go on"))
     results = []
     for instance in instances:
@@ -54,9 +54,9 @@ def wait_for_message(launcher, instance: str, bound_s: float = 120) -> None:
     since, deadline = 0, time.monotonic() + bound_s
     while time.monotonic() < deadline:
         got = poll(launcher, "alice", instance, since, 2.0)
-        kinds = [e[1] for e in got["events"]]
-        assert "error" not in kinds and "return" not in kinds, got["events"]
+        kinds = [e[1] for e in got.events]
+        assert "error" not in kinds and "return" not in kinds, got.events
         if "message" in kinds:
             return
-        since = got["next"]
+        since = got.next_index
     raise AssertionError(f"instance {instance} sent nothing within {bound_s} s")

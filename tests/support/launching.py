@@ -24,9 +24,9 @@ def run_to_end(launcher, instance_id: str, user: str = "alice", timeout: float =
     events, since, deadline = [], 0, time.time() + timeout
     while time.time() < deadline:
         got = poll(launcher, user, instance_id, since, 5.0)
-        events += got["events"]
-        since = got["next"]
-        if got["done"]:
+        events += got.events
+        since = got.next_index
+        if got.done:
             return events
     raise AssertionError(f"instance {instance_id} did not end in {timeout} s; events so far: {events}")
 

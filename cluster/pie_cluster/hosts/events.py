@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray.exceptions
 from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
@@ -28,7 +29,7 @@ from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from pie_cluster.config import ChannelLimits
 from pie_cluster.hosts.event_limits import KINDS, STREAMS, TERMINAL, OutputQuota, check_event, limit, size_of
 
-__all__ = ["KINDS", "TERMINAL", "Channel", "Channels", "Event", "EventLog", "NotFound"]
+__all__ = ["KINDS", "TERMINAL", "Channel", "Channels", "Event", "EventBatch", "EventLog", "Location", "NotFound"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,28 @@ class Event:
 
     def as_wire(self) -> list:
         return [self.index, self.kind, self.value]
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """One read of an instance's events: each as ``[index, kind, value]``, the index to read from next, and whether
+    the terminal event is among them (nothing follows it)."""
+
+    events: list[list]
+    next_index: int
+    done: bool
+
+
+@dataclass(frozen=True)
+class Location:
+    """The launcher's answer to ``locate``: where an instance's events and inbox are, and how it ended."""
+
+    host: Any | None  # the node host's actor handle; None while the instance waits for admission
+    ending: tuple[str, str | bytes] | None  # its terminal event's kind and value, once the launcher knows it
+
+    def last_batch(self, since: int) -> EventBatch:
+        """The ending as a client reads it where the host cannot answer any more."""
+        return EventBatch([[since, *self.ending]], since + 1, True)
 
 
 class EventLog:
@@ -119,13 +142,13 @@ class Channel:
     output: OutputQuota = field(default_factory=lambda: OutputQuota(0.0, time.monotonic()))
     ending: str | None = None  # why its host is ending it (it went over a limit): only its terminal event goes out
 
-    def events(self, got: list[Event], since: int) -> dict:
+    def events(self, got: list[Event], since: int) -> EventBatch:
         """The answer to a poll: the events, where to resume, and whether the terminal one is among them."""
-        return {
-            "events": [e.as_wire() for e in got],
-            "next": got[-1].index + 1 if got else max(since, 0),
-            "done": self.log.done and (not got or got[-1] is self.log.terminal),
-        }
+        return EventBatch(
+            [e.as_wire() for e in got],
+            got[-1].index + 1 if got else max(since, 0),
+            self.log.done and (not got or got[-1] is self.log.terminal),
+        )
 
     def put(self, kind: str, value: str | bytes) -> None:
         if self.log.done:
@@ -280,7 +303,7 @@ async def follow(
     *,
     wait: float = 30.0,
     abort_on_close: bool = False,
-    where: dict | None = None,
+    where: Location | None = None,
     channel: Channel | None = None,
 ) -> AsyncIterator[list[list]]:
     """An instance's events from ``since`` to the terminal one, each batch as ``[index, kind, value]`` lists (an
@@ -293,37 +316,36 @@ async def follow(
         if channel is not None:
             while not ended:
                 polled = channel.events(await channel.log.wait(since, wait), since)
-                ended, since = polled["done"], polled["next"]
-                yield polled["events"]
+                ended, since = polled.done, polled.next_index
+                yield polled.events
             return
         where = where or await locate(launcher, user, instance, wait)
         while not ended:
-            polled = await _poll(where["host"], user, instance, since, wait)
+            polled = await _poll(where.host, user, instance, since, wait)
             if polled is not None:
-                ended, since = polled["done"], polled["next"]
-                yield polled["events"]
-            elif where["ending"] is not None:  # its host is gone or forgot it: the launcher knows how it ended
+                ended, since = polled.done, polled.next_index
+                yield polled.events
+            elif where.ending is not None:  # its host is gone or forgot it: the launcher knows how it ended
                 ended = True
-                yield [[since, *where["ending"]]]
+                yield where.last_batch(since).events
             else:  # queued, or its host just died and the launcher has not yet noticed
-                if where["host"] is not None:
+                if where.host is not None:
                     await asyncio.sleep(0.5)
                 where = await locate(launcher, user, instance, wait)
-                if where["host"] is None and where["ending"] is None:
+                if where.host is None and where.ending is None:
                     yield []
     finally:
         if abort_on_close and not ended:
             launcher.abort.remote(user, instance)
 
 
-async def locate(launcher, user: str, instance: str, wait: float = 0.0) -> dict:
-    """Where the instance runs (``host``: the actor that keeps its channel, None while it is queued) and how it ended,
-    once the launcher knows (``ending``: ``[kind, value]``); waits up to ``wait`` s for a queued one to start.
-    Raises ``NotFound`` (inside Ray's ``RayTaskError``) for another user's or an unknown id."""
+async def locate(launcher, user: str, instance: str, wait: float = 0.0) -> Location:
+    """Where the instance runs and how it ended, once the launcher knows; waits up to ``wait`` s for a queued one
+    to start. Raises ``NotFound`` (inside Ray's ``RayTaskError``) for another user's or an unknown id."""
     return await answer(launcher.locate.remote(user, instance, wait), "the launcher", wait + LAUNCHER_S)
 
 
-async def _poll(host, user: str, instance: str, since: int, wait: float) -> dict | None:
+async def _poll(host, user: str, instance: str, since: int, wait: float) -> EventBatch | None:
     """One long poll of the host's channel; None if there is no host, or it is dead, hung, or no longer knows it."""
     if host is None:
         return None
@@ -336,31 +358,31 @@ async def _poll(host, user: str, instance: str, since: int, wait: float) -> dict
 # -- blocking forms, for scripts and tests that drive a cluster from a driver ------------------------------------------
 
 
-def poll(launcher, user: str, instance: str, since: int = 0, wait: float = 10.0) -> dict:
-    """One read of the instance's events from where it runs: ``{"events", "next", "done"}`` as a host answers. If
+def poll(launcher, user: str, instance: str, since: int = 0, wait: float = 10.0) -> EventBatch:
+    """One read of the instance's events from where it runs, as its host answers. If
     its host died or hangs, this waits (up to ``wait`` s beyond a call's deadline) for the launcher to learn how the
     instance ended."""
     deadline = time.monotonic() + wait + LAUNCHER_S
     while True:
         where = ray.get(launcher.locate.remote(user, instance, wait), timeout=wait + LAUNCHER_S)
-        if where["host"] is not None:
+        if where.host is not None:
             try:
-                return ray.get(where["host"].events.remote(user, instance, since, wait), timeout=wait + LAUNCHER_S)
+                return ray.get(where.host.events.remote(user, instance, since, wait), timeout=wait + LAUNCHER_S)
             except ray.exceptions.RayError:
-                if where["ending"] is None and time.monotonic() < deadline:
+                if where.ending is None and time.monotonic() < deadline:
                     time.sleep(0.5)
                     continue
-                if where["ending"] is None:
+                if where.ending is None:
                     raise
-        if where["ending"] is not None:
-            return {"events": [[since, *where["ending"]]], "next": since + 1, "done": True}
-        return {"events": [], "next": since, "done": False}
+        if where.ending is not None:
+            return where.last_batch(since)
+        return EventBatch([], since, False)
 
 
 def deliver(launcher, user: str, instance: str, value: str | bytes) -> None:
     """Send the instance a session message (a ``str``) or file (``bytes``), into its inbox where it runs."""
     where = ray.get(launcher.locate.remote(user, instance, LAUNCHER_S), timeout=2 * LAUNCHER_S)
-    if where["host"] is None:
+    if where.host is None:
         raise RuntimeError(f"instance {instance} is not running")
     kind = "file" if isinstance(value, bytes) else "message"
-    ray.get(where["host"].send.remote(user, instance, kind, value), timeout=LAUNCHER_S)
+    ray.get(where.host.send.remote(user, instance, kind, value), timeout=LAUNCHER_S)

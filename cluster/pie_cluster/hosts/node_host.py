@@ -21,7 +21,7 @@ from pie_workers.wire import capability
 
 from pie_cluster.config import ChannelLimits, SandboxConfig
 from pie_cluster.hosts import stdio
-from pie_cluster.hosts.events import Channels
+from pie_cluster.hosts.events import Channels, EventBatch
 from pie_cluster.hosts.model_files import local_endpoints
 from pie_cluster.hosts.replica_relay import ReplicaRelays, failing_over
 from pie_cluster.hosts.revocations import Revoker
@@ -175,7 +175,7 @@ class InferletHost:
         task.cancel()
         return True
 
-    async def events(self, user: str, instance_id: str, since: int = 0, timeout: float = 10.0) -> dict:
+    async def events(self, user: str, instance_id: str, since: int = 0, timeout: float = 10.0) -> EventBatch:
         """Events numbered ``since`` and later, waiting up to ``timeout`` s for one (a long poll)."""
         channel = self._channels.own(user, instance_id)
         return channel.events(await channel.log.wait(since, min(max(timeout, 0.0), 60.0)), since)

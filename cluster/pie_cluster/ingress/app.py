@@ -28,7 +28,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
 from pie_cluster.config import AuthConfig, CacheConfig, ResponsesConfig, ServerConfig
-from pie_cluster.hosts.events import TERMINAL, follow
+from pie_cluster.hosts.events import TERMINAL, Location, follow
 from pie_cluster.ingress.errors import launcher_error
 from pie_cluster.ingress.metrics import RequestClock, RequestMetrics
 from pie_cluster.ingress.openai.checks import OpenAIError
@@ -267,7 +267,7 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         user: str,
         instance_id: str,
         since: int,
-        where: dict | None = None,
+        where: Location | None = None,
         opening: str = "",
         clock: RequestClock | None = None,
     ):
@@ -304,11 +304,11 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
     async def _deliver(self, route: str, user: str, instance_id: str, kind: str, value: str | bytes) -> None:
         """Into the instance's inbox on the host that runs it (waiting a while for a queued one to start)."""
         where = await self._call(route, self._launcher.locate, user, instance_id, HOST_S, deadline=2 * LAUNCHER_S)
-        if where["ending"] is not None:
+        if where.ending is not None:
             raise HTTPException(400, f"instance {instance_id} has ended; it can no longer receive")
-        if where["host"] is None:
+        if where.host is None:
             raise HTTPException(503, "the instance is still waiting for admission; send it again once it runs")
-        await self._call(None, where["host"].send, user, instance_id, kind, value, part="its inferlet host")
+        await self._call(None, where.host.send, user, instance_id, kind, value, part="its inferlet host")
 
     @app.delete("/v1/instances/{instance_id}")
     async def abort(self, instance_id: str, user: User) -> dict:

@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.config import ChannelLimits, LauncherConfig, SupervisionConfig
-from pie_cluster.hosts.events import TERMINAL, NotFound
+from pie_cluster.hosts.events import TERMINAL, Location, NotFound
 from pie_cluster.hosts.node_host import InferletHost, InstanceLimits, NodeServices
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher.admission import Admission, Overloaded
@@ -323,10 +323,10 @@ class Launcher:
         host = ray.remote(InferletHost).options(**options)
         return host.remote(launcher, self._pool.services[node], self._pool.secret, None, self._dedicated_channels)
 
-    async def locate(self, user: str, instance_id: str, wait: float = 0.0) -> dict:
+    async def locate(self, user: str, instance_id: str, wait: float = 0.0) -> Location:
         """Where the instance's events and inbox are: its host (None while it waits for admission, up to ``wait``
-        seconds), and its ending once known (``[kind, value]``: what a client reads when the host cannot answer).
-        One that an ingress replica runs is read there by the request it serves: others learn only its ending."""
+        seconds), and its ending once known (what a client reads when the host cannot answer). One that an ingress
+        replica runs is read there by the request it serves: others learn only its ending."""
         self.calls["locate"] += 1
         instance = self._own(user, instance_id)
         until = instance.finished if instance.runner is not None else instance.settled
@@ -334,10 +334,7 @@ class Launcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(until.wait(), min(max(wait, 0.0), 60.0))
         started = instance.settled.is_set() and not instance.queued
-        return {
-            "host": instance.host if started else None,
-            "ending": list(instance.ending) if instance.ending is not None else None,
-        }
+        return Location(instance.host if started else None, instance.ending)
 
     async def abort(self, user: str, instance_id: str) -> bool:
         """Stop a running instance (its pages, subscriptions and sessions are released); False if it had ended."""

@@ -179,10 +179,10 @@ def test_the_market_restarts_with_its_wallets_and_running_instances_finish(clust
         since, kinds = 0, []
         while "message" not in kinds:
             got = poll(launcher, "alice", instance, since, 5.0)
-            since, kinds = got["next"], [e[1] for e in got["events"]]
+            since, kinds = got.next_index, [e[1] for e in got.events]
 
     def finish(instance: str) -> list:
-        host = ray.get(launcher.locate.remote("alice", instance))["host"]
+        host = ray.get(launcher.locate.remote("alice", instance)).host
         ray.get(host.send.remote("alice", instance, "message", "finish"))
         return run_to_end(launcher, instance)[-1]
 
@@ -228,7 +228,7 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
     since, kinds = 0, []
     while "message" not in kinds:
         got = poll(launcher, "alice", first, since, 5.0)
-        since, kinds = got["next"], [e[1] for e in got["events"]]
+        since, kinds = got.next_index, [e[1] for e in got.events]
     (actor,) = list_actors(ray_cluster.address, filters=[("name", "=", "pie-launcher"), ("state", "=", "ALIVE")])
     os.kill(actor["pid"], signal.SIGKILL)
     killed = time.monotonic()
@@ -247,11 +247,11 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
     (again,) = [i for i in listed if i["id"] == first]
     assert again["status"] == "running" and again["program"].startswith("prog@"), again
 
-    host = ray.get(launcher.locate.remote("alice", first))["host"]
+    host = ray.get(launcher.locate.remote("alice", first)).host
     ray.get(host.send.remote("alice", first, "message", "finish"))
     assert run_to_end(launcher, first)[-1][1] == "return"  # its ending reached the restarted launcher
     second = launch(launcher, program)  # uploaded before the restart
-    host = ray.get(launcher.locate.remote("alice", second, 30.0))["host"]
+    host = ray.get(launcher.locate.remote("alice", second, 30.0)).host
     ray.get(host.send.remote("alice", second, "message", "finish"))
     assert run_to_end(launcher, second)[-1][1] == "return"
     for _ in range(100):  # the hosts report endings to the launcher a moment after their clients see them
@@ -283,7 +283,7 @@ def test_a_restarted_launcher_lists_what_ended_and_queues_again_what_waited(clus
     program = upload(launcher, WAITS, user=user)
 
     def send(instance: str, text: str) -> None:
-        host = ray.get(launcher.locate.remote(user, instance, 30.0))["host"]
+        host = ray.get(launcher.locate.remote(user, instance, 30.0)).host
         ray.get(host.send.remote(user, instance, "message", text))
 
     def statuses() -> dict[str, str]:
@@ -296,7 +296,7 @@ def test_a_restarted_launcher_lists_what_ended_and_queues_again_what_waited(clus
     send(done, "done")
     assert ending(done) == ["return", "done"]
     running = [launch(launcher, program, user=user) for _ in range(LAUNCHER_LIMITS["max_running_per_user"])]
-    hosts = {i: ray.get(launcher.locate.remote(user, i, 30.0))["host"] for i in running}
+    hosts = {i: ray.get(launcher.locate.remote(user, i, 30.0)).host for i in running}
     waiting = [launch(launcher, program, user=user) for _ in range(2)]
     assert [statuses()[i] for i in waiting] == ["queued", "queued"]
 
@@ -551,7 +551,7 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
         since, kinds = 0, []
         while "message" not in kinds:
             got = poll(launcher, "alice", instance, since, 5.0)
-            since, kinds = got["next"], [e[1] for e in got["events"]]
+            since, kinds = got.next_index, [e[1] for e in got.events]
     served_leader = served.replica.leader._actor_id.hex()
     (rank,) = [
         a
@@ -562,7 +562,7 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
     ]
     os.kill(rank["pid"], signal.SIGKILL)
     for instance in (doomed, survivor):
-        host = ray.get(launcher.locate.remote("alice", instance))["host"]
+        host = ray.get(launcher.locate.remote("alice", instance)).host
         ray.get(host.send.remote("alice", instance, "message", "go on"))
 
     moved = run_to_end(launcher, doomed)[-1]

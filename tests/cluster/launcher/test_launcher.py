@@ -7,6 +7,7 @@ manifest's runtime_env refused (with the sandbox off: ``test_trusted_mode.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -35,9 +36,9 @@ async def main(input):
 def test_session_messages_files_and_output_stream_in_order(launcher):
     instance = launch(launcher, upload(launcher, SESSION), {"who": "bob"})
     first = poll(launcher, "alice", instance, 0, 30.0)
-    while len(first["events"]) < 3:  # stdout, stderr, message
-        more = poll(launcher, "alice", instance, first["next"], 30.0)
-        first = {"events": first["events"] + more["events"], "next": more["next"]}
+    while len(first.events) < 3:  # stdout, stderr, message
+        more = poll(launcher, "alice", instance, first.next_index, 30.0)
+        first = dataclasses.replace(more, events=first.events + more.events)
     deliver(launcher, "alice", instance, "carol")
     deliver(launcher, "alice", instance, b"\x00\x01\x02")
     events = run_to_end(launcher, instance)
@@ -149,7 +150,7 @@ def test_other_users_cannot_see_attach_to_message_or_abort_an_instance(launcher)
     for call in (launcher.locate.remote("bob", instance, 0.1), launcher.abort.remote("bob", instance)):
         with pytest.raises(NotFound, match="no instance"):
             ray.get(call)
-    host = ray.get(launcher.locate.remote("alice", instance))["host"]  # where its events and inbox are kept
+    host = ray.get(launcher.locate.remote("alice", instance)).host  # where its events and inbox are kept
     for call in (host.events.remote("bob", instance, 0, 0.1), host.send.remote("bob", instance, "message", "hi")):
         with pytest.raises(NotFound, match="no instance"):
             ray.get(call)

@@ -42,15 +42,15 @@ def started(launcher, instance: str) -> None:
     since, deadline = 0, time.monotonic() + 120
     while time.monotonic() < deadline:
         got = poll(launcher, "alice", instance, since, 2.0)
-        if any(e[1] == "message" for e in got["events"]):
+        if any(e[1] == "message" for e in got.events):
             return
-        assert not got["done"], got["events"]
-        since = got["next"]
+        assert not got.done, got.events
+        since = got.next_index
     raise AssertionError(f"{instance} did not start")
 
 
 def tell(launcher, instance: str) -> None:
-    host = ray.get(launcher.locate.remote("alice", instance))["host"]
+    host = ray.get(launcher.locate.remote("alice", instance)).host
     ray.get(host.send.remote("alice", instance, "message", "finish"))
 
 
@@ -75,7 +75,7 @@ def test_draining_a_node_lets_its_instances_finish_ends_the_rest_and_stops_its_h
     ending = run_to_end(launcher, stays)[-1]
     assert ending[1] == "error" and f"node {node} was drained" in ending[2], ending
     started(launcher, elsewhere)
-    assert ray.get(launcher.locate.remote("alice", elsewhere))["host"] is not None
+    assert ray.get(launcher.locate.remote("alice", elsewhere)).host is not None
     tell(launcher, elsewhere)
     assert json.loads(run_to_end(launcher, elsewhere)[-1][2])
 

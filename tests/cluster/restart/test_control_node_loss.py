@@ -89,7 +89,7 @@ def node_of(address: str, name: str) -> str:
 
 
 def tell(launcher, instance: str) -> None:
-    host = ray.get(launcher.locate.remote(USER, instance))["host"]
+    host = ray.get(launcher.locate.remote(USER, instance)).host
     ray.get(host.send.remote(USER, instance, "message", "go on"))
 
 

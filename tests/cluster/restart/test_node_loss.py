@@ -4,6 +4,7 @@ there fails with an error event, launches avoid the node, and the rest of the cl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 import time
@@ -53,7 +54,7 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
         program = ray.get(launcher.upload.remote("ann", "greedy.py", GREEDY))["program"]
         parked = ray.get(launcher.upload.remote("ann", "parked.py", PARKED))["program"]
         stranded = ray.get(launcher.launch.remote("ann", LaunchRequest(program=parked, node_id=doomed)))
-        assert poll(launcher, "ann", stranded, 0, 60.0)["events"][0][1:] == ["message", "parked"]
+        assert poll(launcher, "ann", stranded, 0, 60.0).events[0][1:] == ["message", "parked"]
 
         ray_cluster.remove_node(doomed_node)  # the raylet and every process on the node are killed
         for _ in range(120):
@@ -63,7 +64,7 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
                 break
             time.sleep(0.5)
         assert not lost["alive"] and lost["host"] != "serving", lost
-        last = poll(launcher, "ann", stranded, 0, 60.0)["events"][-1]
+        last = poll(launcher, "ann", stranded, 0, 60.0).events[-1]
         assert last[1] == "error" and "died" in last[2], last  # its instance is reported failed
         states = {r["node"]: r["state"] for r in status["replicas"]}
         assert states[doomed] != "serving" and all(states[n] == "serving" for n in before), states
@@ -71,11 +72,11 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
         for node in (*sorted(before), None, None, None):  # pinned to a live node, or placed by the launcher
             instance = ray.get(launcher.launch.remote("ann", LaunchRequest(program=program, node_id=node)))
             events = poll(launcher, "ann", instance, 0, 60.0)
-            while not events["done"]:
-                more = poll(launcher, "ann", instance, events["next"], 60.0)
-                events = {**more, "events": events["events"] + more["events"]}
-            assert events["events"][-1][1] == "return", events["events"][-1]
-            assert len(json.loads(events["events"][-1][2])) == 4
+            while not events.done:
+                more = poll(launcher, "ann", instance, events.next_index, 60.0)
+                events = dataclasses.replace(more, events=events.events + more.events)
+            assert events.events[-1][1] == "return", events.events[-1]
+            assert len(json.loads(events.events[-1][2])) == 4
         with pytest.raises(RuntimeError, match="is down"):
             ray.get(launcher.launch.remote("ann", LaunchRequest(program=program, node_id=doomed)))
     finally:

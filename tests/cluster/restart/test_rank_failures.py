@@ -140,7 +140,7 @@ def test_a_blocking_call_that_waits_for_the_replacement_is_not_a_stall(tp_cluste
         wait_for_message(launcher, instance)
         if kill is not None:
             kill()
-        host = ray.get(launcher.locate.remote("alice", instance))["host"]
+        host = ray.get(launcher.locate.remote("alice", instance)).host
         ray.get(host.send.remote("alice", instance, "message", "go on"))
         last = run_to_end(launcher, instance)[-1]
         assert last[1] == "return", last

@@ -113,9 +113,9 @@ class Launcher:
 
     def ending(self, instance: str) -> tuple[str, object]:
         launcher = ray.get_actor(LAUNCHER, namespace=NAMESPACE)
-        while (where := ray.get(launcher.locate.remote(self.user, instance, 0.0), timeout=60))["ending"] is None:
+        while (where := ray.get(launcher.locate.remote(self.user, instance, 0.0), timeout=60)).ending is None:
             time.sleep(0.2)
-        return tuple(where["ending"])
+        return where.ending
 
     def run(self, source: str, input: dict | None = None) -> tuple[str, object]:
         return self.ending(self.launch(source, input))

@@ -72,7 +72,7 @@ def test_a_killed_dedicated_host_ends_its_instance_with_an_error(launcher):
     data = zip_program({"pie.toml": manifest, "main.py": main})
     program = ray.get(launcher.upload.remote("alice", "parked.zip", data))["program"]
     instance = launch(launcher, program)
-    (event,) = poll(launcher, "alice", instance, 0, 60.0)["events"]
+    (event,) = poll(launcher, "alice", instance, 0, 60.0).events
     killed = time.monotonic()
     os.kill(int(event[2]), signal.SIGKILL)
     last = run_to_end(launcher, instance)[-1]
