@@ -83,7 +83,7 @@ def test_a_hung_inferlet_host_is_killed_and_restarted_and_its_instance_fails(sma
     head = ray.get_runtime_context().get_node_id()
     parked, program = upload(launcher, PARKED), upload(launcher, GREEDY)
     waiting = launch(launcher, parked, node_id=head)
-    assert poll(launcher, "alice", waiting, 0, 60.0)["events"][0][1:] == ["message", "parked"]
+    assert poll(launcher, "alice", waiting, 0, 60.0).events[0][1:] == ["message", "parked"]
     hung = pid_of(ray_cluster, class_name="InferletHost", node_id=head)
     with stopped(hung):
         began = time.monotonic()
