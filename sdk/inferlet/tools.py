@@ -22,7 +22,7 @@ from inferlet.tokenizer import TextStream
 _JSON = json.JSONDecoder()
 _ARGS_KEYS = ("arguments", "parameters")
 _NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
-_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+_ARGS = re.compile(r'"(?:' + "|".join(_ARGS_KEYS) + r')"\s*:\s*')
 
 
 def equip_prefix(model: ModelLike, schemas: Iterable[dict | str]) -> list[int]:
@@ -193,7 +193,7 @@ class Decoder:
             return Call(name, "")
         try:  # written whole (only what closes the call is missing): as a complete call reports it
             value, _ = _JSON.raw_decode(body, args.end())
-            return Call(name, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+            return Call(name, _arguments_text(value))
         except json.JSONDecodeError:
             return Call(name, body[args.end() :].rstrip())
 
@@ -202,5 +202,9 @@ class Decoder:
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         key = next((k for k in (self._format.args_key, *_ARGS_KEYS) if k in value), None)
-        args = value[key] if key else {}
-        return Call(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+        return Call(value["name"], _arguments_text(value[key] if key else {}))
+
+
+def _arguments_text(args: Any) -> str:
+    """A call's arguments as the OpenAI API carries them: JSON text (a string a model wrote is kept as written)."""
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
