@@ -57,8 +57,11 @@ vllm-peer: $(VLLM_PEER)/.installed
 run: $(VENV)/.installed
 	$(VENV)/bin/pie run examples/text_completion.py -- --prompt "Tell me about paged attention." --max-tokens 32
 
+# Two test sessions side by side (pytest-xdist), each with its own two-raylet Ray cluster, one test file at a time
+# (a file's module-scoped cluster stays with it): the cluster tests wait on processes starting as much as they
+# compute, so two sessions fill 2 cores that one leaves ~40% idle. More would only queue on the same cores.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: $(VENV)/.installed $(VLLM_PEER)/.installed
 	$(PY) bench/forward.py

@@ -55,20 +55,28 @@ def ray_cluster(second_node_cache):
     test can pin work there, and its own Pie cache directory, so it starts without the head's files as a separate
     machine would. Tests that do not care see one pool of 8 CPUs.
     """
-    import socket
-
     import ray
     from ray.cluster_utils import Cluster
+    from support.pie_procs import free_port, own_node
 
-    with socket.socket() as s:  # a free dashboard port: parallel test sessions must not collide on 8265
-        s.bind(("127.0.0.1", 0))
-        dashboard_port = s.getsockname()[1]
+    # Ray's fixed defaults (dashboard 8265, each node's job agent 52365) would collide between this cluster's two
+    # raylets (the second one's job agent then never registers and job submissions wait on it) and with any other
+    # test session on the machine
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 4, "include_dashboard": True, "dashboard_port": dashboard_port},
+        head_node_args={
+            "num_cpus": 4,
+            "include_dashboard": True,
+            "dashboard_port": free_port(),
+            **own_node(),
+        },
     )
-    cluster.add_node(num_cpus=4, resources={"second_node": 1}, env_vars={"PIE_CACHE_DIR": str(second_node_cache)})
+    second = {"num_cpus": 4, "resources": {"second_node": 1}, **own_node()}
+    cluster.add_node(**second, env_vars={"PIE_CACHE_DIR": str(second_node_cache)})
     ray.init(address=cluster.address, log_to_driver=False, namespace="pie-test")
+    # what finds "the cluster on this machine" (Ray's state API, `pie` commands without --address) finds this one,
+    # not whichever another test session on this machine started last
+    os.environ["RAY_ADDRESS"] = cluster.address
     yield cluster
     ray.shutdown()
     cluster.shutdown()

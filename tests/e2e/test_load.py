@@ -56,15 +56,18 @@ def launcher(ray_session):
 
 
 def worker_process(uid: int) -> psutil.Process:
-    """The user's sandboxed worker on this machine: the Python process running as that worker's uid under an
-    inferlet host (not one of a pool that an earlier test ran in the test process itself: worker uids are per
-    pool)."""
+    """The user's sandboxed worker: the Python process running as that worker's uid under one of this cluster's
+    inferlet hosts (not one of a pool that an earlier test ran in the test process itself, nor another test
+    session's: worker uids are per pool slot)."""
+    from ray.util.state import list_actors
+
+    hosts = {a["pid"] for a in list_actors(filters=[("class_name", "=", "InferletHost"), ("state", "=", "ALIVE")])}
     (found,) = [
         p
         for p in psutil.process_iter(["uids", "cmdline"])
         if p.info["uids"].real == uid
         and "pie_cluster.hosts.sandbox.worker_main" in (p.info["cmdline"] or [])
-        and any("InferletHost" in " ".join(parent.cmdline()) for parent in p.parents())
+        and any(parent.pid in hosts for parent in p.parents())
     ]
     return found
 

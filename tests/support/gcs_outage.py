@@ -42,7 +42,7 @@ async def main(input):
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: ``support`` as the tests import it
-    from support.pie_procs import free_port
+    from support.pie_procs import free_port, own_node
 
     port, data = free_port(), tempfile.mkdtemp(prefix="pie-redis-")
     redis = subprocess.Popen(
@@ -58,7 +58,8 @@ def main() -> None:
     from ray.cluster_utils import Cluster
     from support.launching import SAVES_AND_WAITS, launch, run_to_end, upload
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
+    alone = {**own_node(), "temp_dir": tempfile.mkdtemp(prefix="ray-gcs-")}  # not the test session's Ray directory
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False, **alone})
     try:
         ray.init(address=cluster.address, namespace="pie-gcs", log_to_driver=False)
         config = PieConfig(auth=AuthConfig(enabled=False), model=[ModelConfigEntry(pages=128, cpus_per_rank=1)])

@@ -32,6 +32,18 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-29999")
 
 
+RAY_TEMP = f"/tmp/ray-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+"""This test session's own Ray directory: Ray finds "the cluster on this machine" (its job supervisor does, to give
+a job's driver its address) through a file there, which test sessions running side by side must not share."""
+
+
+def own_node() -> dict:
+    """``Cluster`` node arguments for a raylet of this test session: its job agent on a free port instead of Ray's
+    fixed default (52365), which every other raylet on this machine would try to bind too, and the session's own
+    Ray directory."""
+    return {"dashboard_agent_listen_port": free_port(), "temp_dir": RAY_TEMP}
+
+
 def started_pie(ray_cluster, home: Path, extra_config: str = "", server: str = "", model: str = "") -> Iterator[dict]:
     """Start the services with two users (tokens ``tok-alice``, ``tok-bob``) and the tiny model as "default";
     yields the base URL, the environment, the home directory and what `pie start` printed on stderr, and stops them
@@ -77,10 +89,15 @@ def started_pie(ray_cluster, home: Path, extra_config: str = "", server: str = "
 
 
 def engine_status(pie: dict) -> dict:
-    """`pie status --json` of the started cluster."""
-    got = subprocess.run([*PIE, "status", "--json"], env=pie["env"], capture_output=True, text=True, timeout=120)
-    assert got.returncode == 0, got.stderr
-    return json.loads(got.stdout)
+    """The report `pie status --json` prints (the same call, JSON round trip included), read from the controller
+    over this test session's Ray connection: a `pie status` process costs seconds of imports and joining, and the
+    tests that ask for it dozens of times do not test the command (``tests/cluster/cli`` and ``test_http_cli`` do)."""
+    import ray
+    from pie_cluster.control.controller import CONTROLLER
+    from pie_cluster.ray_session import NAMESPACE
+
+    controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    return json.loads(json.dumps(ray.get(controller.status.remote(), timeout=120)))
 
 
 def pie_start_refused(jail: list[str], home: Path) -> str:

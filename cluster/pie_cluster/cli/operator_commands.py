@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
@@ -104,7 +105,7 @@ def start(
 
     from pie_cluster.config import PieConfig
     from pie_cluster.control.controller import start_controller
-    from pie_cluster.ingress.app import serve_http
+    from pie_cluster.ingress.app import serve_http, start_proxy
 
     try:
         cfg = PieConfig.load(config)
@@ -128,10 +129,13 @@ def start(
             raise typer.Exit(2) from None
     with _one_line_errors("pie start"):
         gcs, dashboard, started = _join(address, start_if_missing=True)
-    with _one_line_errors("pie start"), err.status("starting Pie services (loading models)..."):
+    overrides = {"host": host, "port": port}
+    server = cfg.server.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+    starting = err.status("starting Pie services (loading models)...")
+    with _one_line_errors("pie start"), starting, ThreadPoolExecutor(1, thread_name_prefix="serve") as beside:
+        proxy = beside.submit(start_proxy, server)
         start_controller(cfg)
-        overrides = {"host": host, "port": port}
-        server = cfg.server.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+        proxy.result()
         url = serve_http(cfg.auth, ray.get_runtime_context().namespace, server, cfg.responses, cfg.cache)
     token = next(iter(cfg.auth.tokens), None) if cfg.auth.enabled and len(cfg.auth.tokens) == 1 else None
     save_state({"address": gcs, "url": url, "dashboard": dashboard, "started_ray": started, "token": token})

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import ray.exceptions
@@ -88,7 +89,11 @@ class Controller:
         self.hosting = threading.Lock()  # hosts added and services published one at a time
         self._stopping = threading.Event()
         if saved is None:
-            self._build()
+            try:
+                self._build()
+            except BaseException:
+                self._discard()
+                raise
         else:
             self._adopt(saved)
         self._bus_published = True  # False: the hosts are yet to be given the bus shards' new addresses
@@ -119,11 +124,8 @@ class Controller:
         self.responses = get_or_create_store(
             self._namespace, config.responses, self.directory, lifetime=lifetime, placement=here
         )
-        for entry in config.model:
-            self.replicas[entry.name] = self._start_replicas(entry)
-        bounds = {"limits": limits.bus_limits(), "connections": limits.connection_limits()}
-        self.bus = start_bus(shards=config.bus.shards, detached=self._detached, secret=self.secret, **bounds)
-        nodes = sorted(_alive_nodes())
+        # the launcher and the bus need nothing of the models: their processes start while the replicas load, and
+        # every replica of every model loads at once (each waits mostly on its own processes starting)
         launcher_cls = ray.remote(Launcher).options(
             name=LAUNCHER,
             get_if_exists=True,  # one a previous process of a restarted controller made before it died
@@ -135,6 +137,17 @@ class Controller:
         )
         channels = config.launcher.channel_limits(config.limits)
         self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision, channels)
+        bounds = {"limits": limits.bus_limits(), "connections": limits.connection_limits()}
+        with ThreadPoolExecutor(thread_name_prefix="start") as starting:
+            bus = starting.submit(start_bus, config.bus.shards, detached=self._detached, secret=self.secret, **bounds)
+            models = {entry.name: starting.submit(self._start_replicas, entry) for entry in config.model}
+        # every start has ended here; what did start is kept, so that a failed build can take it down (_discard)
+        self.bus = bus.result() if bus.exception() is None else None
+        self.replicas = {name: started.result() for name, started in models.items() if started.exception() is None}
+        for started in (bus, *models.values()):
+            if started.exception() is not None:
+                raise started.exception()
+        nodes = sorted(_alive_nodes())
         services = self._services(nodes)
         self.hosts = {node: self._start_host(node, services[node]) for node in nodes}
         pool = HostPool(
@@ -145,6 +158,23 @@ class Controller:
         )
         answered(self.launcher.attach_pool.remote(pool), "the launcher", LAUNCHER_S)
         self.save()
+
+    def _discard(self) -> None:
+        """A build that failed half-way takes down what it had started: detached parts would outlive it, and the
+        next `pie start` would be handed them by name."""
+        parts = [getattr(self, name, None) for name in ("launcher", "market", "directory", "responses")]
+        for actor in [*parts, *getattr(self, "hosts", {}).values()]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        with contextlib.suppress(ray.exceptions.RayError):
+            if getattr(self, "bus", None) is not None:
+                self.bus.shutdown()
+        for group in self.replicas.values():
+            for replica in group:
+                for rank in replica.ranks:
+                    ray.kill(rank, no_restart=True)
+        for model in self._models.values():
+            remove_placement_group(model.group)
 
     def _adopt(self, saved: ControllerState) -> None:
         """Take over what the previous process built; what it left half-made is killed."""
@@ -280,7 +310,8 @@ class Controller:
             detached=self._detached,
         )
         self._models[entry.name] = ModelPlacement(entry, group, use_gpu, cpus)
-        return [self._new_replica(entry.name, i) for i in range(entry.replicas)]
+        with ThreadPoolExecutor(thread_name_prefix=f"start-{entry.name}") as starting:
+            return list(starting.map(lambda index: self._new_replica(entry.name, index), range(entry.replicas)))
 
     def _new_replica(self, name: str, index: int) -> Replica:
         """Replica ``index`` of model ``name``, in its bundle of the model's placement group."""
@@ -367,7 +398,11 @@ def start_controller(config: PieConfig, detached: bool = True):
     else:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     controller = ray.remote(Controller).options(**options).remote(config, restartable=detached)
-    ray.get(controller.ready.remote())
+    try:
+        ray.get(controller.ready.remote())
+    except ray.exceptions.RayActorError:  # its build failed (and took down what it had started)
+        ray.kill(controller)  # and its name goes with it: the next start is not handed this dead one
+        raise
     return controller
 
 

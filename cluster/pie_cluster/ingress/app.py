@@ -316,6 +316,12 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         return {"aborted": aborted}
 
 
+def start_proxy(server: ServerConfig) -> None:
+    """Serve's controller and HTTP proxy (on the head node), which need nothing of Pie's services: `pie start` brings
+    them up while the models load. Idempotent."""
+    serve.start(http_options={"host": server.host, "port": server.port, "location": "HeadOnly"})
+
+
 def serve_http(
     auth: AuthConfig,
     namespace: str,
@@ -325,7 +331,7 @@ def serve_http(
 ) -> str:
     """Deploy the app on Ray Serve (proxy on the head node) with ``server``'s replicas; returns its base URL.
     ``cache``: whose prefixes the replicas share, which the ingress places requests by."""
-    serve.start(http_options={"host": server.host, "port": server.port, "location": "HeadOnly"})
+    start_proxy(server)
     deployment = PieIngress.options(**server.deployment_options())
     shared = (cache or CacheConfig()).share == "cluster"
     bound = deployment.bind(auth, namespace, server.routing, responses or ResponsesConfig(), shared)

@@ -12,6 +12,7 @@ import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.controller import start_controller
 from support.launching import launch, run_to_end, upload
+from support.pie_procs import own_node
 
 GREEDY = """
 from inferlet import Context, Model, Sampler
@@ -39,7 +40,7 @@ def test_a_node_that_joins_later_gets_a_host_and_runs_launches(ray_cluster, ray_
     try:
         launcher = ray.get_actor("pie-launcher")
         before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        joined = ray_cluster.add_node(num_cpus=1)
+        joined = ray_cluster.add_node(num_cpus=1, **own_node())
         ray_cluster.wait_for_nodes()
         (node,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before
         began = time.monotonic()

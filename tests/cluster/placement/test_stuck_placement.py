@@ -1,6 +1,7 @@
 """A replacement Ray cannot place never holds up another model's supervision: model "pinned" is kept (by a custom
 resource) to a third node that is then removed, so its replacement waits for a bundle no node can take; meanwhile
-the leader of model "default" is SIGKILLed, and it is replaced and serves while "pinned" is still restarting."""
+the leader of model "default" is SIGKILLed, and it is replaced and serves while "pinned" is still restarting. A start
+whose model Ray cannot place at all fails and leaves nothing running."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.controller import start_controller
 from support.launching import launch, run_to_end, upload
+from support.pie_procs import own_node
 
 GREEDY = """
 from inferlet import Context, Model, Sampler
@@ -33,14 +35,15 @@ def rows(controller) -> tuple[dict, dict[str, dict]]:
 @pytest.mark.slow
 def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replacement(ray_cluster, ray_session):
     before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    third = ray_cluster.add_node(num_cpus=1, resources={"pinned_node": 1})
+    third = ray_cluster.add_node(num_cpus=1, resources={"pinned_node": 1}, **own_node())
     ray_cluster.wait_for_nodes()
     (pinned_node,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before
     models = [  # "pinned" first, so it takes the third node's only CPU and "default" goes elsewhere
         ModelConfigEntry(name="pinned", pages=64, resources={"pinned_node": 1}),
         ModelConfigEntry(name="default", pages=64),
     ]
-    supervision = SupervisionConfig(probe_every_s=1.0, probe_deadline_s=3.0, start_s=5.0)
+    # start_s bounds the stuck replacement's wait and also every replica's start: room for a loaded machine
+    supervision = SupervisionConfig(probe_every_s=1.0, probe_deadline_s=3.0, start_s=20.0)
     config = PieConfig(auth=AuthConfig(enabled=False), model=models, supervision=supervision)
     controller = start_controller(config, detached=False)
     try:
@@ -72,3 +75,18 @@ def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replac
     finally:
         ray.get(controller.shutdown.remote())
         ray.kill(controller)
+
+
+def test_a_start_whose_model_cannot_be_placed_fails_naming_it_and_leaves_nothing_running(ray_session):
+    """The launcher, bus, market and stores start while the models load (detached, as `pie start` makes them): a
+    model that never gets its bundle takes them down with the failed start, so nothing of it outlives the error
+    or is handed by name to the next start."""
+    before = set(ray.util.list_named_actors())
+    models = [ModelConfigEntry(name="nowhere", pages=64, resources={"no_such_node": 1})]
+    config = PieConfig(auth=AuthConfig(enabled=False), model=models, supervision=SupervisionConfig(start_s=3.0))
+    with pytest.raises(ray.exceptions.RayActorError, match=r"not placed and started within 3\.0 s"):
+        start_controller(config)
+    deadline = time.monotonic() + 30
+    while (left := set(ray.util.list_named_actors()) - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left

@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.util.state import list_actors
 from support.halves import wait_for_message
 from support.launching import SAVES_AND_WAITS, launch, run_to_end, upload
+from support.pie_procs import own_node
 
 SHARDS = 3
 USER = "alice"  # the launcher's tests' user: auth is off
@@ -102,7 +103,8 @@ def returned(launcher, instance: str):
 @pytest.mark.slow
 def test_the_control_plane_s_machine_is_lost_and_the_cluster_serves_on(ray_cluster, ray_session):
     survivors = alive_nodes()
-    doomed_node = ray_cluster.add_node(num_cpus=0)  # the control plane and a bus shard; no replica fits there
+    # the control plane and a bus shard; no replica fits there
+    doomed_node = ray_cluster.add_node(num_cpus=0, **own_node())
     ray_cluster.wait_for_nodes()
     (doomed,) = alive_nodes() - survivors
     config = PieConfig(

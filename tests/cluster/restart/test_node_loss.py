@@ -15,6 +15,7 @@ from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.control.controller import start_controller
 from pie_cluster.hosts.events import poll
 from pie_cluster.launch_request import LaunchRequest
+from support.pie_procs import own_node
 
 PARKED = b"""
 from inferlet import session
@@ -41,7 +42,7 @@ def alive_nodes() -> set[str]:
 @pytest.mark.slow
 def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_cluster, ray_session):
     before = alive_nodes()
-    doomed_node = ray_cluster.add_node(num_cpus=2)
+    doomed_node = ray_cluster.add_node(num_cpus=2, **own_node())
     ray_cluster.wait_for_nodes()
     (doomed,) = alive_nodes() - before
     model = ModelConfigEntry(pages=128, cpus_per_rank=1, replicas=3, placement="strict_spread")
