@@ -41,6 +41,7 @@ from pie_cluster.control.controller import LAUNCHER, start_controller
 from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher.actor import OPENAI_PROGRAM
+from pie_cluster.launcher.records import AdmitRequest, Admitted
 from pie_cluster.market.actor import MARKET_NAME
 from pie_cluster.ray_session import init_ray
 from pie_cluster.stores.directory import DIRECTORY
@@ -83,9 +84,9 @@ class Components:
 
     async def openai(self, k: int) -> None:
         user = f"u{k}"  # a user per caller: the per-user admission limit is not what is measured
-        admitted = await self.admit((uuid.uuid4().hex, user, OPENAI_PROGRAM, {}))
-        assert isinstance(admitted, dict) and not admitted["queued"], admitted
-        await self.launcher.ended.remote([(admitted["id"], "return", "")])
+        admitted = await self.admit(AdmitRequest(uuid.uuid4().hex, user, OPENAI_PROGRAM, {}))
+        assert isinstance(admitted, Admitted) and not admitted.queued, admitted
+        await self.launcher.ended.remote([(admitted.id, "return", "")])
 
     async def uploaded(self, k: int) -> None:
         instance = await self.launcher.launch.remote("bench", LaunchRequest(program=self.program))

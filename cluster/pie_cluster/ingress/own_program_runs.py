@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from pie_cluster.launcher.records import AdmissionAnswer, Admitted
+
 
 @dataclass
 class LocalRun:
@@ -27,15 +29,15 @@ class LocalRun:
     held_ending: tuple[str, str | bytes] | None = None  # its terminal event, held until it is confirmed
     abort_reason: str | None = None
 
-    def admitted_as_begun(self, answer: object) -> bool:
+    def admitted_as_begun(self, answer: AdmissionAnswer) -> bool:
         """Whether the launcher's answer lets this run, begun early, go on: admitted to run now, with the services
         and limits it began with."""
         return (
-            isinstance(answer, dict)
-            and not answer["queued"]
-            and answer["ending"] is None
-            and answer["services"] == self.services_version
-            and answer["deadline_s"] == self.deadline_s
+            isinstance(answer, Admitted)
+            and not answer.queued
+            and answer.ending is None
+            and answer.services == self.services_version
+            and answer.deadline_s == self.deadline_s
         )
 
 
@@ -66,10 +68,10 @@ class Headroom:
         """An early start's answer came (whatever it was)."""
         self._users[user].unanswered -= 1
 
-    def heard(self, user: str, answer: object) -> None:
+    def heard(self, user: str, answer: AdmissionAnswer) -> None:
         """An admission answer for ``user``: the room it leaves, and the limits its instances run with (a refusal
         leaves none)."""
         room = self._users.setdefault(user, _UserRoom())
-        room.spare = answer["spare"] if isinstance(answer, dict) else 0
-        if isinstance(answer, dict):
-            self.deadline_s, self.services_version = answer["deadline_s"], answer["services"]
+        room.spare = answer.spare if isinstance(answer, Admitted) else 0
+        if isinstance(answer, Admitted):
+            self.deadline_s, self.services_version = answer.deadline_s, answer.services

@@ -44,6 +44,7 @@ from pie_cluster.hosts.run import InstanceSetup, serve_instance
 from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.ingress.own_program_runs import Headroom, LocalRun
 from pie_cluster.ingress.routing import PrefixRouter, Prompt
+from pie_cluster.launcher.records import AdmitRequest, Admitted, Refused, RunOnHost
 from pie_cluster.programs.program import Main, Program
 
 log = logging.getLogger("pie.http")
@@ -141,7 +142,7 @@ class LocalInstances:
         wallet = self._open_wallet(instance_id)
         if early is not None:
             early.wallet = wallet
-        admission = asyncio.ensure_future(self._admit((instance_id, user, program, input)))
+        admission = asyncio.ensure_future(self._admit(AdmitRequest(instance_id, user, program, input)))
         try:
             admitted = await asyncio.shield(admission)
         except BaseException:
@@ -155,7 +156,7 @@ class LocalInstances:
             if early is not None:
                 self._headroom.answered(user)
         self._headroom.heard(user, admitted)
-        if self._listening is None and isinstance(admitted, dict):  # the launcher knows this runner from now on
+        if self._listening is None and isinstance(admitted, Admitted):  # the launcher knows this runner from now on
             self._listening = asyncio.get_running_loop().create_task(self._listen_for_aborts())
         if early is not None:
             if early.admitted_as_begun(admitted):
@@ -164,17 +165,17 @@ class LocalInstances:
             self._early_starts.labels("undone").inc()
             undone = self._undo(early)  # (its wallet goes with it)
             wallet = None
-        elif isinstance(admitted, Exception) or admitted is None or admitted["queued"]:
+        elif not isinstance(admitted, Admitted) or admitted.queued:
             self._close_wallet(instance_id, wallet)  # refused, run elsewhere, or waiting: it opens one later
             wallet = None
-        if isinstance(admitted, Exception):  # refused (overloaded): this request's own answer
-            raise admitted
-        if admitted is None:
+        if isinstance(admitted, Refused):  # this request's own answer
+            raise admitted.error()
+        if isinstance(admitted, RunOnHost):
             return None
         try:
             if early is not None:  # this id's run again starts after that one's cleanup, or a bounded wait for it
                 await asyncio.wait([undone], timeout=UNDONE_CLEANUP_S)
-            while admitted["queued"]:
+            while admitted.queued:
                 ref = self._launcher.admitted.remote(self.name, instance_id, LAUNCHER_S)
                 admitted = await answer(ref, "the launcher", 2 * LAUNCHER_S)
         except BaseException:  # its client went away (or the launcher did not answer): its slot must come back
@@ -182,10 +183,10 @@ class LocalInstances:
             self._launcher.ended.remote([(instance_id, "error", ending)])
             raise
         channel = self._channels.open(instance_id, user)
-        if admitted["ending"] is not None:  # aborted while it waited
-            channel.log.append(*admitted["ending"])
+        if admitted.ending is not None:  # aborted while it waited
+            channel.log.append(*admitted.ending)
             return instance_id, channel
-        run = LocalRun(instance_id, admitted["services"], admitted["deadline_s"], wallet)
+        run = LocalRun(instance_id, admitted.services, admitted.deadline_s, wallet)
         self._launch(run, program, input, user, prompt)
         return instance_id, channel
 
@@ -229,7 +230,7 @@ class LocalInstances:
     def _end_unstarted(self, instance_id: str, admission: asyncio.Future) -> None:
         """The request went away while its admission was on its way: an instance the launcher admitted (or queued)
         anyway is ended there, so that its slot comes back."""
-        if not admission.cancelled() and admission.exception() is None and isinstance(admission.result(), dict):
+        if not admission.cancelled() and admission.exception() is None and isinstance(admission.result(), Admitted):
             self._launcher.ended.remote([(instance_id, "error", "its client went away before it started")])
 
     def _revokers(self) -> tuple:

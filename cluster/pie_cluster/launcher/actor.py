@@ -41,7 +41,15 @@ from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher.admission import Admission, Overloaded
 from pie_cluster.launcher.host_watch import until_gone
 from pie_cluster.launcher.ingress_runners import Runners
-from pie_cluster.launcher.records import HostPool, InstanceRecord
+from pie_cluster.launcher.records import (
+    AdmissionAnswer,
+    AdmitRequest,
+    Admitted,
+    HostPool,
+    InstanceRecord,
+    Refused,
+    RunOnHost,
+)
 from pie_cluster.launcher.recovery import LauncherMemory, LauncherState, WaitingLaunch, known_to_hosts, program_of
 from pie_cluster.market import endowment_for
 from pie_cluster.programs import BUILTIN_DIR
@@ -377,39 +385,39 @@ class Launcher:
 
     # -- instances that an ingress replica runs itself ----------------------------------------------------------
 
-    async def admit_many(self, node: str, runner: str, handle, requests: list[tuple[str, str, str, dict]]) -> list:
+    async def admit_many(self, node: str, runner: str, handle, requests: list[AdmitRequest]) -> list[AdmissionAnswer]:
         """Admit instances of the cluster's own programs that ``runner`` (an ingress replica on ``node``, actor
-        ``handle``) runs in its own process: no host, no event relay. ``requests`` are ``(instance_id, user,
-        program, input)``, those of one event-loop turn of the runner (``ingress/own_programs.py`` coalesces them; it
-        names each instance, so it opens the instance's wallet while this admits it). Each answer is the instance's
-        id and limits (``queued`` true when it waits for a slot: ``admitted`` waits on; ``spare``: how many more
-        the user may start now, so the runner may begin those before their answer), None when this node has no
-        view of the models (the runner launches it on a host instead), or the exception that refused it
-        (``Overloaded``, a program that is not the cluster's, an id already taken)."""
+        ``handle``) runs in its own process: no host, no event relay. ``requests``: those of one event-loop turn of
+        the runner (``ingress/own_programs.py`` coalesces them). One answer per request, in order: ``Admitted``,
+        ``Refused`` (over the limits, a program that is not the cluster's, an id already taken), or ``RunOnHost``
+        when this node has no view of the models."""
         self.calls["admit"] += 1
         if self._pool is None:
             raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
         if node not in self._pool.services:
-            return [None] * len(requests)
-        answers = []
-        for instance_id, user, program, input in requests:
+            return [RunOnHost()] * len(requests)
+        answers: list[AdmissionAnswer] = []
+        for request in requests:
             try:
-                instance = self._admit(instance_id, user, program, input, node, runner, handle)
-            except (Overloaded, ValueError) as e:
-                answers.append(e)
+                instance = self._admit(request, node, runner, handle)
+            except Overloaded as e:
+                answers.append(Refused(str(e), e.retry_after_s))
+                continue
+            except ValueError as e:
+                answers.append(Refused(str(e)))
                 continue
             answers.append(await self._admission_answer(instance, 0.0))
         return answers
 
-    def _admit(
-        self, instance_id: str, user: str, program: str, input: dict, node: str, runner: str, handle
-    ) -> InstanceRecord:
-        if program not in self._builtins:
-            raise ValueError(f"{program!r} is not one of the cluster's own programs")
-        if instance_id in self._instances:
-            raise ValueError(f"the instance id {instance_id!r} is taken")
+    def _admit(self, request: AdmitRequest, node: str, runner: str, handle) -> InstanceRecord:
+        if request.program not in self._builtins:
+            raise ValueError(f"{request.program!r} is not one of the cluster's own programs")
+        if request.instance_id in self._instances:
+            raise ValueError(f"the instance id {request.instance_id!r} is taken")
+        instance_id, user = request.instance_id, request.user
         runs_now = self._admission.admit(user, instance_id)
-        instance = InstanceRecord(instance_id, user, self._builtins[program], dict(input), node, None, False)
+        program = self._builtins[request.program]
+        instance = InstanceRecord(instance_id, user, program, dict(request.input), node, None, False)
         instance.runner = runner
         instance.limits = InstanceLimits(self._default_deadline_s)
         self._instances[instance_id] = instance
@@ -419,25 +427,25 @@ class Launcher:
         self.launched += 1
         return instance
 
-    async def admitted(self, runner: str, instance_id: str, wait: float) -> dict:
+    async def admitted(self, runner: str, instance_id: str, wait: float) -> Admitted:
         """For a runner whose admission came back queued: waits up to ``wait`` s more for the slot."""
         instance = self._instances.get(instance_id)
         if instance is None or instance.runner != runner:
             raise NotFound(f"no instance {instance_id!r}")
         return await self._admission_answer(instance, wait)
 
-    async def _admission_answer(self, instance: InstanceRecord, wait: float) -> dict:
+    async def _admission_answer(self, instance: InstanceRecord, wait: float) -> Admitted:
         if wait > 0 and not instance.settled.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(instance.settled.wait(), min(wait, 60.0))
-        return {
-            "id": instance.id,
-            "queued": not instance.settled.is_set(),
-            "ending": list(instance.ending) if instance.ending is not None else None,
-            "deadline_s": instance.limits.deadline_s,
-            "services": self._services_version,
-            "spare": self._admission.spare(instance.user),
-        }
+        return Admitted(
+            id=instance.id,
+            queued=not instance.settled.is_set(),
+            ending=instance.ending,
+            deadline_s=instance.limits.deadline_s,
+            services=self._services_version,
+            spare=self._admission.spare(instance.user),
+        )
 
     async def services_for(self, node: str) -> tuple[NodeServices, bytes, int]:
         """What instances a runner on ``node`` runs reach, the secret to mint their capabilities with, and the

@@ -1,4 +1,5 @@
-"""The launcher's records: one per instance, and the hosts it places instances on."""
+"""The launcher's records: one per instance, the hosts it places instances on, and the admissions of the instances
+an ingress replica runs itself (what ``Launcher.admit_many`` takes and answers)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from pie_cluster.hosts.node_host import InstanceLimits, NodeServices
+from pie_cluster.launcher.admission import Overloaded
 from pie_cluster.programs.program import Program
 
 
@@ -77,3 +79,50 @@ class HostPool:
         hosts = {n: h for n, h in self.hosts.items() if n != node}
         services = {n: s for n, s in self.services.items() if n != node}
         return dataclasses.replace(self, hosts=hosts, services=services)
+
+
+@dataclass(frozen=True)
+class AdmitRequest:
+    """An instance of one of the cluster's own programs that an ingress replica asks to run in its own process (it
+    names the instance, so it opens the instance's wallet while the launcher admits it)."""
+
+    instance_id: str
+    user: str
+    program: str
+    input: dict
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The instance is the launcher's: it runs now, or waits for a slot (``queued``: ``Launcher.admitted`` waits on).
+    ``ending``: it was aborted while it waited; ``services``: the version of the node's services it runs with;
+    ``spare``: how many more its user may start now (the runner may begin those before their answer)."""
+
+    id: str
+    queued: bool
+    ending: tuple[str, str | bytes] | None
+    deadline_s: float | None
+    services: int
+    spare: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The launcher refused the admission: over the admission limits (``retry_after_s``: HTTP 429), or a request no
+    launcher could take (a program that is not the cluster's, an id already taken)."""
+
+    message: str
+    retry_after_s: float | None = None
+
+    def error(self) -> Exception:
+        return (
+            Overloaded(self.message, self.retry_after_s) if self.retry_after_s is not None else ValueError(self.message)
+        )
+
+
+@dataclass(frozen=True)
+class RunOnHost:
+    """The runner's node has no view of the models: the runner launches the instance on an inferlet host instead."""
+
+
+AdmissionAnswer = Admitted | Refused | RunOnHost
