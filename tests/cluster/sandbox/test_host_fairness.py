@@ -14,6 +14,7 @@ workers, one busy ordinary process elsewhere on the machine was enough for alice
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -147,11 +148,18 @@ class Floods:
 
 
 def priorities(marker: str) -> set[int]:
-    """The nice values of this machine's processes whose command line has an argument starting with ``marker``."""
+    """The nice values of this cluster's processes whose command line has an argument starting with ``marker``: its
+    live actors' processes and what they started (another test session's cluster on this machine is not this one)."""
+    from ray.util.state import list_actors
+
+    ours = {a["pid"] for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)}
     found = set()
     for process in psutil.process_iter(["cmdline", "nice"]):
-        if any(arg.startswith(marker) for arg in process.info["cmdline"] or ()):
-            found.add(process.info["nice"])
+        with contextlib.suppress(psutil.Error):
+            if any(arg.startswith(marker) for arg in process.info["cmdline"] or ()) and (
+                process.pid in ours or any(parent.pid in ours for parent in process.parents())
+            ):
+                found.add(process.info["nice"])
     return found
 
 
