@@ -126,6 +126,18 @@ class EventLog:
         return self.since(index)  # read after the wait: events may arrive while a timed-out wait is cancelled
 
 
+@dataclass(frozen=True)
+class HostedInstance:
+    """An instance a host runs, or keeps the ending of while its channel is kept: what a restarted launcher learns
+    of it from ``InferletHost.live``."""
+
+    id: str
+    user: str
+    program: str  # its program's id
+    input: dict
+    ending: tuple[str, str | bytes] | None = None  # its terminal event's kind and value; None while it runs
+
+
 @dataclass
 class Channel:
     """One instance's events out and its client's messages and files in, kept by whatever runs it."""
@@ -138,7 +150,7 @@ class Channel:
         default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
     )
     waiting: set[asyncio.Future] = field(default_factory=set)
-    launch: dict | None = None  # what a restarted launcher learns of it from its host (``InferletHost.live``)
+    launch: HostedInstance | None = None  # what a restarted launcher learns of it from its host
     output: OutputQuota = field(default_factory=lambda: OutputQuota(0.0, time.monotonic()))
     ending: str | None = None  # why its host is ending it (it went over a limit): only its terminal event goes out
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint
@@ -21,7 +21,7 @@ from pie_workers.wire import capability
 
 from pie_cluster.config import ChannelLimits, SandboxConfig
 from pie_cluster.hosts import stdio
-from pie_cluster.hosts.events import Channels, EventBatch
+from pie_cluster.hosts.events import Channels, EventBatch, HostedInstance
 from pie_cluster.hosts.model_files import local_endpoints
 from pie_cluster.hosts.replica_relay import ReplicaRelays, failing_over
 from pie_cluster.hosts.revocations import Revoker
@@ -144,19 +144,18 @@ class InferletHost:
         """Begin running the instance; returns at once (its events report how it goes). ``trusted``: one of the
         cluster's own programs, run in this process even when the sandbox is on."""
         channel = self._channels.open(instance_id, username)
-        channel.launch = {"id": instance_id, "user": username, "program": program.id, "input": input}
+        channel.launch = HostedInstance(instance_id, username, program.id, input)
         if self._sandbox is None or trusted:
             work = self._run(instance_id, program, input, username, limits)
         else:
             work = self._hand_over(instance_id, program, input, username, limits)
         self._tasks[instance_id] = asyncio.get_running_loop().create_task(work)
 
-    async def live(self) -> list[dict]:
-        """The instances here (id, user, program id, input, and ``ending``: their terminal event ``[kind, value]``,
-        None while they run), the ended ones as long as their channel is kept: what a restarted launcher asks every
-        host, so it learns too the endings it was told before it died or while it was down."""
+    async def live(self) -> list[HostedInstance]:
+        """The instances here, the ended ones (with their ending) as long as their channel is kept: what a restarted
+        launcher asks every host, so it learns too the endings it was told before it died or while it was down."""
         return [
-            {**channel.launch, "ending": None if (end := channel.log.terminal) is None else [end.kind, end.value]}
+            replace(channel.launch, ending=None if (end := channel.log.terminal) is None else (end.kind, end.value))
             for channel in self._channels.all()
             if channel.launch is not None
         ]

@@ -105,11 +105,11 @@ async def known_to_hosts(pool: HostPool, programs: ProgramStore, builtins: dict[
     for node, host in pool.hosts.items():
         with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
             for live in await answer(host.live.remote(), f"the inferlet host on node {node}", HOST_S):
-                program = program_of(live["program"], live["user"], programs, builtins)
+                program = program_of(live.program, live.user, programs, builtins)
                 if program is not None:
-                    record = InstanceRecord(live["id"], live["user"], program, live["input"], node, host, False)
-                    if live["ending"] is not None:
-                        record.ending, record.ended = tuple(live["ending"]), time.time()
+                    record = InstanceRecord(live.id, live.user, program, live.input, node, host, False)
+                    if live.ending is not None:
+                        record.ending, record.ended = live.ending, time.time()
                         record.finished.set()
                     record.settled.set()
                     records.append(record)
