@@ -57,7 +57,7 @@ def ray_cluster(second_node_cache):
     """
     import ray
     from ray.cluster_utils import Cluster
-    from support.pie_procs import free_port, own_node
+    from support.pie_procs import RAY_TEMP, free_port, own_node
 
     # Ray's fixed defaults (dashboard 8265, each node's job agent 52365) would collide between this cluster's two
     # raylets (the second one's job agent then never registers and job submissions wait on it) and with any other
@@ -74,6 +74,9 @@ def ray_cluster(second_node_cache):
     second = {"num_cpus": 4, "resources": {"second_node": 1}, **own_node()}
     cluster.add_node(**second, env_vars={"PIE_CACHE_DIR": str(second_node_cache)})
     ray.init(address=cluster.address, log_to_driver=False, namespace="pie-test")
+    # as `ray start` does: Ray's job supervisor gives a job's driver the cluster named there (else any GCS running on
+    # this machine, which may be another test session's)
+    Path(RAY_TEMP, "ray_current_cluster").write_text(cluster.address)
     # what finds "the cluster on this machine" (Ray's state API, `pie` commands without --address) finds this one,
     # not whichever another test session on this machine started last
     os.environ["RAY_ADDRESS"] = cluster.address
