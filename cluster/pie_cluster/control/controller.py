@@ -106,6 +106,8 @@ class Controller:
         self._models: dict[str, ModelPlacement] = {}
         self.drained: set[str] = set()  # nodes `pie drain` released: no host is started there again
         self.restarts = 0
+        self.launcher = self.market = self.directory = self.responses = self.bus = None  # set as each starts
+        self.hosts = {}
         _check_placements(config)
         self._auto_cpus = automatic_cpus_for(config.model)
         # the control plane starts on the controller's node (the head's, for `pie start`) rather than on any worker.
@@ -142,7 +144,8 @@ class Controller:
             bus = starting.submit(start_bus, config.bus.shards, detached=self._detached, secret=self.secret, **bounds)
             models = {entry.name: starting.submit(self._start_replicas, entry) for entry in config.model}
         # every start has ended here; what did start is kept, so that a failed build can take it down (_discard)
-        self.bus = bus.result() if bus.exception() is None else None
+        if bus.exception() is None:
+            self.bus = bus.result()
         self.replicas = {name: started.result() for name, started in models.items() if started.exception() is None}
         for started in (bus, *models.values()):
             if started.exception() is not None:
@@ -162,12 +165,11 @@ class Controller:
     def _discard(self) -> None:
         """A build that failed half-way takes down what it had started: detached parts would outlive it, and the
         next `pie start` would be handed them by name."""
-        parts = [getattr(self, name, None) for name in ("launcher", "market", "directory", "responses")]
-        for actor in [*parts, *getattr(self, "hosts", {}).values()]:
+        for actor in [self.launcher, self.market, self.directory, self.responses, *self.hosts.values()]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
-        with contextlib.suppress(ray.exceptions.RayError):
-            if getattr(self, "bus", None) is not None:
+        if self.bus is not None:
+            with contextlib.suppress(ray.exceptions.RayError):
                 self.bus.shutdown()
         for group in self.replicas.values():
             for replica in group:
