@@ -137,6 +137,8 @@ class ChannelLimits:
     event_bytes: int = 1 << 20
     return_bytes: int = 4 << 20
     event_log_bytes: int = 8 << 20
+    inbox_bytes: int = 64 << 20
+    inbox_bytes_per_user: int = 256 << 20
 
 
 class LauncherConfig(_Strict):
@@ -244,6 +246,10 @@ class LimitsConfig(_Strict):
     event_bytes: int = Field(1 << 20, ge=1, le=EVENT_BYTES_CEILING)  # one message, file or error event's value
     return_bytes: int = Field(4 << 20, ge=1, le=EVENT_BYTES_CEILING)  # an instance's return value (JSON)
     event_log_bytes: int = Field(8 << 20, ge=1)  # events kept per instance (oldest dropped; its ending never)
+    # What clients send instances (session messages and files) and they have not received yet, kept by the host that
+    # runs them (``hosts/inbox.py``); past either bound a send is refused with 429
+    inbox_bytes: int = Field(64 << 20, ge=1)  # waiting for one instance
+    inbox_bytes_per_user: int = Field(256 << 20, ge=1)  # waiting for one user's instances on one host
 
     # What a replica holds per user (``engine/tenancy.py``): snapshots and LoRA adapters.
     snapshots_per_user: int = Field(1024, ge=1)  # snapshots one user holds on one replica (and names per model)
@@ -280,7 +286,7 @@ class LimitsConfig(_Strict):
         """The part an instance's channel enforces (``ChannelLimits``)."""
         return self.model_dump(
             include={"stdout_bytes_per_s", "stdout_burst_bytes", "stdout_total_bytes"}
-            | {"event_bytes", "return_bytes", "event_log_bytes"}
+            | {"event_bytes", "return_bytes", "event_log_bytes", "inbox_bytes", "inbox_bytes_per_user"}
         )
 
     def tenant_limits(self, cache: CacheConfig) -> TenantLimits:

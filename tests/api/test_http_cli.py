@@ -24,7 +24,15 @@ from support.pie_procs import PIE, engine_status, started_pie
 @pytest.fixture(scope="module")
 def pie(ray_cluster, tmp_path_factory):
     """`pie start` as a user would run it, joining the session's cluster; `pie stop` afterwards."""
-    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-home"))
+    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-home"), INBOX_LIMITS)
+
+
+KIB = 1 << 10
+INBOX_LIMITS = f"""
+[limits]
+inbox_bytes = {1024 * KIB}
+inbox_bytes_per_user = {1536 * KIB}
+"""
 
 
 def client(pie, token="tok-alice") -> PieClient:
@@ -332,6 +340,65 @@ def test_hostile_archives_are_refused_at_upload_and_write_nothing(pie, tmp_path)
     huge = b"#" * ((64 << 20) + 1)  # one byte over the upload limit
     got = httpx.post(programs, params={"filename": "big.py"}, content=huge, headers=headers, timeout=60)
     assert got.status_code == 413 and "limit" in assert_one_clean_line(got)
+
+
+ECHO = "from inferlet import session\n\nasync def main(input):\n    return await session.receive()\n"
+DRAIN = """
+from inferlet import session
+
+async def main(input):
+    await session.receive()
+    total = 0
+    for _ in range(input["files"]):
+        total += len(await session.receive_file())
+    return str(total)
+"""
+
+
+def test_what_clients_send_an_instance_is_bounded_until_it_receives_and_bob_is_untouched(pie, tmp_path):
+    """Files and messages wait in the inbox on the instance's host (shared by every user's instances there): past
+    the instance's bound or its user's on that host, a send is 429 naming the limit, until the instance receives;
+    a body past the app's limit is 413, after authentication. Bob's instance receives meanwhile."""
+    url, alice, bob = pie["url"], client(pie), client(pie, "tok-bob")
+    drain = alice.upload(write_program(tmp_path, DRAIN))["program"]
+    hoarder = alice.launch(LaunchRequest(program=drain, input={"files": 3}))
+    other = alice.launch(LaunchRequest(program=drain, input={"files": 1}))
+    echo = bob.upload(write_program(tmp_path, ECHO, "echo.py"))["program"]
+    waiter = bob.launch(LaunchRequest(program=echo))
+
+    def outcome(c: PieClient, instance: str) -> tuple[str, str]:
+        *_, (_, kind, value) = c.events(instance)
+        return kind, value
+
+    def send_file(instance: str, size: int, token: str = "tok-alice") -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"}
+        return httpx.post(f"{url}/v1/instances/{instance}/files", content=b"x" * size, headers=headers, timeout=60)
+
+    assert [send_file(hoarder, 400 * KIB).status_code for _ in range(2)] == [204, 204]
+    full = send_file(hoarder, 400 * KIB)
+    assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+    assert "[limits] inbox_bytes)" in assert_one_clean_line(full)
+    assert send_file(other, 400 * KIB).status_code == 204  # 1,200 KiB of alice's wait on the host
+    over_user = send_file(other, 400 * KIB)
+    assert over_user.status_code == 429 and "[limits] inbox_bytes_per_user" in assert_one_clean_line(over_user)
+
+    bob.send(waiter, "bob's message")  # bob's sends are his own
+    assert outcome(bob, waiter) == ("return", "bob's message")
+
+    alice.send(hoarder, "go")  # it receives what waits, and there is room again, as Retry-After promised
+    deadline = time.monotonic() + 60
+    while (sent := send_file(hoarder, 400 * KIB)).status_code == 429 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sent.status_code == 204, sent.text
+    assert outcome(alice, hoarder) == ("return", str(1200 * KIB))
+    alice.send(other, "go")
+    assert outcome(alice, other) == ("return", str(400 * KIB))
+
+    huge = json.dumps({"message": "x" * (64 << 20)}).encode()
+    for headers, status in (({}, 401), ({"Authorization": "Bearer tok-alice"}, 413)):
+        got = httpx.post(f"{url}/v1/instances/{hoarder}/messages", content=huge, headers=headers, timeout=60)
+        assert got.status_code == status, got.text
+    assert "over the limit of 64 MiB" in assert_one_clean_line(got)
 
 
 def test_the_cli_reports_out_of_range_launch_options_in_one_line(pie, tmp_path):

@@ -28,6 +28,7 @@ from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 
 from pie_cluster.config import ChannelLimits
 from pie_cluster.hosts.event_limits import KINDS, STREAMS, TERMINAL, OutputQuota, check_event, limit, size_of
+from pie_cluster.hosts.inbox import Inbox, check_room
 
 __all__ = ["KINDS", "TERMINAL", "Channel", "Channels", "Event", "EventBatch", "EventLog", "Location", "NotFound"]
 
@@ -146,9 +147,7 @@ class Channel:
     log: EventLog
     started: float | None = None  # when its program's main began (``time.perf_counter``), where that is measured
     first_pass: float | None = None  # when a pass first generated for it (the prefill's answer), measured there too
-    inbox: dict[str, asyncio.Queue] = field(
-        default_factory=lambda: {"message": asyncio.Queue(), "file": asyncio.Queue()}
-    )
+    inbox: Inbox = field(default_factory=Inbox)
     waiting: set[asyncio.Future] = field(default_factory=set)
     launch: HostedInstance | None = None  # what a restarted launcher learns of it from its host
     output: OutputQuota = field(default_factory=lambda: OutputQuota(0.0, time.monotonic()))
@@ -165,13 +164,13 @@ class Channel:
     def put(self, kind: str, value: str | bytes) -> None:
         if self.log.done:
             raise ValueError("the instance has ended; it can no longer receive")
-        self.inbox[kind].put_nowait(value)
+        self.inbox.put(kind, value)
 
     async def receive(self, kind: str):
         """What the client sends next (the instance's ``inferlet.session``); cancelled when the instance ends."""
         if self.log.done:
             raise RuntimeError("the instance has ended")
-        waiter = asyncio.ensure_future(self.inbox[kind].get())
+        waiter = asyncio.ensure_future(self.inbox.get(kind))
         self.waiting.add(waiter)
         try:
             return await waiter
@@ -289,6 +288,16 @@ class Channels:
         if channel is None or channel.user != user:
             raise NotFound(f"no instance {instance_id!r}")
         return channel
+
+    def deliver(self, user: str, instance_id: str, kind: str, value: str | bytes) -> None:
+        """The client's message or file into the instance's inbox, within its and its user's bounds here
+        (``inbox.py``: ``InboxFull`` past them)."""
+        channel = self.own(user, instance_id)
+        user_queued = sum(c.inbox.queued_bytes for c in self._open.values() if c.user == user)
+        limits = self._limits
+        check_room(instance_id, channel.inbox, user_queued, size_of(value), limits.inbox_bytes,
+                   limits.inbox_bytes_per_user)  # fmt: skip
+        channel.put(kind, value)
 
     def append(self, instance_id: str, kind: str, value: str | bytes, size: int | None = None) -> Event | None:
         """Add an event; returns it when it was the instance's terminal one (the channel is then closed)."""

@@ -181,7 +181,7 @@ class InferletHost:
 
     async def send(self, user: str, instance_id: str, kind: str, value: str | bytes) -> None:
         """The client's message (``kind`` "message") or file ("file") for the instance's ``inferlet.session``."""
-        self._channels.own(user, instance_id).put(kind, value)
+        self._channels.deliver(user, instance_id, kind, value)
 
     async def receive(self, instance_id: str, kind: str):
         """What the instance's client sends next (its session, here or in its sandboxed worker)."""

@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from pie_cluster.config import AuthConfig, CacheConfig, ResponsesConfig, ServerConfig
 from pie_cluster.hosts.events import TERMINAL, Location, follow
+from pie_cluster.ingress.body_limit import BodyLimit
 from pie_cluster.ingress.errors import launcher_error
 from pie_cluster.ingress.metrics import RequestClock, RequestMetrics
 from pie_cluster.ingress.openai.checks import OpenAIError
@@ -45,7 +46,11 @@ from pie_cluster.programs.program import MAX_PROGRAM_BYTES
 LOCAL_USER = "local"
 log = logging.getLogger("pie.http")
 
+# Every request's body: uploads and files are the largest (a program's limit); JSON bodies are far smaller, and none
+# is held in an ingress replica's memory past this
+MAX_BODY_BYTES = MAX_PROGRAM_BYTES
 app = FastAPI(title="Pie on Ray", description="Launch inferlets and follow their events.", version="0.1.0")
+app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
 
 def _ingress() -> "PieIngress":
@@ -75,11 +80,10 @@ async def _openai_failure(request: Request, error: OpenAIError) -> JSONResponse:
     return _openai_error(error)
 
 
-@app.exception_handler(RequestValidationError)
-async def _invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
-    """Malformed bodies and out-of-range fields are 400 with one line naming the fields, after authentication
-    (a body that is not even JSON fails before the dependencies run, so the token is checked here too); on the
-    OpenAI routes in OpenAI's shape, ``param`` naming the first bad field."""
+def _refusal(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An error found before the route's dependencies ran (the body is read first), answered after authentication
+    all the same: without a valid token it is 401, and the caller learns nothing of the schema or the limits. On
+    the OpenAI routes in OpenAI's shape."""
     openai = request.url.path in OPENAI_PATHS or request.url.path.startswith(RESPONSES_PATH)
     try:
         _ingress().user_for(request.headers.get("authorization"))
@@ -87,11 +91,22 @@ async def _invalid_request(request: Request, error: RequestValidationError) -> J
         if openai:
             return _openai_error(OpenAIError(e.status_code, e.detail, code="invalid_api_key", headers=e.headers))
         return _error(e.status_code, e.detail, e.headers)
-    message = describe_errors(error.errors())
     if openai:
-        fields = [str(p) for p in (error.errors() or [{}])[0].get("loc", ()) if p != "body"]
-        return _openai_error(OpenAIError(400, message, param=fields[0] if fields else None))
-    return _error(400, message)
+        return _openai_error(OpenAIError(status, message, param=param))
+    return _error(status, message)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+    """Malformed bodies and out-of-range fields are 400 with one line naming the fields (``param``: the first)."""
+    fields = [str(p) for p in (error.errors() or [{}])[0].get("loc", ()) if p != "body"]
+    return _refusal(request, 400, describe_errors(error.errors()), fields[0] if fields else None)
+
+
+@app.exception_handler(413)
+async def _too_large(request: Request, error: HTTPException) -> JSONResponse:
+    """A body past ``MAX_BODY_BYTES`` (``body_limit.py``: checked as it is read, never buffered beyond it)."""
+    return _refusal(request, 413, f"the request body is over the limit of {MAX_BODY_BYTES >> 20} MiB")
 
 
 @app.middleware("http")
@@ -131,20 +146,6 @@ class Instance(BaseModel):
 
 def _wire_value(kind: str, value: str | bytes) -> str:
     return base64.b64encode(value).decode() if kind == "file" else value
-
-
-async def _read_capped(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes ``limit`` bytes (never buffered beyond it)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"the body is {int(declared)} bytes; the limit is {limit >> 20} MiB")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"the body is over the {limit >> 20} MiB limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 app.include_router(openai_router)
@@ -224,7 +225,7 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
             str, Query(max_length=255, description="program.py, or a .zip of a directory with pie.toml")
         ],
     ) -> dict:
-        data = await _read_capped(request, MAX_PROGRAM_BYTES)
+        data = await request.body()
         return await self._call("upload", self._launcher.upload, user, filename, data)
 
     @app.post(
@@ -298,7 +299,7 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
 
     @app.post("/v1/instances/{instance_id}/files", status_code=204)
     async def send_file(self, instance_id: str, request: Request, user: User) -> None:
-        data = await _read_capped(request, MAX_PROGRAM_BYTES)
+        data = await request.body()
         await self._deliver("send_file", user, instance_id, "file", data)
 
     async def _deliver(self, route: str, user: str, instance_id: str, kind: str, value: str | bytes) -> None:
