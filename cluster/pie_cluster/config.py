@@ -208,6 +208,8 @@ class SandboxConfig(_Strict):
     max_processes: int = Field(64, ge=4)  # processes and threads of one worker (pids.max; else RLIMIT_NPROC + census)
     worker_memory_mib: int = Field(8192, ge=64)  # one worker's processes together (memory.max; else the census)
     worker_cpus: float = Field(4.0, gt=0)  # CPUs one worker's processes together may keep busy (cpu.max; cgroups only)
+    # False: per-process limits and the host's census even where cgroups could be made (the host then writes no cgroup)
+    cgroups: bool = True
     nice: int = Field(10, ge=0, le=19)  # workers' CPU priority below the trusted side's: a busy tenant never starves it
     max_workers_per_user: int = Field(4, ge=1)  # one user's workers on a node, isolated ones too; more launches wait
     max_file_mib: int = Field(256, ge=1)  # largest file a worker may write (RLIMIT_FSIZE)

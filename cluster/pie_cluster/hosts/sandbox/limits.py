@@ -2,14 +2,14 @@
 
 Two modes, chosen once per host (``pie status`` shows which):
 
-* ``cgroup``: the host may make cgroup v2 groups (``cgroups.py``). The kernel bounds each worker's memory
+* ``cgroup``: the host may make cgroups, v2 or v1 (``cgroups.py``). The kernel bounds each worker's memory
   (``worker_memory_mib``), CPUs (``worker_cpus``) and processes and threads (``max_processes``), all its processes
   together.
-* ``rlimit``: it may not (cgroup v1 or hybrid hosts, a container that delegates none). Each process of a worker has
-  kernel limits (address space, CPU time, file size; processes per uid, a uid of its own on a root host), and the
-  host's census, once a second, sums the processes under each worker's bubblewrap (its PID namespace holds them
-  all, whatever uid they run as) and ends a worker past ``max_processes`` tasks or ``worker_memory_mib`` of
-  private resident memory. CPUs are not bounded in this mode, only CPU time.
+* ``rlimit``: it may not (a container that delegates none, a read-only cgroup file system). Each process of a
+  worker has kernel limits (address space, CPU time, file size; processes per uid, a uid of its own on a root
+  host), and the host's census, once a second, sums the processes under each worker's bubblewrap (its PID
+  namespace holds them all, whatever uid they run as) and ends a worker past ``max_processes`` tasks or
+  ``worker_memory_mib`` of private resident memory. CPUs are not bounded in this mode, only CPU time.
 
 Both modes keep the per-process limits: an allocation past ``memory_mib`` raises ``MemoryError`` in the inferlet
 that made it rather than ending its worker.
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pie_cluster.config import SandboxConfig
 from pie_cluster.hosts.sandbox import cgroups
+from pie_cluster.hosts.sandbox.cgroup_common import CgroupLimits
 
 
 @dataclass
@@ -33,12 +34,16 @@ class Usage:
     tasks: int = 0
     cpu_s: float = 0.0
     memory_mib: float = 0.0
+    out_of_memory: bool = False  # the kernel killed one of its processes for the worker's memory limit (v1)
 
 
 class WorkerLimits:
     def __init__(self, config: SandboxConfig):
         self._config = config
-        self._tree, self.how = cgroups.detect()
+        if config.cgroups:
+            self._tree, self.how = cgroups.detect()
+        else:
+            self._tree, self.how = None, "cgroups are off ([sandbox] cgroups = false)"
         self.mode = "cgroup" if self._tree is not None else "rlimit"
         self._census_at, self._census = float("-inf"), None
 
@@ -61,8 +66,8 @@ class WorkerLimits:
         argv = ["nice", "-n", str(config.nice), *argv] if config.nice else argv
         if self._tree is None:
             return argv
-        self._tree.make(_name(slot), cgroups.CgroupLimits(config.worker_memory_mib, config.worker_cpus,
-                                                          config.max_processes))  # fmt: skip
+        limits = CgroupLimits(config.worker_memory_mib, config.worker_cpus, config.max_processes)
+        self._tree.make(_name(slot), limits)
         return self._tree.join(_name(slot), argv)
 
     async def usage(self, slot: int, pid: int, now: float) -> Usage:
@@ -70,7 +75,7 @@ class WorkerLimits:
         thread: reading every process's stat file takes tens of ms that the host's loop owes to every user."""
         if self._tree is not None:
             got = self._tree.usage(_name(slot))
-            return Usage(got.tasks, got.cpu_s, got.memory_mib)
+            return Usage(got.tasks, got.cpu_s, got.memory_mib, got.out_of_memory)
         if self._census is None or now - self._census_at >= 1.0:
             self._census_at, self._census = now, asyncio.ensure_future(asyncio.to_thread(_Census.take))
         census = await asyncio.shield(self._census)  # one census for every worker's watch that asks this second
@@ -90,7 +95,15 @@ class WorkerLimits:
                 f"its processes together held {usage.memory_mib:.0f} MiB of memory, past its limit of "
                 f"{config.worker_memory_mib} MiB for the worker as a whole ([sandbox] worker_memory_mib)"
             )
+        if usage.out_of_memory:
+            return self._out_of_memory()
         return None
+
+    def _out_of_memory(self) -> str:
+        return (
+            f"its processes together went past its limit of {self._config.worker_memory_mib} MiB of memory for "
+            "the worker as a whole ([sandbox] worker_memory_mib)"
+        )
 
     def released(self, slot: int) -> str | None:
         """Worker ``slot`` has exited: why the kernel ended it, if a whole-worker limit did; its cgroup is removed."""
@@ -99,10 +112,7 @@ class WorkerLimits:
         name = _name(slot)
         why = None
         if self._tree.out_of_memory(name):
-            why = (
-                f"its processes together went past its limit of {self._config.worker_memory_mib} MiB of memory for "
-                "the worker as a whole ([sandbox] worker_memory_mib)"
-            )
+            why = self._out_of_memory()
         self._tree.remove(name)
         return why
 
