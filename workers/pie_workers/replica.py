@@ -28,6 +28,7 @@ from pie_workers.engine.tenancy import TenantLimits
 from pie_workers.model_dir import ModelSource, description_files, local_model_dir
 from pie_workers.rank_threads import rank_threads, usable_cores
 from pie_workers.runner import ModelRunner, RunnerSettings, resolve_device
+from pie_workers.wire.admission import Revocation
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 
 STOP_S = 30.0  # a rank's stop: one that does not answer in time is killed as it is
@@ -146,10 +147,10 @@ class RankWorker:
         """New weights were loaded into the adapter on another replica: the copy here takes them."""
         self.engine.adapters.refresh_named(user, name, adapter)
 
-    async def revoke(self, ended: dict[str, float]) -> None:
-        """The trusted side ended these instances (instance -> its capability's expiry): refuse them from now on."""
+    async def revoke(self, revocation: Revocation) -> None:
+        """A minter says which of its instances ended (``wire/admission.py``): refuse them from now on."""
         if self.engine is not None:
-            self.engine.revoke(ended)
+            self.engine.revoke(revocation)
 
     async def ping(self) -> int:
         """The supervisor's probe of every rank: answering at all shows the actor's event loop is alive (a follower

@@ -7,7 +7,7 @@ costs one dict lookup, never a parse.
 
 from __future__ import annotations
 
-from pie_workers.wire.admission import ConnectionLimits, Holders, Verifier
+from pie_workers.wire.admission import ConnectionLimits, Holders, Revocation, Verifier
 from pie_workers.wire.capability import CapabilityError
 
 
@@ -34,8 +34,7 @@ class Peers:
     def leave(self, peer: bytes) -> None:
         self._holders.leave(peer)
 
-    def revoke(self, ended: dict[str, float]) -> list[bytes]:
-        """Refuse these instances' capabilities from now on (instance -> its capability's expiry); returns the peers
-        they held here."""
-        self._verifier.revoked.add(ended)
-        return [peer for instance in ended for peer in self._holders.of_instance(instance)]
+    def revoke(self, revocation: Revocation) -> list[bytes]:
+        """Refuse the capabilities of the minter's instances that ended from now on; returns the peers they held
+        here."""
+        return [peer for instance in self._verifier.revoke(revocation) for peer in self._holders.of_instance(instance)]

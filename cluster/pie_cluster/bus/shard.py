@@ -64,7 +64,7 @@ from pathlib import Path
 import msgpack
 import ray
 import zmq
-from pie_workers.wire.admission import ConnectionLimits, RefusalLog
+from pie_workers.wire.admission import ConnectionLimits, RefusalLog, Revocation
 
 from pie_cluster.bus.journal import Journal, NoJournal, Replayed
 from pie_cluster.bus.peers import Peers
@@ -282,10 +282,10 @@ class BusShard:
         self._topics.drop(peer)
         self._peers.leave(peer)
 
-    async def revoke(self, ended: dict[str, float]) -> None:
-        """The trusted side ended these instances (instance -> its capability's expiry): their capabilities are
-        refused from now on, and their peers are told so and lose what they held here."""
-        for peer in self._peers.revoke(ended):
+    async def revoke(self, revocation: Revocation) -> None:
+        """A minter says which of its instances ended (``wire/admission.py``): their capabilities are refused from
+        now on, and their peers are told so and lose what they held here."""
+        for peer in self._peers.revoke(revocation):
             self._refuse(peer, f"revoked capability: instance {peer.split(b'/')[0].decode()!r} has ended", logged=False)
         if self._sock is not None:
             self._serve()  # sends the refusals (and applies whatever arrived meanwhile)

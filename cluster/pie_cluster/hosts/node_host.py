@@ -199,7 +199,7 @@ class InferletHost:
                 for name, e in endpoints.items()
             }
         ttl = (limits.deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
-        self._revoker.minted(instance_id, ttl)
+        minting = self._revoker.minted(instance_id, ttl)
         return InstanceSetup(
             instance_id=instance_id,
             username=username,
@@ -210,6 +210,7 @@ class InferletHost:
                 ttl,
                 models=tuple(self._endpoints),
                 token_budget=limits.token_budget,
+                minting=minting,
             ),
             endpoints=self._endpoints,
             bus=services.bus,

@@ -277,11 +277,13 @@ class LocalInstances:
                 placed = self._router.choose(prompt.model, keys, prompt.text, prompt.tag, prompt.follows, user, salt)
                 endpoints = {**endpoints, prompt.model: replicas[placed]}
             ttl = (run.deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
-            self._revoker.minted(instance_id, ttl)
+            minting = self._revoker.minted(instance_id, ttl)
             setup = InstanceSetup(
                 instance_id=instance_id,
                 username=user,
-                capability=capability.mint(services.secret, user, instance_id, ttl, models=tuple(endpoints)),
+                capability=capability.mint(
+                    services.secret, user, instance_id, ttl, models=tuple(endpoints), minting=minting
+                ),
                 endpoints=endpoints,
                 bus=services.services.bus,
                 mcp_servers=services.services.mcp_servers,

@@ -154,3 +154,44 @@ def test_bus_peers_past_the_per_instance_bound_are_refused_naming_the_limit(bus)
         sock.close()
     peers[0].close()
     assert bus.stats("alice")["subscriptions"] == bus.stats("bob")["subscriptions"] == 0
+
+
+def test_a_bus_shard_started_after_an_instance_ended_refuses_it_from_its_minters_next_standing(ray_session):
+    """Revocations live in the targets' memory: a shard that starts after alice's instance ended (a restart, or
+    one the ending never reached) has not heard of it. The minter's next standing tells it: from then on her
+    capability is refused and the pull she holds there is dropped, while bob's goes on."""
+    from pie_workers.wire.admission import STANDING_S
+
+    shards: list = []
+
+    async def story() -> None:
+        revoker = Revoker(lambda: tuple(shards))
+        capability = {}
+        for user in ("alice", "bob"):
+            instance = f"{user}-late"
+            capability[user] = mint(SECRET, user, instance, 3600, minting=revoker.minted(instance, 3600))
+        revoker.ended(["alice-late"])  # told to no shard: none runs yet
+        await asyncio.sleep(0.1)
+        late = await asyncio.to_thread(start_bus, 1, name="pie-bus-late", detached=False, secret=SECRET)
+        shards.extend(late.shards)
+        try:
+            address = late.infos[0].ipc
+            pulling = {user: dealer(address, f"{user}-late/s".encode()) for user in capability}
+            for user, sock in pulling.items():
+                sock.send_multipart([capability[user].encode(), msgpack.packb([["pull", "inbox", 1]])])
+            for _ in range(100):
+                if late.stats("alice")["waiters"] == late.stats("bob")["waiters"] == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert late.stats("alice")["waiters"] == 1  # not yet known to have ended
+            revoked = "revoked capability: instance 'alice-late' has ended"
+            assert await asyncio.to_thread(events, pulling["alice"], STANDING_S + 5) == [["refused", revoked]]
+            assert late.stats("alice")["waiters"] == 0 and late.stats("bob")["waiters"] == 1
+            pulling["alice"].send_multipart([capability["alice"].encode(), msgpack.packb([["pull", "inbox", 2]])])
+            assert await asyncio.to_thread(events, pulling["alice"]) == [["refused", revoked]]
+            for sock in pulling.values():
+                sock.close()
+        finally:
+            late.shutdown()
+
+    asyncio.run(story())

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from pie_workers.engine.contexts import ContextTable
 from pie_workers.engine.gate import Gate
 from pie_workers.engine.page_store import namespace_key
-from pie_workers.wire.admission import Verifier
+from pie_workers.wire.admission import Revocation, Verifier
 from pie_workers.wire.capability import Capability, CapabilityError
 from pie_workers.wire.messages import MAX_CACHE_SALT
 
@@ -81,11 +81,14 @@ class Sessions:
             self.revoked.check(session.grants)
         return session
 
-    def revoke(self, ended: dict[str, float]) -> list[Session]:
-        """The trusted side ended these instances (instance -> its capability's expiry): refuse them from now on;
-        returns their sessions still open here (to be closed as if their connections dropped)."""
-        fresh = self.revoked.add(ended)
-        return [session for session in self._known.values() if session.instance in fresh and not session.closed]
+    def revoke(self, revocation: Revocation) -> tuple[set[str], list[Session]]:
+        """A minter says which of its instances ended: refuse them from now on; returns the instances it newly
+        refuses and their sessions still open here (to be closed as if their connections dropped)."""
+        fresh = self._verifier.revoke(revocation)
+        ended = [
+            session for session in self._known.values() if not session.closed and self.revoked.refuses(session.grants)
+        ]
+        return fresh | {session.instance for session in ended}, ended
 
     def get(self, name: str) -> Session | None:
         return self._known.get(name)

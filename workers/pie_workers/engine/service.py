@@ -38,6 +38,7 @@ from pie_workers.engine.settle import truncate
 from pie_workers.engine.snapshot_ops import SnapshotOperations
 from pie_workers.engine.tenancy import TenantLimits
 from pie_workers.runner import GroupBroken, ModelRunner
+from pie_workers.wire.admission import Revocation
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
 from pie_workers.wire.messages import AccountReply, ContextReply, PassRequest, decode, encode
 
@@ -160,13 +161,14 @@ class ReplicaEngine(SnapshotOperations):
             if session is not None:
                 self._close_for(session)
 
-    def revoke(self, ended: dict[str, float]) -> None:
-        """The trusted side ended these instances (instance -> its capability's expiry): their capabilities are
-        refused from now on, their sessions still open here are closed as if their connections had dropped, and a
-        connection that carried only them is closed."""
-        for session in self.sessions.revoke(ended):
+    def revoke(self, revocation: Revocation) -> None:
+        """A minter says which of its instances ended: their capabilities are refused from now on, their sessions
+        still open here are closed as if their connections had dropped, and a connection that carried only them is
+        closed."""
+        instances, sessions = self.sessions.revoke(revocation)
+        for session in sessions:
             self._close_for(session)
-        self.channel.revoke(set(ended))
+        self.channel.revoke(instances)
 
     def _close_for(self, session: Session) -> None:
         task = asyncio.get_running_loop().create_task(self._operation(self.op_close(session)))

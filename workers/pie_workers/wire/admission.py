@@ -4,8 +4,8 @@ A connection proves who it is before anything it sends is parsed (``engine/chann
 the bus: a capability on every message, checked before its frame is read). Past that, what one instance or user may
 hold open is bounded (``ConnectionLimits``, set by ``[limits]``), so that no tenant can crowd the socket every
 tenant's calls go through; an instance that ended is refused from then on (``Revocations``: the trusted side that
-ended it says so); and what is refused is logged at a bounded rate (``RefusalLog``), since a hostile client could
-otherwise fill the log as fast as it can connect.
+minted its capability says so); and what is refused is logged at a bounded rate (``RefusalLog``), since a hostile
+client could otherwise fill the log as fast as it can connect.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pie_workers.wire.capability import Capability, CapabilityError, verify
 
@@ -40,31 +40,72 @@ class ConnectionLimits:
     handshake_s: float = 5.0  # how long a connection may take to send its handshake before it is closed
 
 
+STANDING_S = 10.0  # how often each minter tells every replica and shard its whole live set
+FORGET_MINTER_S = 8 * 24 * 3600.0  # a minter not heard from this long minted nothing unexpired (7-day lifetimes)
+
+
+@dataclass(frozen=True)
+class Revocation:
+    """What one minter (a trusted process that mints capabilities: ``hosts/revocations.py``) tells every replica and
+    bus shard: which of its instances ended (``ended``: instance -> (its capability's expiry, its seq)), and with a
+    ``floor``, its standing: every capability it minted below ``floor`` but those in ``live`` has ended."""
+
+    minter: str
+    ended: dict[str, tuple[float, int]] = field(default_factory=dict)
+    floor: int | None = None
+    live: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class _Standing:
+    floor: int
+    live: frozenset[int]
+    heard: float  # ``time.time()`` it arrived
+
+
 class Revocations:
-    """Instances that ended, each until its capability would have expired anyway (then the expiry refuses it)."""
+    """Which capabilities belong to instances that ended. Per minter, its latest standing (everything below its
+    floor but its live set has ended) and the endings it reported since, each until a standing covers it or its
+    capability expires: bounded by the instances running and a few seconds of endings, however many ever ended.
+    A replica or shard that (re)starts knows nothing of what ended before; each minter's next standing (within
+    ``STANDING_S``) tells it."""
 
     def __init__(self) -> None:
-        self._ended: dict[str, float] = {}  # instance -> its capability's expiry
+        self._ended: dict[str, tuple[float, str | None, int | None]] = {}  # instance -> (expiry, minter, seq)
+        self._standing: dict[str, _Standing] = {}
         self._next_prune = 0.0
 
-    def add(self, ended: dict[str, float]) -> set[str]:
-        """Record ``ended`` (instance -> capability expiry); returns the instances not known to have ended before."""
+    def apply(self, revocation: Revocation) -> set[str]:
+        """Record what ``revocation`` says; returns the instances it newly reports ended."""
         now = time.time()
         if now >= self._next_prune:  # amortised: a sweep at most once a minute
-            self._ended = {i: expires for i, expires in self._ended.items() if expires > now}
+            self._ended = {i: ended for i, ended in self._ended.items() if ended[0] > now}
+            self._standing = {m: s for m, s in self._standing.items() if now - s.heard < FORGET_MINTER_S}
             self._next_prune = now + 60.0
-        fresh = {i for i in ended if i not in self._ended}
-        self._ended.update({i: float(expires) for i, expires in ended.items() if expires > now})
+        minter = revocation.minter
+        fresh = {i for i in revocation.ended if i not in self._ended}
+        for instance, (expires, seq) in revocation.ended.items():
+            if expires > now and not self._covered(minter, seq):
+                self._ended[instance] = (float(expires), minter, seq)
+        if revocation.floor is not None:
+            self._standing[minter] = _Standing(revocation.floor, frozenset(revocation.live), now)
+            self._ended = {i: e for i, e in self._ended.items() if not (e[1] == minter and self._covered(minter, e[2]))}
         return fresh
 
-    def __contains__(self, instance: str) -> bool:
-        return instance in self._ended
+    def _covered(self, minter: str | None, seq: int | None) -> bool:
+        """Whether the minter's standing says its capability ``seq`` has ended."""
+        standing = self._standing.get(minter) if minter is not None else None
+        return standing is not None and seq < standing.floor and seq not in standing.live
+
+    def refuses(self, capability: Capability) -> bool:
+        return capability.instance in self._ended or self._covered(capability.minter, capability.seq)
 
     def __len__(self) -> int:
-        return len(self._ended)
+        """Entries held: endings not yet covered by a standing, and the live instances of each minter."""
+        return len(self._ended) + sum(len(s.live) + 1 for s in self._standing.values())
 
     def check(self, capability: Capability) -> None:
-        if capability.instance in self._ended:
+        if self.refuses(capability):
             raise RevokedError(f"revoked capability: instance {capability.instance!r} has ended")
 
 
@@ -92,6 +133,14 @@ class Verifier:
             raise CapabilityError(f"expired capability: instance {capability.instance!r} is past its lifetime")
         self.revoked.check(capability)
         return capability
+
+    def revoke(self, revocation: Revocation) -> set[str]:
+        """Apply ``revocation``; returns the instances it newly refuses, those whose capabilities were verified here
+        and its standing now covers included."""
+        fresh = self.revoked.apply(revocation)
+        if revocation.floor is not None:
+            fresh |= {c.instance for c in self._verified.values() if self.revoked.refuses(c)}
+        return fresh
 
 
 class Holders:

@@ -7,8 +7,12 @@ sends. The grants say what the instance was given, so that what enforces them is
 reach (None: every model of the cluster) and the tokens it may have generated (None: no budget). The token is
 printable and has no ``/`` (it travels inside the replica channel's session strings)::
 
-    base64url(json [user, instance, expires, {"models": [...] | null, "tokens": n | null}])
+    base64url(json [user, instance, expires, {"models": [...] | null, "tokens": n | null,
+                                              "minter": id | null, "seq": n | null}])
         "." base64url(HMAC-SHA256(secret, DOMAIN + payload))
+
+``minter`` and ``seq`` say which trusted process minted it and in what order (``wire/admission.py``: what a replica
+or shard keeps of ended instances is each minter's live set, not one entry per instance that ever ended).
 
 Base64 without padding, and only its canonical form is accepted, so one capability has exactly one spelling.
 """
@@ -41,6 +45,16 @@ class Capability:
     expires: float  # seconds since the epoch (``time.time()``)
     models: tuple[str, ...] | None = None  # the models it may reach; None: all
     token_budget: int | None = None  # tokens the model may generate for it, counted where its passes run
+    minter: str | None = None  # the trusted process that minted it (one per process incarnation); None: unordered
+    seq: int | None = None  # its place among that minter's capabilities
+
+
+@dataclass(frozen=True)
+class Minting:
+    """Which trusted process mints a capability, and its place in that process's order."""
+
+    minter: str
+    seq: int
 
 
 def mint(
@@ -51,14 +65,17 @@ def mint(
     *,
     models: tuple[str, ...] | None = None,
     token_budget: int | None = None,
+    minting: Minting | None = None,
 ) -> str:
     """A token saying that ``instance`` runs as ``user`` for the next ``ttl_s`` seconds, granted ``models`` and
-    ``token_budget``."""
+    ``token_budget``; ``minting``: by whom and in what order (``hosts/revocations.py``)."""
     if not secret:
         raise ValueError("a capability needs the cluster's secret; an empty one would prove nothing")
     if not math.isfinite(ttl_s) or ttl_s <= 0:
         raise ValueError(f"a capability's lifetime is a positive number of seconds, not {ttl_s!r}")
     grants = {"models": None if models is None else sorted(models), "tokens": token_budget}
+    if minting is not None:
+        grants |= {"minter": minting.minter, "seq": minting.seq}
     claims = [user, instance, time.time() + ttl_s, grants]
     payload = _encode(json.dumps(claims, separators=(",", ":")).encode())
     return f"{payload}.{_encode(_sign(secret, payload))}"
@@ -78,7 +95,8 @@ def verify(secret: bytes, token: str, now: float | None = None) -> Capability:
     try:
         user, instance, expires, grants = json.loads(claims)
         models, tokens = grants["models"], grants["tokens"]
-    except (ValueError, TypeError, KeyError):
+        minter, seq = grants.get("minter"), grants.get("seq")
+    except (ValueError, TypeError, KeyError, AttributeError):
         raise CapabilityError("malformed capability: its payload is not [user, instance, expiry, grants]") from None
     if not (
         isinstance(user, str)
@@ -86,11 +104,14 @@ def verify(secret: bytes, token: str, now: float | None = None) -> Capability:
         and isinstance(expires, (int, float))
         and (models is None or (isinstance(models, list) and all(isinstance(m, str) for m in models)))
         and (tokens is None or (isinstance(tokens, int) and not isinstance(tokens, bool)))
+        and (minter is None) == (seq is None)
+        and (minter is None or (isinstance(minter, str) and isinstance(seq, int) and not isinstance(seq, bool)))
     ):
         raise CapabilityError("malformed capability: its payload is not [user, instance, expiry, grants]")
     if (time.time() if now is None else now) >= expires:
         raise CapabilityError(f"expired capability: instance {instance!r} of user {user!r} is past its lifetime")
-    return Capability(user, instance, float(expires), None if models is None else tuple(models), tokens)
+    models = None if models is None else tuple(models)
+    return Capability(user, instance, float(expires), models, tokens, minter, seq)
 
 
 def _sign(secret: bytes, payload: str) -> bytes:
