@@ -267,6 +267,33 @@ def test_a_program_that_swallows_its_deadline_is_ended_by_the_host():
     run(test)
 
 
+WAITS_ON_THE_CLUSTER = """
+import time
+from inferlet import runtime
+
+async def main(input):
+    with runtime.blocking_wait():  # what the SDK does while a blocking call waits for a replica's replacement
+        time.sleep(input["seconds"])
+    return "waited"
+"""
+HOLDS_THE_LOOP = "import time\nasync def main(input):\n    time.sleep(input['seconds'])\n"
+
+
+def test_a_worker_blocked_on_the_cluster_past_the_hosts_ping_deadline_is_not_ended():
+    """The worker's loop cannot answer pings while an SDK call blocks it waiting on the cluster; it tells the host,
+    whose ping deadline (6 x ``stall_s``: 3 s here) waits with it. User code that holds the loop as long is ended
+    by the worker's own watchdog."""
+
+    async def test(pool, host, view):
+        await launch(pool, "alice", "a1", WAITS_ON_THE_CLUSTER, {"seconds": 4.5})
+        assert await host.outcome("a1") == ("return", "waited")
+        await launch(pool, "alice", "a2", HOLDS_THE_LOOP, {"seconds": 4.5})
+        kind, message = await host.outcome("a2")
+        assert kind == "error" and "held the worker's event loop for more than 0.5 s" in message, message
+
+    run(test, SandboxConfig(stall_s=0.5))
+
+
 BURNER = """
 import asyncio, os, time
 async def main(input):

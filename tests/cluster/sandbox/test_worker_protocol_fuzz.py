@@ -42,12 +42,14 @@ well_formed = st.one_of(
     st.tuples(st.just("event"), st.just(ALICE), st.sampled_from(KINDS), st.one_of(st.text(), st.binary())),
     st.tuples(st.just("receive"), st.just(ALICE), st.sampled_from(["message", "file"]), st.integers(0, 2**63)),
     st.tuples(st.just("pong"), st.integers(0, 2**63)),
+    st.tuples(st.just("waiting"), st.booleans()),
 ).map(list)
 forged = st.one_of(
     st.tuples(st.just("event"), instances, st.sampled_from([*KINDS, "pwned", ""]), values).map(list),
     st.tuples(st.just("receive"), instances, st.sampled_from(["message", "file", "stdout"]), values).map(list),
     st.tuples(st.just("pong"), values).map(list),
-    st.tuples(st.sampled_from(["event", "receive", "pong", "start", "reply"])).map(list),
+    st.tuples(st.just("waiting"), values).map(list),
+    st.tuples(st.sampled_from(["event", "receive", "pong", "waiting", "start", "reply"])).map(list),
     st.lists(values, max_size=5),
 )
 messages = st.one_of(well_formed, well_formed, forged)

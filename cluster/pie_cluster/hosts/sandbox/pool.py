@@ -41,6 +41,7 @@ from pie_cluster.hosts.sandbox.protocol import (
     InstanceSpec,
     PongMessage,
     ProtocolError,
+    WaitingMessage,
     read_frames,
     worker_message,
 )
@@ -82,6 +83,7 @@ class Worker:
     death: str | None = None  # why the host ended it, when it did
     tail: bytearray = field(default_factory=bytearray)
     pongs: int = 0
+    waiting: bool = False  # blocked on the cluster (it says): no ping deadline until it is not
     receives: set[asyncio.Task] = field(default_factory=set)  # its instances' receives the host is answering
 
 
@@ -241,6 +243,9 @@ class WorkerPool:
         if isinstance(checked, PongMessage):
             worker.pongs = checked.seq
             return
+        if isinstance(checked, WaitingMessage):
+            worker.waiting = checked.waiting
+            return
         instance_id = checked.instance
         if instance_id not in worker.instances:  # not one of its own: a worker cannot speak for others
             raise ProtocolError(f"it named an instance it does not run ({instance_id!r:.40})")
@@ -275,14 +280,15 @@ class WorkerPool:
                 self._stop(worker, None)
 
     async def _watch(self, worker: Worker) -> None:
-        """Pings a busy worker and ends one that stays silent (the worker's own watchdog ends it sooner when one
-        task step holds its loop); counts its processes and CPU time; ends it once it has idled ``idle_s``."""
+        """Pings a busy worker and ends one that stays silent, but while it says it waits on the cluster (the
+        worker's own watchdog ends it sooner when one task step holds its loop); counts its processes and CPU time;
+        ends it once it has idled ``idle_s``."""
         period = min(1.0, self._config.stall_s / 4)
         seq, answered_at = 0, time.monotonic()
         while worker.process.returncode is None:
             await asyncio.sleep(period)
             now = time.monotonic()
-            if worker.pongs == seq:
+            if worker.pongs == seq or worker.waiting:  # (a worker could as well answer pings from a thread)
                 answered_at = now
             if not worker.instances:
                 answered_at = now

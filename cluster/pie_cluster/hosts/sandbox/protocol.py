@@ -12,6 +12,7 @@ worker -> host::
     ["event", instance, kind, value]       stdout, stderr, message, file; then return or error (terminal)
     ["receive", instance, kind, rid]       wait for the client's next message or file
     ["pong", seq]
+    ["waiting", bool]                      its loop is blocked on the cluster (a replica's replacement), or no more
 
 Nothing a worker sends is trusted: each message is checked on receipt for its exact shape and types
 (``worker_message``) and each instance it names must be one the host started on that worker; anything else ends
@@ -66,7 +67,15 @@ class PongMessage:
     seq: int
 
 
-def worker_message(message: list) -> EventMessage | ReceiveMessage | PongMessage:
+@dataclass(frozen=True)
+class WaitingMessage:
+    """The worker's event loop is blocked in an SDK call that waits for the cluster (``watchdog.py``): it cannot
+    answer pings until the call returns, which may take as long as a replica's replacement loading its model."""
+
+    waiting: bool
+
+
+def worker_message(message: list) -> EventMessage | ReceiveMessage | PongMessage | WaitingMessage:
     """A worker's message, checked for its exact shape and types; raises ``ProtocolError`` naming what it was."""
     match message:
         case ["event", str(instance), str(kind), value]:
@@ -79,6 +88,8 @@ def worker_message(message: list) -> EventMessage | ReceiveMessage | PongMessage
             return ReceiveMessage(instance, kind, rid)
         case ["pong", int(seq)] if type(seq) is int:
             return PongMessage(seq)
+        case ["waiting", bool(waiting)]:
+            return WaitingMessage(waiting)
     shape = ", ".join(type(part).__name__ for part in message[1:6])
     raise ProtocolError(f"it sent a malformed or unknown message: {message[0]!r:.40} with ({shape})")
 
@@ -149,6 +160,12 @@ class FrameWriter:
                 parts, length = _Text([chunk]), 0
                 self.send(*head, parts)
             self._text = (head, parts, length + len(chunk))
+
+    def send_now(self, *message) -> None:
+        """Write ``message`` (after what is queued) at once, not at the end of the turn: for a worker whose loop is
+        about to be blocked, where the turn would end too late."""
+        self._outbox.append(list(message))
+        self._flush()
 
     def backlog(self) -> int:
         """Bytes written and not yet taken by the peer."""

@@ -18,11 +18,13 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 
 STALLED = 86  # the worker's exit status when a step held its loop past ``stall_s``
 
 _step_began = 0.0  # when the running task step began (time.monotonic()); 0.0 between steps
 _excused = 0  # blocking waits on the cluster under way (see waiting_on_the_cluster)
+_tell_host: Callable[[bool], None] = lambda waiting: None  # noqa: E731  (set by install)
 
 
 class _Timed(collections.abc.Coroutine):
@@ -58,20 +60,27 @@ class _Timed(collections.abc.Coroutine):
 
 @contextlib.contextmanager
 def waiting_on_the_cluster():
-    """The running step blocks on the cluster, not on user code: no stall while it waits, and the rest of the step
-    is timed from when the wait ends."""
+    """The running step blocks on the cluster, not on user code: no stall while it waits (the host is told, since
+    its pings go unanswered meanwhile), and the rest of the step is timed from when the wait ends."""
     global _excused, _step_began
     _excused += 1
+    if _excused == 1:
+        _tell_host(True)
     try:
         yield
     finally:
         _excused -= 1
+        if not _excused:
+            _tell_host(False)
         if _step_began:
             _step_began = time.monotonic()
 
 
-def install(loop: asyncio.AbstractEventLoop, stall_s: float) -> None:
-    """Time every task ``loop`` makes from now on, and watch the steps from a daemon thread."""
+def install(loop: asyncio.AbstractEventLoop, stall_s: float, tell_host: Callable[[bool], None]) -> None:
+    """Time every task ``loop`` makes from now on, and watch the steps from a daemon thread. ``tell_host``: says
+    at once whether the loop is blocked on the cluster (``["waiting", bool]``)."""
+    global _tell_host
+    _tell_host = tell_host
     loop.set_task_factory(lambda loop, coro, **kw: asyncio.Task(_Timed(coro), loop=loop, **kw))
     threading.Thread(target=_watch, args=(stall_s,), name="stall-watchdog", daemon=True).start()
 

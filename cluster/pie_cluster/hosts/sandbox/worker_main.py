@@ -171,10 +171,10 @@ class Worker:
 
 
 async def _serve(fd: int, memory_mib: int, stall_s: float) -> None:
-    watchdog.install(asyncio.get_running_loop(), stall_s)
-    inferlet.runtime.blocking_wait = watchdog.waiting_on_the_cluster
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
     worker = Worker(FrameWriter(writer), memory_mib)
+    watchdog.install(asyncio.get_running_loop(), stall_s, lambda waiting: worker.out.send_now("waiting", waiting))
+    inferlet.runtime.blocking_wait = watchdog.waiting_on_the_cluster
     await read_frames(reader, worker.handle)  # the host closed the socket: the worker's life is over
 
 
