@@ -6,7 +6,8 @@ Usage: python bench/tax.py [--tokens 128] [--concurrency 1,8,32,64] [--rounds 7]
 (a) per-token latency of one inferlet generating greedily vs the in-process loop at batch 1 — the difference is the
     tax in ms/token (channel round trip, engine bookkeeping, scheduling, SDK) — both collecting (``collect_tokens``,
     which chains its steps) and stepping with ``async for`` (a round trip per token, which the replica's step run
-    ahead overlaps with the forward when a core is free for it);
+    ahead overlaps with the forward when a core is free for it), and the CPU the inferlet's process spends per token
+    (steadier than wall time on a shared machine: what the SDK's side of the tax costs);
 (b) aggregate tokens/s of N concurrent inferlets vs the in-process loop decoding N sequences as one batch.
 Both sides use ``--threads`` torch threads: the forward takes that many cores of this 2-core machine, and with 1 a
 core is left to the inferlets and the engine, as on a GPU host. The inferlets run in this process on uvloop (as in
@@ -112,13 +113,18 @@ def main() -> None:
 
     rounds = {n: [] for n in levels}  # (inferlets tokens/s, loop tokens/s) per round
     stepping = []  # (one inferlet stepping tokens/s, loop tokens/s) per round
+    cpu = {"collecting": [], "stepping with async for": []}  # the inferlet's process: CPU ms per token, per round
     for _ in range(args.rounds):
         for n in levels:
             prompts = [[rng.randrange(3, 4096) for _ in range(PROMPT)] for _ in range(n)]
             base = paged_decode(local, prompts, args.tokens)
+            began = time.process_time()
             rounds[n].append((uvloop.run(concurrent(endpoints, n, args.tokens, rng)), base))
             if n == 1:
+                cpu["collecting"].append((time.process_time() - began) * 1000 / args.tokens)
+                began = time.process_time()
                 stepping.append((uvloop.run(concurrent(endpoints, 1, args.tokens, rng, stepping=True)), base))
+                cpu["stepping with async for"].append((time.process_time() - began) * 1000 / args.tokens)
     replica.shutdown()
 
     console = Console()
@@ -134,7 +140,8 @@ def main() -> None:
         notes.append(
             f"(a) one inferlet {label}: {median(o for o, _ in ms):.3f} ms/token vs in-process loop "
             f"{median(b for _, b in ms):.3f} ms/token -> programmability tax {median(o - b for o, b in ms):.3f} "
-            f"ms/token (median of {args.rounds} rounds)"
+            f"ms/token (median of {args.rounds} rounds); the inferlet's process (the SDK's side, its prefill and the "
+            f"Ray driver's threads included) {median(cpu[label]):.3f} ms of CPU per token"
         )
         console.print(notes[-1])
     table = Table(

@@ -16,7 +16,7 @@ def _parked(response_id: str, user: str = "alice", header: str = "h") -> ParkedT
 
 
 def _told(parked: ParkedTurn) -> list[str]:
-    queue = parked.channel.inbox["message"]
+    queue = parked.channel.inbox.queues["message"]
     return [queue.get_nowait() for _ in range(queue.qsize())]
 
 
