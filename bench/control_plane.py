@@ -38,6 +38,7 @@ from pie_cluster.bus import start_bus
 from pie_cluster.coalesced_calls import CoalescedCalls
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.control.controller import LAUNCHER, start_controller
+from pie_cluster.hosts.events import Ending
 from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher.actor import OPENAI_PROGRAM
@@ -86,7 +87,7 @@ class Components:
         user = f"u{k}"  # a user per caller: the per-user admission limit is not what is measured
         admitted = await self.admit(AdmitRequest(uuid.uuid4().hex, user, OPENAI_PROGRAM, {}))
         assert isinstance(admitted, Admitted) and not admitted.queued, admitted
-        await self.launcher.ended.remote([(admitted.id, "return", "")])
+        await self.launcher.ended.remote([Ending(admitted.id, "return", "")])
 
     async def uploaded(self, k: int) -> None:
         instance = await self.launcher.launch.remote("bench", LaunchRequest(program=self.program))

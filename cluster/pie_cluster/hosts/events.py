@@ -30,7 +30,18 @@ from pie_cluster.config import ChannelLimits
 from pie_cluster.hosts.event_limits import KINDS, STREAMS, TERMINAL, OutputQuota, check_event, limit, size_of
 from pie_cluster.hosts.inbox import Inbox, check_room
 
-__all__ = ["KINDS", "TERMINAL", "Channel", "Channels", "Event", "EventBatch", "EventLog", "Location", "NotFound"]
+__all__ = [
+    "KINDS",
+    "TERMINAL",
+    "Channel",
+    "Channels",
+    "Ending",
+    "Event",
+    "EventBatch",
+    "EventLog",
+    "Location",
+    "NotFound",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,16 @@ class Event:
 
     def as_wire(self) -> list:
         return [self.index, self.kind, self.value]
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How one instance ended (``kind``: ``return`` or ``error``), as its host or ingress tells the launcher: the
+    launcher learns nothing else of an instance's events."""
+
+    instance: str
+    kind: str
+    value: str | bytes
 
 
 @dataclass(frozen=True)
@@ -200,7 +221,7 @@ class Channels:
     def __init__(
         self,
         limits: ChannelLimits,
-        ended: Callable[[list[tuple[str, str, str | bytes]]], object],
+        ended: Callable[[list[Ending]], object],
         exceeded: Callable[[str, str], bool] = lambda instance_id, reason: False,
     ):
         self._limits = limits
@@ -254,7 +275,7 @@ class Channels:
         for pending in batch:
             try:
                 if ending := self.append(pending.instance_id, pending.kind, pending.value(), pending.size):
-                    endings.append((pending.instance_id, ending.kind, ending.value))
+                    endings.append(Ending(pending.instance_id, ending.kind, ending.value))
             except Exception:
                 log.exception("an event of instance %s was lost", pending.instance_id)
         if endings:

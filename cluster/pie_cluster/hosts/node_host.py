@@ -21,7 +21,7 @@ from pie_workers.wire import capability
 
 from pie_cluster.config import ChannelLimits, SandboxConfig
 from pie_cluster.hosts import stdio
-from pie_cluster.hosts.events import Channels, EventBatch, HostedInstance
+from pie_cluster.hosts.events import Channels, Ending, EventBatch, HostedInstance
 from pie_cluster.hosts.model_files import local_endpoints
 from pie_cluster.hosts.replica_relay import ReplicaRelays, failing_over
 from pie_cluster.hosts.revocations import Revoker
@@ -105,10 +105,10 @@ class InferletHost:
         stdio.install_router()
         gc.freeze()  # the imports live as long as the host: full collections need not scan them (see RankWorker.start)
 
-    def _ended(self, endings: list[tuple[str, str, str | bytes]]) -> None:
+    def _ended(self, endings: list[Ending]) -> None:
         """A turn's endings: to the launcher, and their capabilities revoked on every replica and shard."""
         self.launcher.ended.remote(endings)
-        self._revoker.ended(instance_id for instance_id, _, _ in endings)
+        self._revoker.ended(ending.instance for ending in endings)
 
     async def ready(self) -> bool:
         """Answers as soon as the host is up (``pie status`` asks it)."""

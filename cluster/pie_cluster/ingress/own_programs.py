@@ -35,7 +35,7 @@ from prometheus_client import Counter
 
 from pie_cluster.coalesced_calls import CoalescedCalls
 from pie_cluster.config import ChannelLimits
-from pie_cluster.hosts.events import TERMINAL, Channel, Channels
+from pie_cluster.hosts.events import TERMINAL, Channel, Channels, Ending
 from pie_cluster.hosts.model_files import local_endpoints
 from pie_cluster.hosts.node_host import CAPABILITY_MARGIN_S, CAPABILITY_TTL_S, NodeServices
 from pie_cluster.hosts.replica_relay import ReplicaRelays, every_replica_failing_over
@@ -180,7 +180,7 @@ class LocalInstances:
                 admitted = await answer(ref, "the launcher", 2 * LAUNCHER_S)
         except BaseException:  # its client went away (or the launcher did not answer): its slot must come back
             ending = "its request ended while it waited for a slot (its client went away, or no answer came)"
-            self._launcher.ended.remote([(instance_id, "error", ending)])
+            self._launcher.ended.remote([Ending(instance_id, "error", ending)])
             raise
         channel = self._channels.open(instance_id, user)
         if admitted.ending is not None:  # aborted while it waited
@@ -231,7 +231,7 @@ class LocalInstances:
         """The request went away while its admission was on its way: an instance the launcher admitted (or queued)
         anyway is ended there, so that its slot comes back."""
         if not admission.cancelled() and admission.exception() is None and isinstance(admission.result(), Admitted):
-            self._launcher.ended.remote([(instance_id, "error", "its client went away before it started")])
+            self._launcher.ended.remote([Ending(instance_id, "error", "its client went away before it started")])
 
     def _revokers(self) -> tuple:
         return self._services.services.revokers if self._services is not None else ()

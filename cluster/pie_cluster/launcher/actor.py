@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.config import ChannelLimits, LauncherConfig, SupervisionConfig
-from pie_cluster.hosts.events import TERMINAL, Location, NotFound
+from pie_cluster.hosts.events import TERMINAL, Ending, Location, NotFound
 from pie_cluster.hosts.node_host import InferletHost, InstanceLimits, NodeServices
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher.admission import Admission, Overloaded
@@ -462,13 +462,13 @@ class Launcher:
 
     # -- the host side -------------------------------------------------------------------------------------------
 
-    async def ended(self, batch: list[tuple[str, str, str | bytes]]) -> None:
+    async def ended(self, batch: list[Ending]) -> None:
         """Instances' terminal events, from the hosts that ran them (one call per loop turn of a host)."""
         self.calls["ended"] += 1
-        for instance_id, kind, value in batch:
-            instance = self._instances.get(instance_id)
+        for ending in batch:
+            instance = self._instances.get(ending.instance)
             if instance is not None:
-                self._finish(instance, kind, value)
+                self._finish(instance, ending.kind, ending.value)
 
     def _finish(self, instance: InstanceRecord, kind: str, value: str | bytes) -> None:
         """The instance ended (``kind`` is ``return`` or ``error``): its admission slot goes to the next waiting

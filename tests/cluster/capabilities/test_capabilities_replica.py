@@ -64,11 +64,13 @@ class Raw:
         self._greeted = True
 
     def send(self, *requests: tuple) -> list[int]:
-        """Send one frame of (session, op, *args) requests; returns their request ids."""
+        """Send one frame of (session, op, *args) requests; returns their request ids. An implied handshake goes
+        in the same write, as the SDK's does: a replica that refuses it closes the connection, and a second write
+        could then meet a closed socket instead of the refusal."""
         frame = [[next(self._ids), session, op, list(args)] for session, op, *args in requests]
-        if not self._greeted:
-            self.hello(frame[0][1].partition("/")[0])
-        self.sock.sendall(msgpack.packb(frame))
+        hello = b"" if self._greeted else msgpack.packb(["hello", frame[0][1].partition("/")[0]])
+        self._greeted = True
+        self.sock.sendall(hello + msgpack.packb(frame))
         return [request[0] for request in frame]
 
     def replies(self) -> list:

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 from pie_cluster.config import ChannelLimits, PieConfig
-from pie_cluster.hosts.events import Channels
+from pie_cluster.hosts.events import Channels, Ending
 
 SMALL = ChannelLimits(
     stdout_bytes_per_s=1000,
@@ -27,7 +27,7 @@ class Host:
     """Channels as a host holds them: endings reported, over-limit instances aborted (they end with the reason)."""
 
     def __init__(self, limits: ChannelLimits = SMALL, can_abort: bool = True):
-        self.endings: list[tuple[str, str, str]] = []
+        self.endings: list[Ending] = []
         self.aborted: dict[str, str] = {}
         self.channels = Channels(limits, self.endings.extend, self.abort if can_abort else lambda *_: False)
 
@@ -63,7 +63,7 @@ def test_a_forged_kind_raises_at_the_emit_and_costs_no_other_instance_its_events
         host.channels.emit("bob", "return", "ok")
         await turn()
         assert host.events("bob") == [("message", "hello"), ("return", "ok")]
-        assert host.endings == [("bob", "return", "ok")]
+        assert host.endings == [Ending("bob", "return", "ok")]
 
     run(scenario)
 

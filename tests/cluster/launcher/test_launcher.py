@@ -13,7 +13,7 @@ import time
 
 import pytest
 import ray
-from pie_cluster.hosts.events import deliver, poll
+from pie_cluster.hosts.events import Ending, deliver, poll
 from pie_cluster.launcher.actor import NotFound
 from support.launching import LONG, engine_stats, launch, run_to_end, upload
 from support.program_zips import isolated_shouter, zip_program
@@ -240,7 +240,7 @@ def test_a_batch_of_admissions_answers_each_request_on_its_own(cluster, launcher
     assert (first.id, last.id) == ("batch-1", "batch-3")
     for admitted in (first, last):
         assert not admitted.queued and admitted.ending is None, admitted
-    ray.get(launcher.ended.remote([(first.id, "return", ""), (last.id, "return", "")]))
+    ray.get(launcher.ended.remote([Ending(first.id, "return", ""), Ending(last.id, "return", "")]))
     listed = {
         i["id"]: i["status"] for i in ray.get(launcher.list.remote("alice")) + ray.get(launcher.list.remote("bob"))
     }

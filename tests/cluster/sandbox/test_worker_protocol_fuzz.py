@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pie_cluster.config import ChannelLimits, SandboxConfig
-from pie_cluster.hosts.events import KINDS, Channels
+from pie_cluster.hosts.events import KINDS, Channels, Ending
 from pie_cluster.hosts.sandbox.pool import HostSide, WorkerPool
 from pie_cluster.hosts.sandbox.view import Relays, build_view
 from test_sandbox_pool import WAITS, launch
@@ -63,7 +63,7 @@ class Loop:
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
         self.ids = itertools.count()
-        self.endings: list[tuple[str, str, object]] = []
+        self.endings: list[Ending] = []
         self.directory = directory
 
     def call(self, work, timeout: float = 60):
