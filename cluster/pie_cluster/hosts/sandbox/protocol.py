@@ -27,11 +27,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import msgpack
-from inferlet.mcp import ServerSpec
-from inferlet.runtime import ModelEndpoint
+import pydantic
 
 from pie_cluster.config import EVENT_BYTES_CEILING
 from pie_cluster.hosts.event_limits import check_event
@@ -114,20 +113,15 @@ class InstanceSpec:
     input: dict
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        return _SPEC.dump_python(self)
 
     @classmethod
     def from_wire(cls, data: dict) -> InstanceSpec:
-        setup = data["setup"]
-        mcp = {
-            name: ServerSpec(command=tuple(s["command"]) if s["command"] else None, url=s["url"], env=s["env"])
-            for name, s in setup["mcp_servers"].items()
-        }
-        endpoints = {
-            name: ModelEndpoint(**{**e, "failover": tuple(e["failover"])}) for name, e in setup["endpoints"].items()
-        }
-        setup = InstanceSetup(**{**setup, "endpoints": endpoints, "bus": tuple(setup["bus"]), "mcp_servers": mcp})
-        return cls(setup, ProgramRef(**data["program"]), data["input"])
+        """The spec as the host sent it, its nested records (endpoints, MCP servers) rebuilt by their types."""
+        return _SPEC.validate_python(data)
+
+
+_SPEC = pydantic.TypeAdapter(InstanceSpec)
 
 
 class _Text(list):
