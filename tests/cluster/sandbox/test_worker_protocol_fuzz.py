@@ -21,7 +21,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pie_cluster.config import ChannelLimits, SandboxConfig
 from pie_cluster.hosts.events import KINDS, Channels, Ending
+from pie_cluster.hosts.run import InstanceSetup
 from pie_cluster.hosts.sandbox.pool import HostSide, WorkerPool
+from pie_cluster.hosts.sandbox.protocol import (
+    AbortMessage,
+    InstanceSpec,
+    PingMessage,
+    ProgramRef,
+    ProtocolError,
+    ReplyMessage,
+    StartMessage,
+    host_message,
+)
 from pie_cluster.hosts.sandbox.view import Relays, build_view
 from test_sandbox_pool import WAITS, launch
 
@@ -115,3 +126,31 @@ def test_arbitrary_frames_from_a_worker_end_at_most_that_worker(pool, frames, ga
     kind, value = pool.call(pool.write(frame))
     assert kind in ("return", "error"), (kind, value)  # her own: as she forged it, or why her worker was ended
     assert pool.channels.find("bob-1").log.since(0) == []
+
+
+kinds = st.sampled_from(["start", "abort", "reply", "ping", "pong", "event", ""])
+host_messages = st.builds(
+    lambda kind, rest: [kind, *rest], kinds, st.lists(st.one_of(values, st.dictionaries(st.text(), values)), max_size=4)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(message=st.one_of(host_messages, st.lists(values, max_size=5)))
+def test_a_host_message_is_a_record_of_the_protocol_or_an_error_naming_it(message):
+    """The worker's side reads the host's messages as records too (``host_message``): anything else is refused
+    with the message named, never half-read."""
+    try:
+        parsed = host_message(message)
+    except ProtocolError as e:
+        assert "does not know" in str(e)
+    else:
+        assert isinstance(parsed, AbortMessage | ReplyMessage | PingMessage)  # no random dict is a whole spec
+        assert message[0] in ("abort", "reply", "ping")
+
+
+def test_a_start_message_carries_the_spec_the_host_sent():
+    spec = InstanceSpec(
+        InstanceSetup("i", "alice", "cap", {}, bus=("ipc:///b",)), ProgramRef("p", "n", "1", "main.py"), {"k": [1]}
+    )
+    wire = msgpack.unpackb(msgpack.packb(["start", spec.to_wire()]))
+    assert host_message(wire) == StartMessage(spec)

@@ -1,13 +1,13 @@
 """The host <-> worker socket: msgpack frames, each a list of messages, batched per event-loop turn.
 
-host -> worker::
+host -> worker (``host_message``)::
 
     ["start", InstanceSpec as a dict]     run an instance (its program is already under /pie/programs)
     ["abort", instance, reason]            cancel it; it ends with an error event carrying ``reason``
     ["reply", rid, error or None, value]   the answer to a worker's ``receive``
     ["ping", seq]                          the worker answers ``pong`` unless its event loop is stuck
 
-worker -> host::
+worker -> host (``worker_message``)::
 
     ["event", instance, kind, value]       stdout, stderr, message, file; then return or error (terminal)
     ["receive", instance, kind, rid]       wait for the client's next message or file
@@ -122,6 +122,51 @@ class InstanceSpec:
 
 
 _SPEC = pydantic.TypeAdapter(InstanceSpec)
+
+
+@dataclass(frozen=True)
+class StartMessage:
+    spec: InstanceSpec
+
+
+@dataclass(frozen=True)
+class AbortMessage:
+    instance: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReplyMessage:
+    """The answer to the worker's ``receive`` ``rid``: its value, or why there is none."""
+
+    rid: int
+    error: str | None
+    value: object
+
+
+@dataclass(frozen=True)
+class PingMessage:
+    seq: int
+
+
+def host_message(message: list) -> StartMessage | AbortMessage | ReplyMessage | PingMessage:
+    """A message from the trusted host, as a record; ``ProtocolError`` naming one that is not of this protocol (a
+    host and worker of different versions)."""
+    match message:
+        case ["start", dict(spec)]:
+            try:
+                return StartMessage(InstanceSpec.from_wire(spec))
+            except pydantic.ValidationError as e:
+                raise ProtocolError(
+                    f"the host sent a start this worker does not know: {e.errors()[0]['msg']}"
+                ) from None
+        case ["abort", str(instance), str(reason)]:
+            return AbortMessage(instance, reason)
+        case ["reply", int(rid), None | str() as error, value]:
+            return ReplyMessage(rid, error, value)
+        case ["ping", int(seq)]:
+            return PingMessage(seq)
+    raise ProtocolError(f"the host sent a message this worker does not know: {str(message)[:60]}")
 
 
 class _Text(list):

@@ -27,7 +27,17 @@ from pie_cluster.hosts.event_limits import STREAMS, TERMINAL, check_event, cut, 
 from pie_cluster.hosts.run import serve_instance
 from pie_cluster.hosts.sandbox import watchdog
 from pie_cluster.hosts.sandbox.bwrap import PROGRAMS
-from pie_cluster.hosts.sandbox.protocol import FrameWriter, InstanceSpec, ProgramRef, read_frames
+from pie_cluster.hosts.sandbox.protocol import (
+    AbortMessage,
+    FrameWriter,
+    InstanceSpec,
+    PingMessage,
+    ProgramRef,
+    ReplyMessage,
+    StartMessage,
+    host_message,
+    read_frames,
+)
 from pie_cluster.programs.program import Program
 
 OUTPUT_BACKLOG_BYTES = 4 << 20  # unread by the host, past which the worker drops its instances' output
@@ -79,28 +89,25 @@ class Worker:
         self._dropped: dict[str, int] = {}  # instance -> characters of output dropped since it last went out
 
     def handle(self, message: list) -> None:
-        kind, *args = message
-        if kind == "start":
-            spec = InstanceSpec.from_wire(args[0])
-            task = asyncio.get_running_loop().create_task(self._run(spec))
-            self._tasks[spec.setup.instance_id] = task
-        elif kind == "abort":
-            instance_id, reason = args
-            task = self._tasks.get(instance_id)
-            if task is not None and not task.done():
-                self._abort_reasons[instance_id] = reason
-                task.cancel()
-        elif kind == "reply":
-            rid, error, value = args
-            waiter = self._waiting.pop(rid, None)
-            if waiter is None or waiter.done():
-                return
-            if error:
-                waiter.set_exception(RuntimeError(error))
-            else:
-                waiter.set_result(value)
-        elif kind == "ping":
-            self.out.send("pong", args[0])
+        match host_message(message):
+            case StartMessage(spec):
+                task = asyncio.get_running_loop().create_task(self._run(spec))
+                self._tasks[spec.setup.instance_id] = task
+            case AbortMessage(instance_id, reason):
+                task = self._tasks.get(instance_id)
+                if task is not None and not task.done():
+                    self._abort_reasons[instance_id] = reason
+                    task.cancel()
+            case ReplyMessage(rid, error, value):
+                waiter = self._waiting.pop(rid, None)
+                if waiter is None or waiter.done():
+                    return
+                if error:
+                    waiter.set_exception(RuntimeError(error))
+                else:
+                    waiter.set_result(value)
+            case PingMessage(seq):
+                self.out.send("pong", seq)
 
     def event(self, instance_id: str, kind: str, value) -> None:
         """An instance's event to the host, as the protocol carries it: a stream's writes of one turn merged, and
