@@ -15,7 +15,7 @@ from pathlib import Path
 import ray
 from cluster_inferlets import DEADLINE_S, isolated_manifest, run_to_end
 from pie_cluster.client import PieClient
-from pie_cluster.hosts.events import poll
+from pie_cluster.hosts.driver_events import poll
 from pie_cluster.ingress.app import LOCAL_USER
 from pie_cluster.launch_request import LaunchRequest
 

@@ -54,7 +54,7 @@ def main() -> None:
     import ray
     from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
     from pie_cluster.control.controller import start_controller
-    from pie_cluster.hosts.events import poll
+    from pie_cluster.hosts.driver_events import poll
     from ray.cluster_utils import Cluster
     from support.launching import SAVES_AND_WAITS, launch, run_to_end, upload
 

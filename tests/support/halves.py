@@ -7,7 +7,7 @@ import json
 import time
 
 import ray
-from pie_cluster.hosts.events import poll
+from pie_cluster.hosts.driver_events import poll
 from support.launching import launch, run_to_end
 
 HALVES = """

@@ -7,7 +7,7 @@ import textwrap
 import time
 
 import ray
-from pie_cluster.hosts.events import poll
+from pie_cluster.hosts.driver_events import poll
 from pie_cluster.launch_request import LaunchRequest
 
 

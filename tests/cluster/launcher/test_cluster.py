@@ -171,7 +171,7 @@ def test_the_market_restarts_with_its_wallets_and_running_instances_finish(clust
     import os
     import signal
 
-    from pie_cluster.hosts.events import poll
+    from pie_cluster.hosts.driver_events import poll
     from pie_cluster.market import MARKET_NAME
     from ray.util.state import list_actors
 
@@ -220,7 +220,7 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
     import shutil
     import signal
 
-    from pie_cluster.hosts.events import poll
+    from pie_cluster.hosts.driver_events import poll
     from ray.util.state import list_actors
 
     program = upload(launcher, WAITS_WITH_A_WALLET)
@@ -539,7 +539,7 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
     import os
     import signal
 
-    from pie_cluster.hosts.events import poll
+    from pie_cluster.hosts.driver_events import poll
     from ray.util.state import list_actors
 
     head, second = node_pair(cluster)

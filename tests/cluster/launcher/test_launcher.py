@@ -13,7 +13,8 @@ import time
 
 import pytest
 import ray
-from pie_cluster.hosts.events import Ending, deliver, poll
+from pie_cluster.hosts.driver_events import deliver, poll
+from pie_cluster.hosts.events import Ending
 from pie_cluster.launcher.actor import NotFound
 from support.launching import LONG, engine_stats, launch, run_to_end, upload
 from support.program_zips import isolated_shouter, zip_program

@@ -13,7 +13,7 @@ import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.controller import start_controller
-from pie_cluster.hosts.events import poll
+from pie_cluster.hosts.driver_events import poll
 from pie_workers.deadlines import MARKET_S
 from ray.util.state import list_actors
 from support.launching import launch, run_to_end, upload
