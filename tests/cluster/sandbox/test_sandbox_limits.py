@@ -255,6 +255,23 @@ def test_each_worker_is_a_cgroup_of_its_own_whose_memory_cpus_and_tasks_the_kern
     run(test, config)
 
 
+def test_a_pool_started_after_another_in_one_process_does_not_meet_its_leftover_groups():
+    """A worker's group can outlive its pool a moment (its processes still exiting when the pool closes); the next
+    pool of the same process (a restarted host's, the next test's) makes its workers' groups anew all the same."""
+    first = WorkerLimits(SandboxConfig())
+    if first.mode == "rlimit":
+        first.close()
+        pytest.skip(f"this host makes no cgroups: {first.how}")
+    first.confine(1, ["true"])  # its group made, never removed: as if its worker were still exiting
+    second = WorkerLimits(SandboxConfig())
+    try:
+        assert first.how != second.how
+        second.confine(1, ["true"])
+    finally:
+        first.close()
+        second.close()
+
+
 def test_pie_start_refuses_without_libseccomp(tmp_path):
     """With libseccomp unloadable (its file emptied in a mount namespace), the sandbox refuses to start, naming the
     fix, rather than running workers without their filter."""

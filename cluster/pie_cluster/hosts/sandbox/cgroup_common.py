@@ -4,10 +4,13 @@ worker's cgroup, and reading and writing the kernel's cgroup files."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-PREFIX = "pie-workers-"  # the tree one host makes: pie-workers-<its pid>
+PREFIX = "pie-workers-"  # the trees a host makes: pie-workers-<its pid>-<n>, one per pool it starts
+_trees = itertools.count()
 CPU_PERIOD_US = 100_000
 
 
@@ -40,6 +43,12 @@ def join_argv(procs_files: list[Path], argv: list[str]) -> list[str]:
     return ["/bin/sh", "-c", script, "join", str(len(procs_files)), *map(str, procs_files), *argv]
 
 
+def tree_name() -> str:
+    """A name for a new tree of this process's: a pool started after another in one process (a restarted host's,
+    the tests') never meets the groups its predecessor could not yet remove (processes still exiting)."""
+    return f"{PREFIX}{os.getpid()}-{next(_trees)}"
+
+
 def mounts(proc: Path) -> list[list[str]]:
     """``/proc/<pid>/mountinfo``, split: field 3 is the mount's root in its hierarchy, 4 its mount point; after
     the ``-`` separator come the file system type, its source and its super options (a v1 hierarchy's
@@ -66,7 +75,7 @@ def write(path: Path, value: str) -> None:
 def remove_stale(base: Path) -> None:
     """The trees of hosts that died without removing theirs."""
     for old in base.glob(f"{PREFIX}*"):
-        pid = old.name.removeprefix(PREFIX)
+        pid = old.name.removeprefix(PREFIX).split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             remove_tree(old)
 

@@ -5,22 +5,20 @@ where each of them (and cpuacct) sits in a v1 hierarchy this host may write (``c
 
 On v2: ``memory.max`` (with ``memory.oom.group``: past it the kernel ends the whole worker, not one of its processes
 at random; no swap), ``cpu.max`` (how many CPUs its processes together may keep busy) and ``pids.max`` (its
-processes and threads together). The host's tree is ``pie-workers-<host pid>``, made under its own cgroup, or beside
-it when its own holds processes (the kernel lets only a cgroup without processes hand controllers to its children).
-A worker joins its cgroup before bubblewrap starts (``join``), so nothing it ever runs is outside it.
+processes and threads together). The host's tree is ``pie-workers-<host pid>-<n>``, made under its own cgroup, or
+beside it when its own holds processes (the kernel lets only a cgroup without processes hand controllers to its
+children). A worker joins its cgroup before bubblewrap starts (``join``), so nothing it ever runs is outside it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from pie_cluster.hosts.sandbox import cgroups_v1
 from pie_cluster.hosts.sandbox.cgroup_common import (
     CPU_PERIOD_US,
-    PREFIX,
     CgroupLimits,
     CgroupUsage,
     join_argv,
@@ -29,6 +27,7 @@ from pie_cluster.hosts.sandbox.cgroup_common import (
     read,
     remove_stale,
     remove_tree,
+    tree_name,
     write,
 )
 
@@ -102,12 +101,13 @@ def _detect_v2(proc: Path) -> tuple[CgroupTree | None, str]:
     if not offered.issuperset(CONTROLLERS):
         return None, f"cgroup v2 at {mount} offers no {'/'.join(sorted(set(CONTROLLERS) - offered))} controller here"
     why = "no cgroup v2 group near this process's own may be written"
+    name = tree_name()
     for base in [own_group] if own_group == mount else [own_group, own_group.parent]:
         remove_stale(base)
         try:
             if not set(read(base / "cgroup.subtree_control").split()).issuperset(CONTROLLERS):
                 write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in CONTROLLERS))
-            root = base / f"{PREFIX}{os.getpid()}"
+            root = base / name
             root.mkdir(exist_ok=True)
             write(root / "cgroup.subtree_control", " ".join(f"+{c}" for c in CONTROLLERS))
         except OSError as e:

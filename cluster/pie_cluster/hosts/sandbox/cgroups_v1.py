@@ -11,13 +11,11 @@ host, seeing the kill in ``memory.oom_control``, ends the rest of the worker wit
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from pie_cluster.hosts.sandbox.cgroup_common import (
     CPU_PERIOD_US,
-    PREFIX,
     CgroupLimits,
     CgroupUsage,
     join_argv,
@@ -25,6 +23,7 @@ from pie_cluster.hosts.sandbox.cgroup_common import (
     mounts,
     remove_stale,
     remove_tree,
+    tree_name,
     write,
 )
 
@@ -81,7 +80,8 @@ class CgroupV1Tree:
 
 
 def detect(proc: Path) -> tuple[CgroupV1Tree | None, str]:
-    """Each controller's v1 hierarchy, this process's group in it, and a ``pie-workers-<pid>`` group made there."""
+    """Each controller's v1 hierarchy, this process's group in it, and a ``pie-workers-<pid>-<n>``
+    group made there."""
     own = {}  # controller -> this process's group path in its hierarchy
     for line in lines(proc / "cgroup"):
         _, controllers, path = line.split(":", 2)
@@ -100,9 +100,9 @@ def detect(proc: Path) -> tuple[CgroupV1Tree | None, str]:
     missing = sorted(set(CONTROLLERS) - set(groups))
     if missing:
         return None, f"no cgroup v1 hierarchy of this process has the {'/'.join(missing)} controller"
-    roots = {}
+    roots, name = {}, tree_name()
     for controller, group in groups.items():
-        root = group / f"{PREFIX}{os.getpid()}"
+        root = group / name
         try:
             if root not in roots.values():
                 remove_stale(group)
