@@ -315,9 +315,7 @@ class Channels:
         (``inbox.py``: ``InboxFull`` past them)."""
         channel = self.own(user, instance_id)
         user_queued = sum(c.inbox.queued_bytes for c in self._open.values() if c.user == user)
-        limits = self._limits
-        check_room(instance_id, channel.inbox, user_queued, size_of(value), limits.inbox_bytes,
-                   limits.inbox_bytes_per_user)  # fmt: skip
+        check_room(instance_id, channel.inbox, user_queued, size_of(value), self._limits)
         channel.put(kind, value)
 
     def append(self, instance_id: str, kind: str, value: str | bytes, size: int | None = None) -> Event | None:

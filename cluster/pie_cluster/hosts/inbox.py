@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from pie_cluster.config import ChannelLimits
 from pie_cluster.hosts.event_limits import size_of
 
 KINDS = ("message", "file")
@@ -44,16 +45,16 @@ class Inbox:
         return value
 
 
-def check_room(instance_id: str, inbox: Inbox, user_queued: int, size: int, limit: int, user_limit: int) -> None:
+def check_room(instance_id: str, inbox: Inbox, user_queued: int, size: int, limits: ChannelLimits) -> None:
     """Raises ``InboxFull`` naming the bound a value of ``size`` bytes would pass. ``user_queued``: the bytes
     waiting in all of its user's inboxes on this host."""
-    if inbox.queued_bytes + size > limit:
+    if inbox.queued_bytes + size > limits.inbox_bytes:
         raise InboxFull(
             f"instance {instance_id} has {inbox.queued_bytes} bytes it has not received yet; {size} more would pass "
-            f"its inbox's limit of {limit} bytes ([limits] inbox_bytes)"
+            f"its inbox's limit of {limits.inbox_bytes} bytes ([limits] inbox_bytes)"
         )
-    if user_queued + size > user_limit:
+    if user_queued + size > limits.inbox_bytes_per_user:
         raise InboxFull(
             f"this user's instances on their host have {user_queued} bytes they have not received yet; {size} more "
-            f"would pass the limit of {user_limit} bytes ([limits] inbox_bytes_per_user)"
+            f"would pass the limit of {limits.inbox_bytes_per_user} bytes ([limits] inbox_bytes_per_user)"
         )
