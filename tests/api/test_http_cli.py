@@ -377,10 +377,12 @@ def test_what_clients_send_an_instance_is_bounded_until_it_receives_and_bob_is_u
     assert [send_file(hoarder, 400 * KIB).status_code for _ in range(2)] == [204, 204]
     full = send_file(hoarder, 400 * KIB)
     assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
-    assert "[limits] inbox_bytes)" in assert_one_clean_line(full)
+    detail = assert_one_clean_line(full)
+    assert detail.startswith(f"instance {hoarder} has ") and detail.endswith("([limits] inbox_bytes)"), detail
     assert send_file(other, 400 * KIB).status_code == 204  # 1,200 KiB of alice's wait on the host
     over_user = send_file(other, 400 * KIB)
-    assert over_user.status_code == 429 and "[limits] inbox_bytes_per_user" in assert_one_clean_line(over_user)
+    assert over_user.status_code == 429
+    assert assert_one_clean_line(over_user).startswith("this user's instances on their host have ")
 
     bob.send(waiter, "bob's message")  # bob's sends are his own
     assert outcome(bob, waiter) == ("return", "bob's message")

@@ -13,19 +13,13 @@ from dataclasses import dataclass, field
 
 from pie_cluster.config import ChannelLimits
 from pie_cluster.hosts.event_limits import size_of
+from pie_cluster.overloaded import Overloaded
 
 KINDS = ("message", "file")
 
 
-class InboxFull(Exception):
+class InboxFull(Overloaded):
     """An instance's inbox, or its user's inboxes on one host, hold all they may; retry once it has received."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message, retry_after_s)  # both in args, so it crosses Ray (pickling) intact
-
-    @property
-    def retry_after_s(self) -> float:
-        return self.args[1]
 
 
 @dataclass

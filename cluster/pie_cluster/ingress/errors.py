@@ -7,9 +7,8 @@ from fastapi import HTTPException
 from pydantic import ValidationError
 
 from pie_cluster.hosts.events import NotFound
-from pie_cluster.hosts.inbox import InboxFull
 from pie_cluster.launch_request import describe_errors
-from pie_cluster.launcher.admission import Overloaded
+from pie_cluster.overloaded import Overloaded
 
 log = logging.getLogger("pie.http")
 
@@ -17,7 +16,7 @@ log = logging.getLogger("pie.http")
 def launcher_error(cause: BaseException | None) -> HTTPException:
     """The HTTP answer for what the launcher raised: its message, never its traceback; a full cluster is 429 with
     the seconds to wait in ``Retry-After``, and so is an instance's full inbox."""
-    if isinstance(cause, Overloaded | InboxFull):
+    if isinstance(cause, Overloaded):  # the launcher's queues, an instance's inbox (InboxFull)
         retry = str(max(1, math.ceil(cause.retry_after_s)))
         return HTTPException(429, str(cause), headers={"Retry-After": retry})
     if isinstance(cause, NotFound):

@@ -38,7 +38,7 @@ from pie_cluster.config import ChannelLimits, LauncherConfig, SupervisionConfig
 from pie_cluster.hosts.events import TERMINAL, Ending, Location, NotFound
 from pie_cluster.hosts.node_host import InferletHost, InstanceLimits, NodeServices
 from pie_cluster.launch_request import LaunchRequest, describe_errors
-from pie_cluster.launcher.admission import Admission, Overloaded
+from pie_cluster.launcher.admission import Admission
 from pie_cluster.launcher.host_watch import until_gone
 from pie_cluster.launcher.ingress_runners import Runners
 from pie_cluster.launcher.records import (
@@ -52,6 +52,7 @@ from pie_cluster.launcher.records import (
 )
 from pie_cluster.launcher.recovery import LauncherMemory, LauncherState, WaitingLaunch, known_to_hosts, program_of
 from pie_cluster.market import endowment_for
+from pie_cluster.overloaded import Overloaded
 from pie_cluster.programs import BUILTIN_DIR
 from pie_cluster.programs.program import Program, ProgramError
 from pie_cluster.programs.store import ProgramStore

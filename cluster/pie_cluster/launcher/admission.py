@@ -11,20 +11,7 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from pie_cluster.config import AdmissionLimits
-
-
-class Overloaded(Exception):
-    """The cluster (or this user) is at its limit of running and queued instances; retry after ``retry_after_s``."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message, retry_after_s)  # both in args, so it crosses Ray (pickling) intact
-
-    @property
-    def retry_after_s(self) -> float:
-        return self.args[1]
-
-    def __str__(self) -> str:
-        return self.args[0]
+from pie_cluster.overloaded import Overloaded
 
 
 class Admission:

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from pie_cluster.hosts.node_host import InstanceLimits, NodeServices
-from pie_cluster.launcher.admission import Overloaded
+from pie_cluster.overloaded import Overloaded
 from pie_cluster.programs.program import Program
 
 

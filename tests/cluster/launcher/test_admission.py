@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pie_cluster.config import AdmissionLimits
-from pie_cluster.launcher.admission import Admission, Overloaded
+from pie_cluster.launcher.admission import Admission
+from pie_cluster.overloaded import Overloaded
 
 
 def test_runs_then_queues_then_refuses_and_starts_waiters_in_order():
