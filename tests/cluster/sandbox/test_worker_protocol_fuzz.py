@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pie_cluster.config import ChannelLimits, SandboxConfig
 from pie_cluster.hosts.events import KINDS, Channels, Ending
 from pie_cluster.hosts.run import InstanceSetup
-from pie_cluster.hosts.sandbox.pool import HostSide, WorkerPool
+from pie_cluster.hosts.sandbox.pool import UNANSWERED_STALLS, HostSide, WorkerPool
 from pie_cluster.hosts.sandbox.protocol import (
     AbortMessage,
     InstanceSpec,
@@ -46,6 +46,10 @@ async def main(input):
 """
 
 ALICE = "alice-instance"
+STALL_S = 2.0
+ENDED_WITHIN_S = UNANSWERED_STALLS * STALL_S + 20
+"""A frame she leaves unfinished swallows her worker's later writes (its return, its pongs): the host's ping backstop
+(``UNANSWERED_STALLS`` x ``stall_s``) is what ends her worker then, so her instance's end is awaited past it."""
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(), st.binary())
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3), max_leaves=6)
 instances = st.sampled_from([ALICE, "bob-1", "nobody"])
@@ -77,13 +81,13 @@ class Loop:
         self.endings: list[Ending] = []
         self.directory = directory
 
-    def call(self, work, timeout: float = 60):
+    def call(self, work, timeout: float = ENDED_WITHIN_S + 30):
         return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout)
 
     async def start(self) -> None:
         self.channels = Channels(ChannelLimits(), self.endings.extend, lambda i, reason: self.pool.abort(i, reason))
         side = HostSide(self.channels.emit, self._receive, lambda instance: None)
-        self.pool = WorkerPool(SandboxConfig(stall_s=5), self.directory, side)
+        self.pool = WorkerPool(SandboxConfig(stall_s=STALL_S), self.directory, side)
         self.relays = Relays(self.directory)
         self.pool.set_view(await build_view({}, (), self.relays))
         self.channels.open("bob-1", "bob")
@@ -96,7 +100,7 @@ class Loop:
         """Alice's instance writes ``frame`` to her worker's socket; how it ended."""
         self.channels.open(ALICE, "alice")
         await launch(self.pool, "alice", ALICE, WRITER, {"frame": frame.hex()})
-        ending = await asyncio.wait_for(self.channels.find(ALICE).log.finished(), 30)
+        ending = await asyncio.wait_for(self.channels.find(ALICE).log.finished(), ENDED_WITHIN_S)
         self.channels._ended.pop(ALICE)  # the same id again next time
         return ending.kind, ending.value
 
