@@ -7,8 +7,9 @@ are measured on the real actors, started by the project's own ``start_controller
 model, sandbox off: the launcher does the same work either way, and the bench should not measure bubblewrap). Each
 row is one request's worth of calls, as the component that makes them does:
 
-* launcher, OpenAI request: ``admit_many`` + ``ended`` (the ingress replica runs the instance itself, and the
-  admissions of one event-loop turn go as one call: ingress/own_programs.py);
+* launcher, OpenAI request: one ``report`` carrying its start and its ending (the ingress replica runs the instance
+  itself on an admission slot of its lease, and reports what one event-loop turn began and ended as one message:
+  ingress/slot_lease.py; a request whose user has no free slot there adds a ``lease`` call);
 * launcher, uploaded program: ``launch`` + ``locate(wait)`` of a trivial program; the host runs it and reports its
   ending to the launcher with ``ended`` (batched per host loop turn), so the host's work is in this row too;
 * market: ``join_many`` + ``leave_many`` (once per instance, from where it runs; those of one event-loop turn go
@@ -35,14 +36,13 @@ import uuid
 import ray
 from bus import TRUST, bus_rows
 from pie_cluster.bus import start_bus
-from pie_cluster.coalesced_calls import CoalescedCalls
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
 from pie_cluster.control.controller import LAUNCHER, start_controller
 from pie_cluster.hosts.events import Ending
 from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.launcher.actor import OPENAI_PROGRAM
-from pie_cluster.launcher.records import AdmitRequest, Admitted
+from pie_cluster.launcher.records import RunnerReport, RunNote
 from pie_cluster.market.actor import MARKET_NAME
 from pie_cluster.ray_session import init_ray
 from pie_cluster.stores.directory import DIRECTORY
@@ -74,7 +74,6 @@ class Components:
         self.runner = FakeRunner.remote()
         self.runner_name = uuid.uuid4().hex
         self.node = node
-        self.admit = CoalescedCalls(self.launcher.admit_many, "the launcher", 60.0, node, self.runner_name, self.runner)
         self.wallets = wallet_calls(self.market)
         self.text = [(1000 + i % 7000, i) for i in range(lineage)]
         self.program = ray.get(self.launcher.upload.remote("bench", "noop.py", NOOP))["program"]
@@ -84,10 +83,9 @@ class Components:
         await self.runner.nothing.remote()
 
     async def openai(self, k: int) -> None:
-        user = f"u{k}"  # a user per caller: the per-user admission limit is not what is measured
-        admitted = await self.admit(AdmitRequest(uuid.uuid4().hex, user, OPENAI_PROGRAM, {}))
-        assert isinstance(admitted, Admitted) and not admitted.queued, admitted
-        await self.launcher.ended.remote([Ending(admitted.id, "return", "")])
+        note = RunNote(uuid.uuid4().hex, f"u{k}", OPENAI_PROGRAM, time.time())
+        ending = Ending(note.id, "return", "")
+        await self.launcher.report.remote(RunnerReport(self.runner_name, self.node, self.runner, (note,), (ending,)))
 
     async def uploaded(self, k: int) -> None:
         instance = await self.launcher.launch.remote("bench", LaunchRequest(program=self.program))
@@ -167,7 +165,7 @@ def main() -> None:
         parts = Components(node, args.lineage)
         rows = [
             ("Ray floor", "an empty async actor method, twice", 2, parts.floor),
-            ("launcher", "OpenAI request: admit_many + ended", 2, parts.openai),
+            ("launcher", "OpenAI request: report (its start and its end)", 1, parts.openai),
             ("launcher (+ host)", "uploaded program: launch + locate (+ host's ended)", 3, parts.uploaded),
             ("market", "instance: join_many + leave_many", 2, parts.market_call),
             ("directory", f"stored turn: register ({args.lineage} tokens) + lookup + remove", 3, parts.directory_call),

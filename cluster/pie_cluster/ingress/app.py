@@ -168,9 +168,8 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         self._auth, self._namespace = auth, namespace
         self._launcher = ray.get_actor("pie-launcher", namespace=namespace)
         self._registry = CollectorRegistry()
-        early = Counter("pie_early_starts", "begun before admission answered", ["outcome"], registry=self._registry)
         router = PrefixRouter(routing, shared_prefixes=shared_prefixes)
-        self._local = LocalInstances(self._launcher, BUILTINS, early, router)
+        self._local = LocalInstances(self._launcher, BUILTINS, router)
         self._init_responses(responses or ResponsesConfig())
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)

@@ -40,15 +40,17 @@ from pie_cluster.hosts.node_host import InferletHost, InstanceLimits, NodeServic
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher.admission import Admission
 from pie_cluster.launcher.host_watch import until_gone
-from pie_cluster.launcher.ingress_runners import Runners
+from pie_cluster.launcher.leases import Leases
 from pie_cluster.launcher.records import (
-    AdmissionAnswer,
-    AdmitRequest,
-    Admitted,
     HostPool,
     InstanceRecord,
-    Refused,
+    RunnerOrders,
+    RunnerReport,
+    RunnerServices,
+    RunNote,
     RunOnHost,
+    SlotAnswer,
+    SlotAsk,
 )
 from pie_cluster.launcher.recovery import LauncherMemory, LauncherState, WaitingLaunch, known_to_hosts, program_of
 from pie_cluster.market import endowment_for
@@ -99,6 +101,10 @@ class Launcher:
         self._builtins = {name: Program.from_path(path) for name, path in BUILTINS.items()}
         self._builtin_ids = {program.id for program in self._builtins.values()}
         self._admission = Admission(config.admission_limits())
+        # the ingress replicas and the slots they hold
+        self._leases = Leases(
+            self._admission, supervision, lambda key: self._start(self._instances[key]), self._runner_died
+        )
         self._instances: dict[str, InstanceRecord] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._keep_finished = config.keep_finished
@@ -109,8 +115,6 @@ class Launcher:
         self._draining = self._state.draining  # nodes ``pie drain`` closed to launches
         self.launched = 0
         self.calls: Counter[str] = Counter()  # calls taken from clients and hosts, by method
-        self._runners = Runners(supervision, self._runner_died)
-        self._services_version = 0  # bumped when what inferlets reach changes: runners then ask for it again
         self._memory.save(self._state)
         if saved is not None and saved.pool is not None:  # Ray restarted it: learn again what runs (see module)
             self._spawn(self._recover(saved.pool))
@@ -138,8 +142,6 @@ class Launcher:
         node = launch.node_id if launch.node_id in self._pool.hosts else self._choose_node(None)
         instance = self._instances[launch.id] = launch.record(program, node, self._pool.hosts[node])
         self._programs.started(instance.user, program.id)
-        if launch.runner is not None:
-            self._runners.seen(launch.runner, launch.runner_handle)
         try:
             if self._admission.admit(instance.user, instance.id):
                 self._start(instance)
@@ -159,14 +161,18 @@ class Launcher:
         """A node joined: its pooled host takes launches from now on, watched like the others (``services``: every
         node's, the new one's included)."""
         self._pool_changed(dataclasses.replace(self._pool, hosts={**self._pool.hosts, node: host}, services=services))
-        self._services_version += 1
+        self._services_moved()
         self._spawn(self._watch_host(node, host))
 
     async def set_services(self, services: dict[str, NodeServices]) -> None:
         """Replicas were replaced: what each node's instances reach from now on (dedicated hosts made later, and
         pooled hosts that Ray restarts, get these)."""
         self._pool_changed(dataclasses.replace(self._pool, services=services))
-        self._services_version += 1
+        self._services_moved()
+
+    def _services_moved(self) -> None:
+        """What inferlets reach changed: the ingress replicas are told to fetch it again."""
+        self._leases.services_changed()
 
     def _spawn(self, work) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -251,21 +257,19 @@ class Launcher:
         self.launched += 1
         return instance_id
 
-    def _run_or_wait(self, instance: InstanceRecord, runs_now: bool, runner_handle=None) -> None:
+    def _run_or_wait(self, instance: InstanceRecord, runs_now: bool) -> None:
         """Start an admitted instance, or save it as waiting for a slot (a restarted launcher queues it again)."""
         instance.queued = not runs_now
         if runs_now:
             self._start(instance)
         else:
-            self._memory.waiting.put((instance.id,), WaitingLaunch.of(instance, runner_handle))
+            self._memory.waiting.put((instance.id,), WaitingLaunch.of(instance))
+            self._leases.reclaim_if_waiting()
 
     def _start(self, instance: InstanceRecord) -> None:
         if instance.queued:
             self._memory.waiting.delete((instance.id,))
         instance.queued = False
-        if instance.runner is not None:  # its runner starts it as soon as ``admit_many`` answers
-            instance.settled.set()
-            return
         if instance.dedicated:
             instance.host = self._dedicated_host(instance.node_id, instance.program)
         trusted = instance.program.id in self._builtin_ids  # the cluster's own programs need no sandbox
@@ -321,7 +325,7 @@ class Launcher:
     async def remove_host(self, node: str, reason: str) -> None:
         """``node`` was drained: its host is stopped and takes no launch again; what still runs there ends."""
         self._pool_changed(self._pool.without(node))
-        self._services_version += 1
+        self._services_moved()
         await self._lose([i for i in self._running() if i.node_id == node and i.runner is None], reason)
 
     def _dedicated_host(self, node: str, program: Program):
@@ -355,7 +359,7 @@ class Launcher:
             self._finish(instance, "error", "aborted by its user")
             return True
         if instance.runner is not None:
-            self._runners.abort(instance.runner, instance_id)
+            self._leases.abort(instance.runner, instance_id)
             return True
         aborted = instance.host.abort.remote(instance_id, "aborted by its user")
         return await answer(aborted, f"the inferlet host on node {instance.node_id}", HOST_S)
@@ -377,85 +381,65 @@ class Launcher:
         return {
             "launched": self.launched,
             "calls": dict(self.calls),
-            "ingress_replicas": self._runners.admitted(),
+            "ingress_replicas": self._leases.started(),
             "running": self._admission.running,
             "queued": self._admission.queued,
             "programs": len(self._programs),
             "sandbox": "bubblewrap" if self._sandboxed else "off",
         }
 
-    # -- instances that an ingress replica runs itself ----------------------------------------------------------
+    # -- the ingress replicas' leases of admission slots (launcher/leases.py) ------------------------------------
 
-    async def admit_many(self, node: str, runner: str, handle, requests: list[AdmitRequest]) -> list[AdmissionAnswer]:
-        """Admit instances of the cluster's own programs that ``runner`` (an ingress replica on ``node``, actor
-        ``handle``) runs in its own process: no host, no event relay. ``requests``: those of one event-loop turn of
-        the runner (``ingress/own_programs.py`` coalesces them). One answer per request, in order: ``Admitted``,
-        ``Refused`` (over the limits, a program that is not the cluster's, an id already taken), or ``RunOnHost``
-        when this node has no view of the models."""
-        self.calls["admit"] += 1
+    async def lease(self, node: str, runner: str, handle, asks: list[SlotAsk]) -> list[SlotAnswer]:
+        """More slots for ``runner`` (an ingress replica on ``node``, actor ``handle``), one per ask of one of its
+        event-loop turns, in order: ``Granted`` (in its lease from now on), ``Queued`` (``slot`` waits for it),
+        ``Refused`` (over the limits), or ``RunOnHost`` when its node has no view of the models."""
+        self.calls["lease"] += 1
         if self._pool is None:
             raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
         if node not in self._pool.services:
-            return [RunOnHost()] * len(requests)
-        answers: list[AdmissionAnswer] = []
-        for request in requests:
-            try:
-                instance = self._admit(request, node, runner, handle)
-            except Overloaded as e:
-                answers.append(Refused(str(e), e.retry_after_s))
-                continue
-            except ValueError as e:
-                answers.append(Refused(str(e)))
-                continue
-            answers.append(await self._admission_answer(instance, 0.0))
-        return answers
+            return [RunOnHost()] * len(asks)
+        return self._leases.lease(runner, handle, asks)
 
-    def _admit(self, request: AdmitRequest, node: str, runner: str, handle) -> InstanceRecord:
-        if request.program not in self._builtins:
-            raise ValueError(f"{request.program!r} is not one of the cluster's own programs")
-        if request.instance_id in self._instances:
-            raise ValueError(f"the instance id {request.instance_id!r} is taken")
-        instance_id, user = request.instance_id, request.user
-        runs_now = self._admission.admit(user, instance_id)
-        program = self._builtins[request.program]
-        instance = InstanceRecord(instance_id, user, program, dict(request.input), node, None, False)
-        instance.runner = runner
+    async def slot(self, runner: str, ask_id: str, wait: float) -> bool:
+        """For a runner whose ask was queued: True once its slot is granted (it is in the runner's lease then),
+        waiting up to ``wait`` s for it."""
+        return await self._leases.slot(runner, ask_id, wait)
+
+    async def withdraw(self, runner: str, ask_id: str) -> None:
+        """The request behind a queued ask went away: its place in the queue goes, or the slot granted meanwhile
+        comes back."""
+        self._leases.withdraw(runner, ask_id)
+
+    async def report(self, report: RunnerReport) -> None:
+        """An ingress replica's news (``RunnerReport``): the instances it began and ended, the slots it gives back."""
+        self.calls["report"] += 1
+        for note in report.started:
+            self._note(report, note)
+        self._end(report.ended)
+        self._leases.reported(report).started += len(report.started)
+
+    def _note(self, report: RunnerReport, note: RunNote) -> None:
+        program = self._builtins.get(note.program)
+        if program is None or note.id in self._instances:
+            return
+        instance = InstanceRecord(note.id, note.user, program, {}, report.node, None, False, note.created)
+        instance.runner = report.runner
         instance.limits = InstanceLimits(self._default_deadline_s)
-        self._instances[instance_id] = instance
-        self._programs.started(user, instance.program.id)
-        self._runners.seen(runner, handle)
-        self._run_or_wait(instance, runs_now, handle)
+        instance.settled.set()
+        self._instances[note.id] = instance
+        self._programs.started(note.user, program.id)
         self.launched += 1
-        return instance
 
-    async def admitted(self, runner: str, instance_id: str, wait: float) -> Admitted:
-        """For a runner whose admission came back queued: waits up to ``wait`` s more for the slot."""
-        instance = self._instances.get(instance_id)
-        if instance is None or instance.runner != runner:
-            raise NotFound(f"no instance {instance_id!r}")
-        return await self._admission_answer(instance, wait)
-
-    async def _admission_answer(self, instance: InstanceRecord, wait: float) -> Admitted:
-        if wait > 0 and not instance.settled.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(instance.settled.wait(), min(wait, 60.0))
-        return Admitted(
-            id=instance.id,
-            queued=not instance.settled.is_set(),
-            ending=instance.ending,
-            deadline_s=instance.limits.deadline_s,
-            services=self._services_version,
-            spare=self._admission.spare(instance.user),
+    async def services_for(self, node: str) -> RunnerServices:
+        """What instances a runner on ``node`` runs reach, and with what (``RunnerServices``)."""
+        return RunnerServices(
+            self._pool.services[node], self._pool.secret, self._leases.services, self._default_deadline_s
         )
 
-    async def services_for(self, node: str) -> tuple[NodeServices, bytes, int]:
-        """What instances a runner on ``node`` runs reach, the secret to mint their capabilities with, and the
-        version of both (``admit_many`` answers the current one: a runner holding another asks again)."""
-        return self._pool.services[node], self._pool.secret, self._services_version
-
-    async def waiting_aborts(self, runner: str, wait: float = 30.0) -> list[str]:
-        """The runner's instances that their users aborted since it last asked (a long poll it keeps open)."""
-        return await self._runners.waiting_aborts(runner, wait)
+    async def orders(self, runner: str, wait: float = 30.0) -> RunnerOrders:
+        """What the runner is to do (aborts, slots to give back, new services): a long poll it keeps open."""
+        return await self._leases.orders(runner, wait)
 
     async def _runner_died(self, runner: str) -> None:
         lost = [i for i in self._instances.values() if i.runner == runner and i.ending is None]
@@ -466,6 +450,9 @@ class Launcher:
     async def ended(self, batch: list[Ending]) -> None:
         """Instances' terminal events, from the hosts that ran them (one call per loop turn of a host)."""
         self.calls["ended"] += 1
+        self._end(batch)
+
+    def _end(self, batch: list[Ending] | tuple[Ending, ...]) -> None:
         for ending in batch:
             instance = self._instances.get(ending.instance)
             if instance is not None:
@@ -483,9 +470,8 @@ class Launcher:
         if instance.queued:
             self._admission.withdraw(instance.user, instance.id)
             self._memory.waiting.delete((instance.id,))
-        else:
-            for waiting in self._admission.ended(instance.user):
-                self._start(self._instances[waiting])
+        elif instance.runner is None:  # (one an ingress replica ran held a slot of its lease: that slot stays there)
+            self._leases.release(instance.user)
         if instance.dedicated and instance.host is not None:  # None: it ended while waiting for admission
             # kept a while, so that its client reads the events it has not read yet
             asyncio.get_running_loop().call_later(DEDICATED_GRACE_S, ray.kill, instance.host)

@@ -1,7 +1,8 @@
 """Admission control: how many instances run and wait, per user and cluster-wide.
 
 A launch runs at once while its user and the cluster are under their running limits; past them it waits in a
-FIFO queue, and past the queue's limits it is refused with ``Overloaded`` (HTTP 429 with ``Retry-After``), so a
+FIFO queue (an ingress replica's ask for a slot of its lease waits in the same one: ``launcher/leases.py``), and
+past the queue's limits it is refused with ``Overloaded`` (HTTP 429 with ``Retry-After``), so a
 flood of launches costs the cluster a bounded amount of memory instead of growing it without end. When an instance
 ends, the first waiting launch whose user is under the per-user limit starts.
 """
@@ -19,7 +20,7 @@ class Admission:
         self.limits = limits
         self._running: Counter[str] = Counter()
         self._queued: Counter[str] = Counter()
-        self._queue: deque[tuple[str, str]] = deque()  # (user, instance id), oldest first
+        self._queue: deque[tuple[str, str]] = deque()  # (user, instance id or slot ask), oldest first
 
     @property
     def running(self) -> int:
@@ -28,13 +29,6 @@ class Admission:
     @property
     def queued(self) -> int:
         return len(self._queue)
-
-    def spare(self, user: str) -> int:
-        """How many more instances ``user`` could start now without waiting (none while any launch waits): what
-        an ingress replica may begin before their admission answers."""
-        if self._queue:
-            return 0
-        return max(0, min(self.limits.running - self.running, self.limits.running_per_user - self._running[user]))
 
     def admit(self, user: str, instance_id: str) -> bool:
         """True: run it now (counted as running). False: it waits (queued). Raises Overloaded when it can't."""

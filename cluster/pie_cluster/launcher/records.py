@@ -1,5 +1,5 @@
-"""The launcher's records: one per instance, the hosts it places instances on, and the admissions of the instances
-an ingress replica runs itself (what ``Launcher.admit_many`` takes and answers)."""
+"""The launcher's records: one per instance, the hosts it places instances on, and what it and the ingress replicas
+that run instances themselves say to each other about admission slots (``launcher/leases.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from pie_cluster.hosts.events import Ending
 from pie_cluster.hosts.node_host import InstanceLimits, NodeServices
 from pie_cluster.overloaded import Overloaded
 from pie_cluster.programs.program import Program
@@ -82,34 +83,28 @@ class HostPool:
 
 
 @dataclass(frozen=True)
-class AdmitRequest:
-    """An instance of one of the cluster's own programs that an ingress replica asks to run in its own process (it
-    names the instance, so it opens the instance's wallet while the launcher admits it)."""
+class SlotAsk:
+    """An ingress replica asks for one more admission slot for ``user``: a request of theirs found none free in its
+    lease (``launcher/leases.py``). ``id`` names the ask while it waits in the queue."""
 
-    instance_id: str
+    id: str
     user: str
-    program: str
-    input: dict
 
 
 @dataclass(frozen=True)
-class Admitted:
-    """The instance is the launcher's: it runs now, or waits for a slot (``queued``: ``Launcher.admitted`` waits on).
-    ``ending``: it was aborted while it waited; ``services``: the version of the node's services it runs with;
-    ``spare``: how many more its user may start now (the runner may begin those before their answer)."""
+class Granted:
+    """The slot is the replica's: counted as running for the user until the replica gives it back."""
 
-    id: str
-    queued: bool
-    ending: tuple[str, str | bytes] | None
-    deadline_s: float | None
-    services: int
-    spare: int
+
+@dataclass(frozen=True)
+class Queued:
+    """The slot is not free now: the ask waits in the launcher's queue (``Launcher.slot`` waits for it)."""
 
 
 @dataclass(frozen=True)
 class Refused:
-    """The launcher refused the admission: over the admission limits (``retry_after_s``: HTTP 429), or a request no
-    launcher could take (a program that is not the cluster's, an id already taken)."""
+    """The launcher refused the ask: over the admission limits (``retry_after_s``: HTTP 429), or a request no
+    launcher could take."""
 
     message: str
     retry_after_s: float | None = None
@@ -122,7 +117,56 @@ class Refused:
 
 @dataclass(frozen=True)
 class RunOnHost:
-    """The runner's node has no view of the models: the runner launches the instance on an inferlet host instead."""
+    """The replica's node has no view of the models: the replica launches its requests on an inferlet host."""
 
 
-AdmissionAnswer = Admitted | Refused | RunOnHost
+SlotAnswer = Granted | Queued | Refused | RunOnHost
+
+
+@dataclass(frozen=True)
+class RunNote:
+    """An instance an ingress replica began on a slot of its lease: what ``pie list`` shows of it (not its input,
+    which is the request's prompt)."""
+
+    id: str
+    user: str
+    program: str  # the cluster program's name (``OPENAI_PROGRAM``, ...)
+    created: float
+
+
+@dataclass(frozen=True)
+class RunnerReport:
+    """What an ingress replica tells the launcher, one message per event-loop turn that has news and at least every
+    ``leases.RENEW_S``: the instances it began and how others ended, the slots it gives back, and the slots it
+    holds per user after that (what a restarted launcher counts again)."""
+
+    runner: str
+    node: str
+    handle: object  # its Ray actor, pinged to learn that it died
+    started: tuple[RunNote, ...] = ()
+    ended: tuple[Ending, ...] = ()
+    returned: dict[str, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+    idle: dict[str, int] = field(default_factory=dict)  # of ``held``, how many no instance uses
+
+
+@dataclass(frozen=True)
+class RunnerOrders:
+    """What the launcher asks of an ingress replica (its long poll, ``Launcher.orders``): instances to abort,
+    whether launches wait for slots that it holds idle (it gives them back at once), and the version of the
+    services its instances are to run with (a newer one: it fetches them again)."""
+
+    aborts: tuple[str, ...] = ()
+    reclaim: bool = False
+    services: int = 0
+
+
+@dataclass(frozen=True)
+class RunnerServices:
+    """What instances an ingress replica runs reach, the secret to mint their capabilities with, the version of
+    both, and the deadline its instances run under (``[launcher] default_deadline_s``)."""
+
+    services: NodeServices
+    secret: bytes
+    version: int
+    deadline_s: float | None

@@ -49,11 +49,9 @@ class WaitingLaunch:
     dedicated: bool
     limits: InstanceLimits
     created: float
-    runner: str | None  # the ingress replica that waits to run it, and that replica's actor
-    runner_handle: object | None
 
     @classmethod
-    def of(cls, instance: InstanceRecord, runner_handle) -> WaitingLaunch:
+    def of(cls, instance: InstanceRecord) -> WaitingLaunch:
         return cls(
             instance.id,
             instance.user,
@@ -63,15 +61,13 @@ class WaitingLaunch:
             instance.dedicated,
             instance.limits,
             instance.created,
-            instance.runner,
-            runner_handle,
         )
 
     def record(self, program: Program, node: str, pooled_host) -> InstanceRecord:
         """The record of this launch, queued again on ``node`` (its pooled host runs it unless it is dedicated)."""
         host = None if self.dedicated else pooled_host
         instance = InstanceRecord(self.id, self.user, program, self.input, node, host, self.dedicated, self.created)
-        instance.limits, instance.runner, instance.queued = self.limits, self.runner, True
+        instance.limits, instance.queued = self.limits, True
         return instance
 
 

@@ -35,16 +35,6 @@ def test_a_withdrawn_launch_leaves_the_queue():
     assert a.ended("u") == ["3"] and (a.running, a.queued) == (1, 0)
 
 
-def test_spare_is_what_a_user_could_start_now_and_nothing_while_any_launch_waits():
-    a = Admission(AdmissionLimits(running=3, running_per_user=2, queued=2, queued_per_user=2))
-    assert a.spare("alice") == 2
-    assert a.admit("alice", "a1") and a.spare("alice") == 1 and a.spare("bob") == 2
-    assert a.admit("bob", "b1") and a.spare("bob") == 1 and a.spare("carol") == 1  # the cluster has one left
-    assert a.admit("alice", "a2") and a.spare("alice") == 0 and a.spare("bob") == 0
-    assert not a.admit("carol", "c1") and a.spare("carol") == 0  # a launch waits: nobody jumps it
-    assert a.ended("bob") == ["c1"] and a.spare("bob") == 0  # the freed slot went to the waiting launch
-
-
 def test_overloaded_crosses_process_boundaries_with_its_retry_hint():
     error = pickle.loads(pickle.dumps(Overloaded("full", 2.5)))
     assert str(error) == "full" and error.retry_after_s == 2.5

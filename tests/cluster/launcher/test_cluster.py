@@ -19,7 +19,7 @@ from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.control.controller import Controller
 from support.launching import engine_stats, launch, run_to_end, upload
 
-LAUNCHER_LIMITS = {"max_running_per_user": 10}  # the launcher's restart test fills one user's slots
+LAUNCHER_LIMITS = {"max_running_per_user": 10, "max_queued_per_user": 4}  # filled by the restart and lease tests
 
 GREEDY = """
 from inferlet import Context, Model, Sampler
@@ -585,3 +585,61 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
         assert replica["contexts"] == 0 and replica["pages_used"] == 0, replica
     assert status["bus"]["subscriptions"] == bus_before["subscriptions"]
     assert status["market"]["wallets"] == 0 and status["market"]["balanced"]
+
+
+@ray.remote(num_cpus=0)
+class IngressStandIn:
+    """Stands for an ingress replica: the launcher pings the actor of a runner holding a lease, to learn it died."""
+
+
+def test_leased_slots_come_from_the_same_counts_and_queue_as_launches_and_end_with_their_replica(cluster, launcher):
+    """Two ingress replicas lease carol's slots (her limit: 10): the first gets six, the second four and two places
+    in the queue, and her uploaded launch waits behind those, in order. A slot the first gives back goes to the
+    second's oldest ask; idle slots are asked back while launches wait; the second replica's death ends its lease,
+    which frees its slots and queue places for her launch. A node with no view of the models is told to run on a
+    host, and past the queue's limits an ask is refused as ``Overloaded`` is."""
+    from pie_cluster.launcher.records import Granted, Queued, Refused, RunnerReport, RunOnHost, SlotAsk
+
+    user, limit = "carol", LAUNCHER_LIMITS["max_running_per_user"]
+    node = ray.get(cluster.nodes.remote())[0]
+    first, second = IngressStandIn.remote(), IngressStandIn.remote()
+
+    def lease(name: str, handle, count: int, on: str = node) -> list:
+        asks = [SlotAsk(f"{name}-{i}", user) for i in range(count)]
+        return ray.get(launcher.lease.remote(on, name, handle, asks))
+
+    assert lease("first", first, 6) == [Granted()] * 6
+    assert lease("second", second, 6) == [Granted()] * 4 + [Queued()] * 2
+    assert ray.get(launcher.stats.remote())["running"] >= limit
+    program = upload(launcher, "async def main(input):\n    return 'ran'\n", user=user)
+    waiting = launch(launcher, program, user=user)
+    assert {i["id"]: i["status"] for i in ray.get(launcher.list.remote(user))}[waiting] == "queued"
+    assert not ray.get(launcher.slot.remote("second", "second-4", 0.2))  # still waiting
+
+    ray.get(launcher.report.remote(RunnerReport("first", node, first, returned={user: 1}, held={user: 5})))
+    assert ray.get(launcher.slot.remote("second", "second-4", 5.0))  # the oldest ask got the slot given back
+    assert not ray.get(launcher.slot.remote("second", "second-5", 0.2))  # the next one still waits
+    assert ray.get(launcher.orders.remote("first", 0.1)).reclaim is False  # it reported nothing idle
+    ray.get(launcher.report.remote(RunnerReport("first", node, first, held={user: 5}, idle={user: 2})))
+    assert ray.get(launcher.orders.remote("first", 5.0)).reclaim  # launches wait: its idle slots are asked back
+
+    ray.kill(second)  # its lease ends with it: five slots and a place in the queue
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        status = {i["id"]: i for i in ray.get(launcher.list.remote(user))}[waiting]["status"]
+        if status != "queued":
+            break
+        time.sleep(0.2)
+    assert run_to_end(launcher, waiting, user)[-1][1:] == ["return", "ran"]
+
+    assert lease("first", first, 1, on="no-such-node") == [RunOnHost()]
+    crowd = lease("first", first, limit + LAUNCHER_LIMITS.get("max_queued_per_user", 1024) + 1)
+    assert isinstance(crowd[-1], Refused) and crowd[-1].retry_after_s is not None and user in crowd[-1].message
+    held = sum(isinstance(answer, Granted) for answer in crowd) + 5
+    queued = [f"first-{i}" for i, answer in enumerate(crowd) if isinstance(answer, Queued)]
+    for ask_id in queued:
+        ray.get(launcher.withdraw.remote("first", ask_id))
+    ray.get(launcher.report.remote(RunnerReport("first", node, first, returned={user: held})))
+    stats = ray.get(launcher.stats.remote())
+    assert stats["queued"] == 0
+    ray.kill(first)

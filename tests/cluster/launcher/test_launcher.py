@@ -14,7 +14,6 @@ import time
 import pytest
 import ray
 from pie_cluster.hosts.driver_events import deliver, poll
-from pie_cluster.hosts.events import Ending
 from pie_cluster.launcher.actor import NotFound
 from support.launching import LONG, engine_stats, launch, run_to_end, upload
 from support.program_zips import isolated_shouter, zip_program
@@ -217,32 +216,3 @@ def test_a_manifests_runtime_env_is_refused_when_sandboxed(launcher):
 
     with pytest.raises(ProgramError, match=r"wider@0\.1\.0: pie.toml's \[inferlet.runtime_env\] is refused.*sandbox"):
         ray.get(launcher.upload.remote("alice", "wider.zip", data))
-
-
-def test_a_batch_of_admissions_answers_each_request_on_its_own(cluster, launcher):
-    """An ingress replica's admissions of one loop turn go as one ``admit_many``: a request the launcher refuses
-    gets its own refusal in its place, and the others in the batch are admitted all the same. The runner names the
-    instances; a name already taken is refused."""
-    from pie_cluster.launcher.actor import OPENAI_PROGRAM
-    from pie_cluster.launcher.records import AdmitRequest, Admitted, Refused
-
-    node = ray.get(cluster.nodes.remote())[0]
-    requests = [
-        AdmitRequest("batch-1", "alice", OPENAI_PROGRAM, {}),
-        AdmitRequest("batch-2", "alice", "no-such-program", {}),
-        AdmitRequest("batch-1", "carol", OPENAI_PROGRAM, {}),
-        AdmitRequest("batch-3", "bob", OPENAI_PROGRAM, {}),
-    ]
-    first, refused, taken, last = ray.get(launcher.admit_many.remote(node, "test-runner", launcher, requests))
-    assert isinstance(refused, Refused) and "no-such-program" in refused.message and refused.retry_after_s is None
-    assert isinstance(refused.error(), ValueError)
-    assert isinstance(taken, Refused) and "'batch-1' is taken" in taken.message
-    assert isinstance(first, Admitted) and isinstance(last, Admitted)
-    assert (first.id, last.id) == ("batch-1", "batch-3")
-    for admitted in (first, last):
-        assert not admitted.queued and admitted.ending is None, admitted
-    ray.get(launcher.ended.remote([Ending(first.id, "return", ""), Ending(last.id, "return", "")]))
-    listed = {
-        i["id"]: i["status"] for i in ray.get(launcher.list.remote("alice")) + ray.get(launcher.list.remote("bob"))
-    }
-    assert listed[first.id] == listed[last.id] == "finished"

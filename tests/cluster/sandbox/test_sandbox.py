@@ -253,7 +253,8 @@ def test_health_and_status_show_the_sandbox_and_nothing_leaked(pie):
     while True:  # the market's leave and the replica's close of a killed worker's contexts land within a moment
         status = engine_status(pie)
         replica = status["replicas"][0]
-        if replica["contexts"] == 0 and status["market"]["wallets"] == 0 or time.time() > deadline:
+        idle = replica["contexts"] == 0 and status["market"]["wallets"] == status["launcher"]["running"] == 0
+        if idle or time.time() > deadline:
             break
         time.sleep(0.5)
     assert replica["contexts"] == 0 and replica["pages_used"] == 0

@@ -1,0 +1,154 @@
+"""This ingress replica's lease of admission slots, per user, and its reports to the launcher.
+
+The launcher leases each ingress replica admission slots per user (``launcher/leases.py``). A request takes a free
+slot of its user's here and starts, with no call; one that finds none asks the launcher for one more (the asks of
+one event-loop turn as one call) and, when the user or the cluster is at a limit, waits in the launcher's queue for
+it. A slot that an instance frees stays here for the user's next request; it goes back once it has been idle
+``IDLE_S``, or at once when the launcher says launches wait for slots (``give_back_idle``). The instances begun
+here, how they ended and the slots given back go to the launcher as one report per event-loop turn that has news,
+and at least every ``RENEW_S`` while the replica holds slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pie_workers.deadlines import LAUNCHER_S, answer
+
+from pie_cluster.coalesced_calls import CoalescedCalls
+from pie_cluster.hosts.events import Ending
+from pie_cluster.launcher.records import Granted, Queued, Refused, RunnerReport, RunNote, RunOnHost, SlotAsk
+
+IDLE_S = 2.0
+"""How long a freed slot waits here for its user's next request before it goes back to the launcher."""
+RENEW_S = 5.0
+"""The longest a replica holding slots stays silent: what it reports renews its lease (and a restarted launcher
+learns from it what the replica holds)."""
+TICK_S = 0.5
+
+
+@dataclass
+class _UserSlots:
+    held: int = 0
+    idle_since: list[float] = field(default_factory=list)  # one per idle slot, oldest first
+
+
+class SlotLease:
+    def __init__(self, launcher, node: str, name: str, actor):
+        """``name``: this replica, to the launcher; ``actor``: its Ray actor, which the launcher pings."""
+        self._launcher, self._node, self._name, self._actor = launcher, node, name, actor
+        self._users: dict[str, _UserSlots] = {}
+        self._ask = CoalescedCalls(launcher.lease, "the launcher", LAUNCHER_S, node, name, actor)
+        self._started: list[RunNote] = []
+        self._ended: list[Ending] = []
+        self._returned: Counter[str] = Counter()
+        self._flushing = False
+        self._reported = time.monotonic()
+        self._ticking: asyncio.Task | None = None
+
+    async def acquire(self, user: str) -> bool:
+        """A slot for a request of ``user``'s: True once it has one; False when this replica's node cannot run the
+        cluster's programs (launch it on an inferlet host). Raises the launcher's refusal (``Overloaded``)."""
+        slots = self._users.get(user)
+        if slots is not None and slots.idle_since:
+            slots.idle_since.pop()  # the one freed last: the older ones age out
+            return True
+        ask = SlotAsk(uuid.uuid4().hex, user)
+        asking = asyncio.ensure_future(self._ask(ask))
+        try:
+            answered = await asyncio.shield(asking)
+        except BaseException:  # the request went away (or no answer came): whatever the answer is, it is handled
+            asking.add_done_callback(lambda done: self._answered_late(ask, done))
+            raise
+        if isinstance(answered, RunOnHost):
+            return False
+        if isinstance(answered, Refused):
+            raise answered.error()
+        if isinstance(answered, Queued):
+            try:
+                while not await answer(
+                    self._launcher.slot.remote(self._name, ask.id, LAUNCHER_S), "the launcher", 2 * LAUNCHER_S
+                ):
+                    pass
+            except BaseException:  # its place in the queue, or the slot granted meanwhile, goes back
+                self._launcher.withdraw.remote(self._name, ask.id)
+                raise
+        self._users.setdefault(user, _UserSlots()).held += 1
+        self._tick()
+        return True
+
+    def _answered_late(self, ask: SlotAsk, done: asyncio.Future) -> None:
+        """An ask whose request went away before its answer: a slot granted anyway stays here, idle; a place in
+        the queue is withdrawn."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        if isinstance(done.result(), Granted):
+            self._users.setdefault(ask.user, _UserSlots()).held += 1
+            self.free(ask.user)
+        elif isinstance(done.result(), Queued):
+            self._launcher.withdraw.remote(self._name, ask.id)
+
+    def free(self, user: str) -> None:
+        """An instance of ``user``'s that held a slot ended."""
+        self._users[user].idle_since.append(time.monotonic())
+
+    def started(self, note: RunNote) -> None:
+        self._started.append(note)
+        self._soon()
+
+    def ended(self, endings: list[Ending]) -> None:
+        self._ended.extend(endings)
+        self._soon()
+
+    def give_back_idle(self, idle_for: float = 0.0) -> None:
+        """Slots idle at least ``idle_for`` s go back to the launcher (0: every idle one)."""
+        now = time.monotonic()
+        for user, slots in list(self._users.items()):
+            back = sum(1 for since in slots.idle_since if now - since >= idle_for)
+            if back:
+                del slots.idle_since[:back]
+                slots.held -= back
+                self._returned[user] += back
+            if slots.held == 0:
+                del self._users[user]
+        if self._returned:
+            self._soon()
+
+    def _soon(self) -> None:
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._report)
+
+    def _report(self) -> None:
+        self._flushing = False
+        held = {user: slots.held for user, slots in self._users.items()}
+        idle = {user: len(slots.idle_since) for user, slots in self._users.items() if slots.idle_since}
+        report = RunnerReport(
+            self._name,
+            self._node,
+            self._actor,
+            tuple(self._started),
+            tuple(self._ended),
+            dict(self._returned),
+            held,
+            idle,
+        )
+        self._started, self._ended, self._returned = [], [], Counter()
+        self._launcher.report.remote(report)
+        self._reported = time.monotonic()
+
+    def _tick(self) -> None:
+        if self._ticking is None:
+            self._ticking = asyncio.get_running_loop().create_task(self._ticker())
+
+    async def _ticker(self) -> None:
+        """Ages idle slots out, and renews the lease while it holds any."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.give_back_idle(IDLE_S)
+            if self._users and time.monotonic() - self._reported >= RENEW_S:
+                self._soon()
