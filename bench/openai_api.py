@@ -192,8 +192,8 @@ def hop_split(url: str, n: int) -> dict[str, float]:
     return {
         "whole request, as the client saw it": statistics.mean(times),
         "HTTP in and out, Serve's proxy": statistics.mean(times) - mean[""],
+        "admission (a slot of the ingress's lease, or the launcher's answer)": mean["queue"],
         "arrival to the program's start (admission, services, wallet)": mean["start"],
-        "admission answered (a program begun early runs meanwhile)": mean["queue"],
         "program to its first pass back (template, prefill)": mean["first_pass"] - mean["start"],
         "first pass to first token out (the event path)": mean["first_token"] - mean["first_pass"],
         "last event to response": mean[""] - mean["first_token"],

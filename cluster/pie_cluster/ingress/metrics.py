@@ -3,11 +3,10 @@
 Labelled by route (``chat``, ``completions``, ``responses``, ``instances``) and model, so an operator tells the
 framework's time from the engine's:
 
-* ``pie_request_queue_seconds``: from arrival until the instance may run (the launcher's admission and placement,
-  waiting for a slot included);
-* ``pie_request_start_seconds``: from arrival until the program's ``main`` runs (its admission, services and market
-  wallet; measured for the programs the ingress runs itself, which begin while their admission is on its way when
-  the launcher's last answer left their user room for more: then it is less than the queue's time);
+* ``pie_request_queue_seconds``: from arrival until the instance may run (its admission slot: one free in the
+  ingress's lease, or the launcher's answer, waiting in its queue included; an uploaded program's launch);
+* ``pie_request_start_seconds``: from arrival until the program's ``main`` runs (its slot, services and market
+  wallet; measured for the programs the ingress runs itself);
 * ``pie_request_first_pass_seconds``: from arrival until the replica answered the program's first pass that
   generated (the prefill; measured for the programs the ingress runs itself): first token less first pass is the
   way back from the replica to the client;

@@ -32,7 +32,7 @@ from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from pie_workers.wire import capability
 
 from pie_cluster.config import ChannelLimits
-from pie_cluster.hosts.events import Channel, Channels
+from pie_cluster.hosts.events import TERMINAL, Channel, Channels
 from pie_cluster.hosts.model_files import local_endpoints
 from pie_cluster.hosts.node_host import CAPABILITY_MARGIN_S, CAPABILITY_TTL_S, NodeServices
 from pie_cluster.hosts.replica_relay import ReplicaRelays, every_replica_failing_over
@@ -56,6 +56,7 @@ class LocalRun:
     wallet: _Wallet | None  # its market wallet while this process holds it (then ``run_inferlet`` does)
     task: asyncio.Task | None = None
     abort_reason: str | None = None
+    holds_slot: bool = True  # its admission slot (of this replica's lease) is still its own
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,16 @@ class LocalInstances:
         run.task.add_done_callback(lambda _: self._ended(run))
 
     def _ended(self, run: LocalRun) -> None:
-        """Whatever wallet the run still holds (cancelled before it began, too) is closed; its slot is free."""
+        """Whatever wallet the run still holds (cancelled before it began, too) is closed."""
         self._close_wallet(run.instance_id, run.wallet)
-        self._lease.free(run.user)
+        self._free_slot(run)
+
+    def _free_slot(self, run: LocalRun) -> None:
+        """The run's slot is free from its ending on, as a host's instance's is (its cleanup may take longer): the
+        report that carries the ending then says the slot is idle, for launches that wait."""
+        if run.holds_slot:
+            run.holds_slot = False
+            self._lease.free(run.user)
 
     def _revokers(self) -> tuple:
         return self._services.services.revokers if self._services is not None else ()
@@ -286,6 +294,8 @@ class LocalInstances:
 
     def emit(self, run: LocalRun, kind: str, value: str | bytes) -> None:
         self._channels.emit(run.instance_id, kind, value)
+        if kind in TERMINAL:
+            self._free_slot(run)
 
     def _replica_addresses(self, model: str) -> list[str]:
         """The model's replicas as the launcher knows them now, this node's first (what the relay tries: asked each
