@@ -51,21 +51,20 @@ $(VLLM_PEER)/.installed: Makefile bench/vllm_peer_requirements.py
 	$(VLLM_PEER)/bin/python -m pip install -q "torch==2.13.0" -r $(VLLM_PEER)/requirements.txt
 	touch $@
 
-.PHONY: run test test-parallel bench lint vllm-peer gpu-check
+.PHONY: run test test-serial bench lint vllm-peer gpu-check
 vllm-peer: $(VLLM_PEER)/.installed
 
 run: $(VENV)/.installed
 	$(VENV)/bin/pie run examples/text_completion.py -- --prompt "Tell me about paged attention." --max-tokens 32
 
+# The suite as two pytest sessions side by side (pytest-xdist), each with its own two-raylet Ray cluster, one test
+# file at a time: ~19-21 min on 2 cores instead of ~26-30 for one session, which leaves the cores ~40% idle while
+# its clusters start and its failure tests wait. `make test-serial` runs it as one session.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15
-
-# The same suite as two sessions side by side (pytest-xdist), each with its own two-raylet Ray cluster, one test
-# file at a time: ~19-21 min instead of ~27-29 on 2 cores, which one session leaves ~40% idle. Not yet what CI runs:
-# each run beside a second session has found a test whose timing only held on an idle machine (fixed as found), and
-# it has not yet had two green runs in a row.
-test-parallel: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+
+test-serial: $(VENV)/.installed
+	$(PY) -m pytest -q --durations=15
 
 bench: $(VENV)/.installed $(VLLM_PEER)/.installed
 	$(PY) bench/forward.py
