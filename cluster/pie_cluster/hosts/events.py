@@ -288,15 +288,6 @@ class Channels:
         channel = self._open[instance_id] = Channel(user, events, output=output)
         return channel
 
-    def discard(self, instance_id: str) -> None:
-        """Forget an open channel and the events queued for it, reporting no ending (its instance was begun early
-        and undone: the launcher never ran it as this)."""
-        channel = self._open.pop(instance_id, None)
-        self._outbox = [event for event in self._outbox if event.instance_id != instance_id]
-        self._latest.pop(instance_id, None)
-        for waiter in list(channel.waiting) if channel is not None else ():
-            waiter.cancel()
-
     def find(self, instance_id: str) -> Channel | None:
         return self._open.get(instance_id) or self._ended.get(instance_id)
 
