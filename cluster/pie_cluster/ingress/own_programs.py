@@ -143,9 +143,11 @@ class LocalInstances:
             self._listening = asyncio.get_running_loop().create_task(self._listen_for_orders())
         instance_id = uuid.uuid4().hex
         channel = self._channels.open(instance_id, user)
-        run = LocalRun(instance_id, user, self._open_wallet(instance_id))
-        self._lease.started(RunNote(instance_id, user, program, time.time()))
+        run = LocalRun(instance_id, user, wallet=None)
+        # launched first, its program's first step (prompt, context) runs before the calls below are submitted
         self._launch(run, program, input, prompt)
+        run.wallet = self._open_wallet(instance_id)
+        self._lease.started(RunNote(instance_id, user, program, time.time()))
         return instance_id, channel
 
     def _launch(self, run: LocalRun, program: str, input: dict, prompt: Prompt | None) -> None:
@@ -178,8 +180,8 @@ class LocalInstances:
         return True
 
     def _open_wallet(self, instance_id: str) -> _Wallet | None:
-        """Open the instance's market wallet while the launcher admits it (the market this process knows, none
-        before its first admission): a request's start then waits for one of the two calls, not both."""
+        """Open the instance's market wallet on the market this process knows (none before its first instance's
+        services: ``run_inferlet`` opens that one), without waiting for the market's answer."""
         market = self._services.services.market if self._services is not None else None
         if market is None:
             return None

@@ -42,10 +42,16 @@ def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replac
         ModelConfigEntry(name="pinned", pages=64, resources={"pinned_node": 1}),
         ModelConfigEntry(name="default", pages=64),
     ]
-    # start_s bounds the stuck replacement's wait and also every replica's start: room for a loaded machine
-    supervision = SupervisionConfig(probe_every_s=1.0, probe_deadline_s=3.0, start_s=20.0)
+    # start_s bounds the stuck replacement's wait and also every replica's start: room for a machine that runs a
+    # second test session beside this one (20 s was not)
+    supervision = SupervisionConfig(probe_every_s=1.0, probe_deadline_s=3.0, start_s=60.0)
     config = PieConfig(auth=AuthConfig(enabled=False), model=models, supervision=supervision)
-    controller = start_controller(config, detached=False)
+    try:
+        controller = start_controller(config, detached=False)
+    except BaseException:  # the session's other tests must not find the third node
+        ray_cluster.remove_node(third)
+        raise
+    third_left = False
     try:
         launcher = ray.get_actor("pie-launcher")
         program = upload(launcher, GREEDY)
@@ -53,6 +59,7 @@ def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replac
         assert by_model["pinned"]["node"] == pinned_node and by_model["default"]["node"] != pinned_node, by_model
 
         ray_cluster.remove_node(third)  # "pinned"'s bundle now fits no node: its replacement waits and times out
+        third_left = True
         for _ in range(120):
             status, by_model = rows(controller)
             if by_model["pinned"]["state"] == "restarting":
@@ -75,6 +82,8 @@ def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replac
     finally:
         ray.get(controller.shutdown.remote())
         ray.kill(controller)
+        if not third_left:
+            ray_cluster.remove_node(third)
 
 
 def test_a_start_whose_model_cannot_be_placed_fails_naming_it_and_leaves_nothing_running(ray_session):

@@ -47,7 +47,12 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
     (doomed,) = alive_nodes() - before
     model = ModelConfigEntry(pages=128, cpus_per_rank=1, replicas=3, placement="strict_spread")
     config = PieConfig(auth=AuthConfig(enabled=False), model=[model])
-    controller = start_controller(config, detached=False)  # its control plane stays on this driver's node, the head
+    try:  # its control plane stays on this driver's node, the head
+        controller = start_controller(config, detached=False)
+    except BaseException:  # the session's other tests must not find the extra node
+        ray_cluster.remove_node(doomed_node)
+        raise
+    doomed_left = False
     try:
         launcher = ray.get_actor("pie-launcher")
         status = ray.get(controller.status.remote())
@@ -58,6 +63,7 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
         assert poll(launcher, "ann", stranded, 0, 60.0).events[0][1:] == ["message", "parked"]
 
         ray_cluster.remove_node(doomed_node)  # the raylet and every process on the node are killed
+        doomed_left = True
         for _ in range(120):
             status = ray.get(controller.status.remote())
             lost = {n["node"]: n for n in status["nodes"]}[doomed]
@@ -83,3 +89,5 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
     finally:
         ray.get(controller.shutdown.remote())
         ray.kill(controller)
+        if not doomed_left:
+            ray_cluster.remove_node(doomed_node)
