@@ -12,9 +12,9 @@ the node asked for, or — only when the sandbox is off — a dedicated host for
 Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended. Ray restarts it when
 its process dies, and it learns again what it had (``launcher.recovery``).
 
-(Past 450 lines: it is one actor's whole API — programs, launches, the hosts' side, the ingress's admissions,
+(Past 450 lines: it is one actor's whole API — programs, launches, the hosts' side, the ingress replicas' leases,
 draining, taking its state back after a restart — and the parts that hold no launcher state live in their own
-modules: what it saves and asks the hosts for is ``launcher.recovery``.)
+modules: what it saves and asks the hosts for is ``launcher.recovery``, the leases' book ``launcher.leases``.)
 """
 
 from __future__ import annotations

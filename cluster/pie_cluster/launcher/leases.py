@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WaitingAsk:
+    """A slot ask in the admission queue, or granted and not yet heard of by its runner (``Launcher.slot``)."""
+
     user: str
     granted: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -52,7 +54,7 @@ class Runner:
     aborts: list[str] = field(default_factory=list)
     reclaim: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # something to tell it: its long poll answers
-    watch: asyncio.Task | None = None
+    watch: asyncio.Task | None = None  # its pinging task, held here (the event loop keeps only weak references)
     started: int = 0  # instances it has run
 
 
