@@ -12,6 +12,7 @@ from pie_cluster.bus import start_bus
 from pie_cluster.config import AuthConfig, LauncherConfig, ModelConfigEntry, PieConfig
 from pie_cluster.control.controller import start_controller
 from support.bus_calls import BUS
+from support.pie_procs import own_node
 from support.sdk_host import TRUST
 
 
@@ -54,3 +55,22 @@ def cluster(request, ray_session, store_parent):
 def launcher(cluster):
     """The cluster's launcher actor."""
     return ray.get_actor("pie-launcher")
+
+
+@pytest.fixture
+def extra_node(ray_cluster):
+    """Adds a node to the session's Ray cluster for one test (``extra_node(num_cpus=..., ...)``, waiting for it to
+    join); whatever the test has not removed is removed when it ends, however it ends, so that the session's other
+    tests never find it."""
+    added = []
+
+    def add(**node_args):
+        node = ray_cluster.add_node(**node_args, **own_node())
+        ray_cluster.wait_for_nodes()
+        added.append(node)
+        return node
+
+    yield add
+    for node in added:
+        if node in ray_cluster.worker_nodes:
+            ray_cluster.remove_node(node)

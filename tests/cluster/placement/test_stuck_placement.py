@@ -15,7 +15,6 @@ import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.controller import start_controller
 from support.launching import launch, run_to_end, upload
-from support.pie_procs import own_node
 
 GREEDY = """
 from inferlet import Context, Model, Sampler
@@ -33,10 +32,9 @@ def rows(controller) -> tuple[dict, dict[str, dict]]:
 
 
 @pytest.mark.slow
-def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replacement(ray_cluster, ray_session):
+def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replacement(ray_cluster, extra_node):
     before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    third = ray_cluster.add_node(num_cpus=1, resources={"pinned_node": 1}, **own_node())
-    ray_cluster.wait_for_nodes()
+    third = extra_node(num_cpus=1, resources={"pinned_node": 1})
     (pinned_node,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before
     models = [  # "pinned" first, so it takes the third node's only CPU and "default" goes elsewhere
         ModelConfigEntry(name="pinned", pages=64, resources={"pinned_node": 1}),
@@ -46,12 +44,7 @@ def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replac
     # second test session beside this one (20 s was not)
     supervision = SupervisionConfig(probe_every_s=1.0, probe_deadline_s=3.0, start_s=60.0)
     config = PieConfig(auth=AuthConfig(enabled=False), model=models, supervision=supervision)
-    try:
-        controller = start_controller(config, detached=False)
-    except BaseException:  # the session's other tests must not find the third node
-        ray_cluster.remove_node(third)
-        raise
-    third_left = False
+    controller = start_controller(config, detached=False)
     try:
         launcher = ray.get_actor("pie-launcher")
         program = upload(launcher, GREEDY)
@@ -59,7 +52,6 @@ def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replac
         assert by_model["pinned"]["node"] == pinned_node and by_model["default"]["node"] != pinned_node, by_model
 
         ray_cluster.remove_node(third)  # "pinned"'s bundle now fits no node: its replacement waits and times out
-        third_left = True
         for _ in range(120):
             status, by_model = rows(controller)
             if by_model["pinned"]["state"] == "restarting":
@@ -82,8 +74,6 @@ def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replac
     finally:
         ray.get(controller.shutdown.remote())
         ray.kill(controller)
-        if not third_left:
-            ray_cluster.remove_node(third)
 
 
 def test_a_start_whose_model_cannot_be_placed_fails_naming_it_and_leaves_nothing_running(ray_session):

@@ -15,7 +15,6 @@ from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
 from pie_cluster.control.controller import start_controller
 from pie_cluster.hosts.driver_events import poll
 from pie_cluster.launch_request import LaunchRequest
-from support.pie_procs import own_node
 
 PARKED = b"""
 from inferlet import session
@@ -40,19 +39,13 @@ def alive_nodes() -> set[str]:
 
 
 @pytest.mark.slow
-def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_cluster, ray_session):
+def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_cluster, extra_node):
     before = alive_nodes()
-    doomed_node = ray_cluster.add_node(num_cpus=2, **own_node())
-    ray_cluster.wait_for_nodes()
+    doomed_node = extra_node(num_cpus=2)
     (doomed,) = alive_nodes() - before
     model = ModelConfigEntry(pages=128, cpus_per_rank=1, replicas=3, placement="strict_spread")
     config = PieConfig(auth=AuthConfig(enabled=False), model=[model])
-    try:  # its control plane stays on this driver's node, the head
-        controller = start_controller(config, detached=False)
-    except BaseException:  # the session's other tests must not find the extra node
-        ray_cluster.remove_node(doomed_node)
-        raise
-    doomed_left = False
+    controller = start_controller(config, detached=False)  # its control plane stays on this driver's node, the head
     try:
         launcher = ray.get_actor("pie-launcher")
         status = ray.get(controller.status.remote())
@@ -63,7 +56,6 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
         assert poll(launcher, "ann", stranded, 0, 60.0).events[0][1:] == ["message", "parked"]
 
         ray_cluster.remove_node(doomed_node)  # the raylet and every process on the node are killed
-        doomed_left = True
         for _ in range(120):
             status = ray.get(controller.status.remote())
             lost = {n["node"]: n for n in status["nodes"]}[doomed]
@@ -89,5 +81,3 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
     finally:
         ray.get(controller.shutdown.remote())
         ray.kill(controller)
-        if not doomed_left:
-            ray_cluster.remove_node(doomed_node)
