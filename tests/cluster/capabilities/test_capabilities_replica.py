@@ -41,8 +41,10 @@ def replica(ray_session, tiny_llama, market):
 
 
 class Raw:
-    """A client writing the replica channel's frames by hand, as an attacker's program would. Its first frame is a
-    handshake with ``capability``, or (None) with the capability of the first request's session, as the SDK's."""
+    """A client writing the replica channel's frames by hand, as an attacker's program would. Its first write is a
+    handshake with ``capability``, or (None) with the capability of the first request's session, sent with the first
+    requests as the SDK's: a replica that refuses it closes the connection, and a handshake written on its own
+    could leave the requests meeting a closed socket instead of reading the refusal."""
 
     def __init__(self, address: str, capability: str | None = None):
         kind, _, where = address.partition("://")
@@ -55,20 +57,15 @@ class Raw:
         self.sock.settimeout(30)
         self._unpacker = msgpack.Unpacker()
         self._ids = itertools.count()
+        self._capability = capability
         self._greeted = False
-        if capability is not None:
-            self.hello(capability)
-
-    def hello(self, capability: str) -> None:
-        self.sock.sendall(msgpack.packb(["hello", capability]))
-        self._greeted = True
 
     def send(self, *requests: tuple) -> list[int]:
-        """Send one frame of (session, op, *args) requests; returns their request ids. An implied handshake goes
-        in the same write, as the SDK's does: a replica that refuses it closes the connection, and a second write
-        could then meet a closed socket instead of the refusal."""
+        """Send one frame of (session, op, *args) requests, the handshake first in the same write if none was
+        sent yet; returns their request ids."""
         frame = [[next(self._ids), session, op, list(args)] for session, op, *args in requests]
-        hello = b"" if self._greeted else msgpack.packb(["hello", frame[0][1].partition("/")[0]])
+        capability = self._capability or frame[0][1].partition("/")[0]
+        hello = b"" if self._greeted else msgpack.packb(["hello", capability])
         self._greeted = True
         self.sock.sendall(hello + msgpack.packb(frame))
         return [request[0] for request in frame]
