@@ -41,9 +41,9 @@ from pie_cluster.control.controller import LAUNCHER, start_controller
 from pie_cluster.hosts.events import Ending
 from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.launcher.actor import OPENAI_PROGRAM
 from pie_cluster.launcher.records import RunnerReport, RunNote
 from pie_cluster.market.actor import MARKET_NAME
+from pie_cluster.programs import OPENAI_PROGRAM
 from pie_cluster.ray_session import init_ray
 from pie_cluster.stores.directory import DIRECTORY
 from pie_cluster.stores.responses import RESPONSES, ResponseRecord

@@ -40,7 +40,7 @@ from pie_cluster.ingress.responses.routes import RESPONSES_PATH, ResponsesRoutes
 from pie_cluster.ingress.responses.routes import router as responses_router
 from pie_cluster.ingress.routing import PrefixRouter
 from pie_cluster.launch_request import LaunchRequest, describe_errors
-from pie_cluster.launcher.actor import BUILTINS
+from pie_cluster.programs import BUILTINS
 from pie_cluster.programs.program import MAX_PROGRAM_BYTES
 
 LOCAL_USER = "local"

@@ -12,9 +12,9 @@ the node asked for, or — only when the sandbox is off — a dedicated host for
 Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended. Ray restarts it when
 its process dies, and it learns again what it had (``launcher.recovery``).
 
-(Past 450 lines: it is one actor's whole API — programs, launches, the hosts' side, the ingress replicas' leases,
-draining, taking its state back after a restart — and the parts that hold no launcher state live in their own
-modules: what it saves and asks the hosts for is ``launcher.recovery``, the leases' book ``launcher.leases``.)
+This is the actor's API; its parts live beside it: the instances' book (``launcher.instances``), the hosts it places
+on and watches (``launcher.hosts``), the admission queue (``launcher.admission``), the ingress replicas' leases
+(``launcher.leases``), what it saves and asks the hosts for after a restart (``launcher.recovery``).
 """
 
 from __future__ import annotations
@@ -22,24 +22,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import tempfile
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from pathlib import Path
 
 import ray
 import ray.exceptions
 from pie_workers.deadlines import DEDICATED_START_S, HOST_S, MARKET_S, NoAnswer, answer
 from pydantic import ValidationError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.config import ChannelLimits, LauncherConfig, SupervisionConfig
 from pie_cluster.hosts.events import TERMINAL, Ending, Location, NotFound
-from pie_cluster.hosts.node_host import InferletHost, InstanceLimits, NodeServices
+from pie_cluster.hosts.node_host import InstanceLimits, NodeServices
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher.admission import Admission
-from pie_cluster.launcher.host_watch import until_gone
+from pie_cluster.launcher.hosts import Hosts, HostsWiring
+from pie_cluster.launcher.instances import Instances
 from pie_cluster.launcher.leases import Leases
 from pie_cluster.launcher.records import (
     HostPool,
@@ -55,28 +54,12 @@ from pie_cluster.launcher.records import (
 from pie_cluster.launcher.recovery import LauncherMemory, LauncherState, WaitingLaunch, known_to_hosts, program_of
 from pie_cluster.market import endowment_for
 from pie_cluster.overloaded import Overloaded
-from pie_cluster.programs import BUILTIN_DIR
-from pie_cluster.programs.program import Program, ProgramError
-from pie_cluster.programs.store import ProgramStore
+from pie_cluster.programs import BUILTINS
+from pie_cluster.programs.program import Program
+from pie_cluster.programs.store import ProgramStore, new_store_directory
 
-OPENAI_PROGRAM = "pie:openai-completions"
-"""The built-in program serving the OpenAI-compatible routes, launched by this id like any uploaded program."""
-RESPONSES_PROGRAM = "pie:openai-responses"
-"""The built-in program serving ``POST /v1/responses``: one turn of a conversation kept as a snapshot."""
 DEDICATED_GRACE_S = 60.0
 """How long a dedicated host outlives its instance's end, so that its client can read what it has not read yet."""
-BUILTINS = {
-    OPENAI_PROGRAM: BUILTIN_DIR / "openai_completions.py",
-    RESPONSES_PROGRAM: BUILTIN_DIR / "openai_responses_api.py",
-}
-
-
-def _store_directory(parent: str | None) -> Path:
-    """A new directory for the uploaded programs, readable by this OS user only, under ``parent`` (default: the
-    system's temporary directory)."""
-    if parent is not None:
-        Path(parent).mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="pie-program-store-", dir=parent))  # mode 0700
 
 
 class Launcher:
@@ -87,12 +70,12 @@ class Launcher:
         manifest may not ask for a Ray runtime_env and an isolated program gets a worker, not a Ray actor, of its
         own; ``supervision``: how pooled hosts are pinged (a hung one is killed for Ray to restart); ``channels``:
         what an instance may put through its channel (``[limits]``), on a host of its own too."""
-        self._supervision = supervision
         self._memory = LauncherMemory()
         saved = self._memory.load()
-        store = Path(saved.store) if saved else _store_directory(config.program_store_dir)
+        store = Path(saved.store) if saved else new_store_directory(config.program_store_dir)
         self._state = saved or LauncherState(str(store))
-        self._pool: HostPool | None = self._state.pool
+        wiring = HostsWiring(self._spawn, lambda: self._leases.services_changed(), self._host_died)
+        self._hosts = Hosts(self._state, self._memory, supervision, wiring)
         self._sandboxed = sandboxed
         capacity = config.program_store_mib << 20
         self._programs = ProgramStore(
@@ -105,14 +88,10 @@ class Launcher:
         self._leases = Leases(
             self._admission, supervision, lambda key: self._start(self._instances[key]), self._runner_died
         )
-        self._instances: dict[str, InstanceRecord] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
-        self._keep_finished = config.keep_finished
+        self._instances = Instances(config.keep_finished)
         self._dedicated_channels = dataclasses.replace(channels, keep_finished=1)
         self._default_deadline_s = config.default_deadline_s
         self._watching: set[asyncio.Task] = set()
-        self._down: set[str] = set()  # nodes whose pooled host is dead (restarting, or its node is lost)
-        self._draining = self._state.draining  # nodes ``pie drain`` closed to launches
         self.launched = 0
         self.calls: Counter[str] = Counter()  # calls taken from clients and hosts, by method
         self._memory.save(self._state)
@@ -121,17 +100,14 @@ class Launcher:
 
     async def _recover(self, pool: HostPool) -> None:
         for record in await known_to_hosts(pool, self._programs, self._builtins):
-            self._instances[record.id] = record
+            self._instances.add(record)
             if record.ending is None:
                 self._admission.resume(record.user)
                 self._programs.started(record.user, record.program.id)
-            else:
-                self._keep_listed(record)
         waiting = sorted(self._memory.waiting.load().values(), key=lambda launch: launch.created)
         for launch in waiting:
             self._queue_again(launch)
-        for node, host in pool.hosts.items():
-            self._spawn(self._watch_host(node, host))
+        self._hosts.watch_all()
 
     def _queue_again(self, launch: WaitingLaunch) -> None:
         """A launch that waited for a slot when the old process died waits again (or starts, if one is free)."""
@@ -139,8 +115,9 @@ class Launcher:
         if program is None:  # deleted meanwhile: nothing to run
             self._memory.waiting.delete((launch.id,))
             return
-        node = launch.node_id if launch.node_id in self._pool.hosts else self._choose_node(None)
-        instance = self._instances[launch.id] = launch.record(program, node, self._pool.hosts[node])
+        pool = self._hosts.pool
+        node = launch.node_id if launch.node_id in pool.hosts else self._choose_node(None)
+        instance = self._instances.add(launch.record(program, node, pool.hosts[node]))
         self._programs.started(instance.user, program.id)
         try:
             if self._admission.admit(instance.user, instance.id):
@@ -148,61 +125,34 @@ class Launcher:
         except Overloaded as e:
             self._finish(instance, "error", f"lost its place in the queue when the launcher restarted: {e}")
 
-    def _pool_changed(self, pool: HostPool) -> None:
-        self._pool = self._state.pool = pool
-        self._memory.save(self._state)
+    # -- the hosts' side (launcher/hosts.py) ----------------------------------------------------------------------
 
     async def attach_pool(self, pool: HostPool) -> None:
-        self._pool_changed(pool)
-        for node, host in pool.hosts.items():
-            self._spawn(self._watch_host(node, host))
+        self._hosts.attach(pool)
 
     async def add_host(self, node: str, host, services: dict[str, NodeServices]) -> None:
         """A node joined: its pooled host takes launches from now on, watched like the others (``services``: every
         node's, the new one's included)."""
-        self._pool_changed(dataclasses.replace(self._pool, hosts={**self._pool.hosts, node: host}, services=services))
-        self._services_moved()
-        self._spawn(self._watch_host(node, host))
+        self._hosts.add(node, host, services)
 
     async def set_services(self, services: dict[str, NodeServices]) -> None:
         """Replicas were replaced: what each node's instances reach from now on (dedicated hosts made later, and
         pooled hosts that Ray restarts, get these)."""
-        self._pool_changed(dataclasses.replace(self._pool, services=services))
-        self._services_moved()
-
-    def _services_moved(self) -> None:
-        """What inferlets reach changed: the ingress replicas are told to fetch it again."""
-        self._leases.services_changed()
+        self._hosts.set_services(services)
 
     def _spawn(self, work) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._watching.add(task)
         task.add_done_callback(self._watching.discard)
 
-    async def _watch_host(self, node: str, host) -> None:
-        """A pooled host that dies (its process killed, its node lost) or hangs (then it is killed) takes its
-        instances with it: they end with an error event and their wallets close. Ray restarts the host; launches on
-        the node then work again."""
-        while node in self._pool.hosts:
-            await until_gone(node, host, self._supervision)
-            if node not in self._pool.hosts:  # drained: its host was stopped with nothing left on it
-                return
-            lost = [i for i in self._instances.values() if i.host is host and not i.queued and i.ending is None]
-            self._down.add(node)
-            await self._lose(lost, f"the inferlet host on node {node} died; the instance was lost with it")
-            while True:  # until Ray has restarted it (a lost node's host never comes back)
-                try:
-                    await asyncio.wait_for(host.ready.remote(), timeout=30)
-                    services = host.set_services.remote(self._pool.services[node])  # it restarted with the first ones
-                    await answer(services, f"the inferlet host on node {node}", HOST_S)
-                    self._down.discard(node)
-                    break
-                except (ray.exceptions.RayError, TimeoutError):
-                    await asyncio.sleep(1.0)
+    async def _host_died(self, node: str, host) -> None:
+        """A pooled host died or hung: its instances end with an error event and their wallets close."""
+        lost = self._instances.running(lambda i: i.host is host and not i.queued)
+        await self._lose(lost, f"the inferlet host on node {node} died; the instance was lost with it")
 
     async def _lose(self, lost: list[InstanceRecord], message: str) -> None:
         """Instances whose host died: their wallets close and they end with ``message``."""
-        market = next(iter(self._pool.services.values())).market  # one market: every node's services name it
+        market = self._hosts.market
         if market is not None:
             with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
                 await answer(market.leave_many.remote([i.id for i in lost]), "the market", MARKET_S)
@@ -214,12 +164,8 @@ class Launcher:
     async def upload(self, user: str, filename: str, data: bytes) -> dict:
         """Store a program for ``user`` (a .py file or a .zip with pie.toml); returns its id and name@version."""
         program = Program.from_upload(filename, data)
-        if self._sandboxed and program.runtime_env is not None:
-            raise ProgramError(
-                f"{program.label}: pie.toml's [inferlet.runtime_env] is refused: programs run in the cluster's "
-                "sandbox with its Python environment (an operator whose users are all trusted may allow it with "
-                '[sandbox] mode = "off")'
-            )
+        if self._sandboxed:
+            program.check_sandboxable()
         self._programs.put(user, program)
         return {"program": program.id, "name": program.label, "isolated": program.isolated}
 
@@ -230,8 +176,7 @@ class Launcher:
         raises ``Overloaded`` past them). ``request.token_budget`` limits the tokens it may generate and endows it
         with that many tokens' worth of pages on the market (default: the market's default endowment)."""
         self.calls["launch"] += 1
-        if self._pool is None:
-            raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
+        pool = self._hosts.required()
         try:
             request = LaunchRequest.model_validate(request)  # Ray callers may pass the fields as a dict
         except ValidationError as e:  # a ValueError with one line, which crosses Ray as itself
@@ -245,11 +190,11 @@ class Launcher:
         # sandboxed, the pooled host gives an isolated program a worker of its own; otherwise it gets a dedicated
         # host (a Ray actor, made when it starts)
         dedicated = program.isolated and not self._sandboxed
-        host = None if dedicated else self._pool.hosts[node]
+        host = None if dedicated else pool.hosts[node]
         instance = InstanceRecord(instance_id, user, program, dict(request.input), node, host, dedicated)
-        self._instances[instance_id] = instance
+        self._instances.add(instance)
         self._programs.started(user, program.id)
-        page_size = min(e.page_size for e in self._pool.services[node].endpoints.values())
+        page_size = min(e.page_size for e in pool.services[node].endpoints.values())
         deadline_s = request.deadline_s if request.deadline_s is not None else self._default_deadline_s
         endowment = endowment_for(request.token_budget, page_size)
         instance.limits = InstanceLimits(deadline_s, endowment, request.token_budget)
@@ -271,7 +216,7 @@ class Launcher:
             self._memory.waiting.delete((instance.id,))
         instance.queued = False
         if instance.dedicated:
-            instance.host = self._dedicated_host(instance.node_id, instance.program)
+            instance.host = self._hosts.dedicated(instance.node_id, instance.program, self._dedicated_channels)
         trusted = instance.program.id in self._builtin_ids  # the cluster's own programs need no sandbox
         started = instance.host.start.remote(
             instance.id, instance.program, instance.input, instance.user, instance.limits, trusted
@@ -299,21 +244,14 @@ class Launcher:
                 await self._lose([instance], f"the dedicated inferlet host on node {instance.node_id} died")
 
     def _choose_node(self, node_id: str | None) -> str:
-        closed = {n: "it was drained (`pie drain`)" for n in self._draining}
-        closed |= {n: "its inferlet host is down (restarting, or its node is lost)" for n in self._down}
-        return self._pool.choose_node(node_id, closed, Counter(i.node_id for i in self._running()))
-
-    def _running(self) -> list[InstanceRecord]:
-        return [i for i in self._instances.values() if i.ending is None]
+        return self._hosts.choose_node(node_id, Counter(i.node_id for i in self._instances.running()))
 
     # -- draining a node -----------------------------------------------------------------------------------------
 
     async def drain(self, node: str, abort: str | None = None) -> list[str]:
         """Close ``node`` to launches; the ids of the instances still there (``abort``: end them with that reason)."""
-        if node not in self._draining:  # asked again and again while its instances finish
-            self._draining.add(node)
-            self._memory.save(self._state)
-        there = [i for i in self._running() if i.node_id == node and i.runner is None]
+        self._hosts.close(node)
+        there = self._instances.running(lambda i: i.node_id == node and i.runner is None)
         for instance in there if abort is not None else ():
             if instance.queued or instance.host is None:
                 self._finish(instance, "error", abort)
@@ -324,24 +262,15 @@ class Launcher:
 
     async def remove_host(self, node: str, reason: str) -> None:
         """``node`` was drained: its host is stopped and takes no launch again; what still runs there ends."""
-        self._pool_changed(self._pool.without(node))
-        self._services_moved()
-        await self._lose([i for i in self._running() if i.node_id == node and i.runner is None], reason)
-
-    def _dedicated_host(self, node: str, program: Program):
-        options = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
-        if program.runtime_env:
-            options["runtime_env"] = program.runtime_env
-        launcher = ray.get_runtime_context().current_actor
-        host = ray.remote(InferletHost).options(**options)
-        return host.remote(launcher, self._pool.services[node], self._pool.secret, None, self._dedicated_channels)
+        self._hosts.remove(node)
+        await self._lose(self._instances.running(lambda i: i.node_id == node and i.runner is None), reason)
 
     async def locate(self, user: str, instance_id: str, wait: float = 0.0) -> Location:
         """Where the instance's events and inbox are: its host (None while it waits for admission, up to ``wait``
         seconds), and its ending once known (what a client reads when the host cannot answer). One that an ingress
         replica runs is read there by the request it serves: others learn only its ending."""
         self.calls["locate"] += 1
-        instance = self._own(user, instance_id)
+        instance = self._instances.own(user, instance_id)
         until = instance.finished if instance.runner is not None else instance.settled
         if not until.is_set():
             with contextlib.suppress(TimeoutError):
@@ -352,7 +281,7 @@ class Launcher:
     async def abort(self, user: str, instance_id: str) -> bool:
         """Stop a running instance (its pages, subscriptions and sessions are released); False if it had ended."""
         self.calls["abort"] += 1
-        instance = self._own(user, instance_id)
+        instance = self._instances.own(user, instance_id)
         if instance.ending is not None:
             return False
         if instance.queued:  # never started: it ends here, without a host
@@ -366,12 +295,11 @@ class Launcher:
 
     async def models(self) -> list[str]:
         """The names of the models the cluster serves (every node's inferlets reach the same ones)."""
-        if self._pool is None:
-            raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
-        return sorted({name for services in self._pool.services.values() for name in services.endpoints})
+        services = self._hosts.required().services
+        return sorted({name for node_services in services.values() for name in node_services.endpoints})
 
     async def list(self, user: str) -> list[dict]:
-        return [i.summary() for i in self._instances.values() if i.user == user]
+        return [i.summary() for i in self._instances if i.user == user]
 
     async def close(self) -> None:
         """The cluster stops: the stored programs leave the disk (the controller calls this before killing it)."""
@@ -395,9 +323,7 @@ class Launcher:
         event-loop turns, in order: ``Granted`` (in its lease from now on), ``Queued`` (``slot`` waits for it),
         ``Refused`` (over the limits), or ``RunOnHost`` when its node has no view of the models."""
         self.calls["lease"] += 1
-        if self._pool is None:
-            raise RuntimeError("the launcher has no inferlet hosts yet (is the cluster started?)")
-        if node not in self._pool.services:
+        if node not in self._hosts.required().services:
             return [RunOnHost()] * len(asks)
         return self._leases.lease(runner, handle, asks)
 
@@ -423,26 +349,21 @@ class Launcher:
         program = self._builtins.get(note.program)
         if program is None or note.id in self._instances:
             return
-        instance = InstanceRecord(note.id, note.user, program, {}, report.node, None, False, note.created)
-        instance.runner = report.runner
-        instance.limits = InstanceLimits(self._default_deadline_s)
-        instance.settled.set()
-        self._instances[note.id] = instance
+        self._instances.add(InstanceRecord.run_by(report.runner, report.node, note, program, self._default_deadline_s))
         self._programs.started(note.user, program.id)
         self.launched += 1
 
     async def services_for(self, node: str) -> RunnerServices:
         """What instances a runner on ``node`` runs reach, and with what (``RunnerServices``)."""
-        return RunnerServices(
-            self._pool.services[node], self._pool.secret, self._leases.services, self._default_deadline_s
-        )
+        pool = self._hosts.pool
+        return RunnerServices(pool.services[node], pool.secret, self._leases.services, self._default_deadline_s)
 
     async def orders(self, runner: str, wait: float = 30.0) -> RunnerOrders:
         """What the runner is to do (aborts, slots to give back, new services): a long poll it keeps open."""
         return await self._leases.orders(runner, wait)
 
     async def _runner_died(self, runner: str) -> None:
-        lost = [i for i in self._instances.values() if i.runner == runner and i.ending is None]
+        lost = self._instances.running(lambda i: i.runner == runner)
         await self._lose(lost, "the ingress replica that ran it died; the instance was lost with it")
 
     # -- the host side -------------------------------------------------------------------------------------------
@@ -475,19 +396,4 @@ class Launcher:
         if instance.dedicated and instance.host is not None:  # None: it ended while waiting for admission
             # kept a while, so that its client reads the events it has not read yet
             asyncio.get_running_loop().call_later(DEDICATED_GRACE_S, ray.kill, instance.host)
-        self._keep_listed(instance)
-
-    def _keep_listed(self, instance: InstanceRecord) -> None:
-        """An ended instance stays listed until ``keep_finished`` newer ones have ended."""
-        self._finished[instance.id] = None
-        while len(self._finished) > self._keep_finished:
-            old, _ = self._finished.popitem(last=False)
-            self._instances.pop(old, None)
-
-    # -- helpers -------------------------------------------------------------------------------------------------
-
-    def _own(self, user: str, instance_id: str) -> InstanceRecord:
-        instance = self._instances.get(instance_id)
-        if instance is None or instance.user != user:
-            raise NotFound(f"no instance {instance_id!r}")
-        return instance
+        self._instances.listed_after_end(instance)

@@ -34,6 +34,15 @@ class InstanceRecord:
     runner: str | None = None  # the ingress replica that runs it (one of the cluster's own programs), if one does
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @classmethod
+    def run_by(cls, runner: str, node: str, note: RunNote, program: Program, deadline_s: float) -> InstanceRecord:
+        """One an ingress replica began (``note``, from its report): listed, never placed by the launcher; nothing
+        of its input is known here (``pie list`` shows ``{}``)."""
+        instance = cls(note.id, note.user, program, {}, node, None, False, note.created, runner=runner)
+        instance.limits = InstanceLimits(deadline_s)
+        instance.settled.set()
+        return instance
+
     def summary(self) -> dict:
         end = self.ended or time.time()
         if self.ending is not None:

@@ -74,6 +74,15 @@ class Program:
     def label(self) -> str:
         return f"{self.name}@{self.version}"
 
+    def check_sandboxable(self) -> None:
+        """Refuse a program that asks for a Ray runtime_env: sandboxed, programs run with the cluster's Python."""
+        if self.runtime_env is not None:
+            raise ProgramError(
+                f"{self.label}: pie.toml's [inferlet.runtime_env] is refused: programs run in the cluster's "
+                "sandbox with its Python environment (an operator whose users are all trusted may allow it with "
+                '[sandbox] mode = "off")'
+            )
+
     # -- construction ----------------------------------------------------------------------------------------------
 
     @classmethod

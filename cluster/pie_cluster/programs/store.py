@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,14 @@ from pie_cluster.programs.program import Program, ProgramError
 
 _META = "program.json"
 _FILES = "files"
+
+
+def new_store_directory(parent: str | None) -> Path:
+    """A new directory for the uploaded programs, readable by this OS user only, under ``parent`` (default: the
+    system's temporary directory)."""
+    if parent is not None:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="pie-program-store-", dir=parent))  # mode 0700
 
 
 @dataclass

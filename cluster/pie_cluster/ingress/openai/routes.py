@@ -34,8 +34,8 @@ from pie_cluster.ingress.openai.checks import OpenAIError, check_grammars
 from pie_cluster.ingress.own_programs import LocalInstances
 from pie_cluster.ingress.routing import Prompt
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.launcher.actor import BUILTINS, OPENAI_PROGRAM
 from pie_cluster.overloaded import Overloaded
+from pie_cluster.programs import BUILTINS, OPENAI_PROGRAM
 
 router = APIRouter(tags=["OpenAI-compatible"])
 OPENAI_PATHS = ("/v1/models", "/v1/chat/completions", "/v1/completions")

@@ -45,7 +45,7 @@ from pie_cluster.ingress.responses.objects import (
 from pie_cluster.ingress.responses.parked import ParkedConversations, ParkedTurn
 from pie_cluster.ingress.routing import Prompt
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.launcher.actor import RESPONSES_PROGRAM
+from pie_cluster.programs import RESPONSES_PROGRAM
 from pie_cluster.stores.responses import RESPONSES, ResponseRecord
 
 router = APIRouter(tags=["OpenAI Responses"])
