@@ -22,7 +22,8 @@ import ray
 from local_pie import wait_healthy
 from pie_cluster.client import PieClient
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
-from pie_cluster.control.controller import LAUNCHER, start_controller
+from pie_cluster.control.controller import LAUNCHER
+from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.ingress.app import serve_http, stop_http
 from pie_cluster.ray_session import NAMESPACE, job_env
 from rich.console import Console

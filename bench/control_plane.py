@@ -37,7 +37,8 @@ import ray
 from bus import TRUST, bus_rows
 from pie_cluster.bus import start_bus
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig
-from pie_cluster.control.controller import LAUNCHER, start_controller
+from pie_cluster.control.controller import LAUNCHER
+from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.hosts.events import Ending
 from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.launch_request import LaunchRequest

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import ray
 from pie_cluster.config import AuthConfig, CacheConfig, ModelConfigEntry, PieConfig, ResponsesConfig, SandboxConfig
-from pie_cluster.control.controller import LAUNCHER, find_controller, start_controller
+from pie_cluster.control.controller import LAUNCHER
+from pie_cluster.control.lifecycle import find_controller, start_controller
 from pie_cluster.ingress.app import serve_http, stop_http
 from pie_cluster.ray_session import NAMESPACE, job_env
 from vllm_peer import free_port

@@ -32,7 +32,7 @@ import httpx
 import openai
 import ray
 from local_pie import local_pie
-from pie_cluster.control.controller import CONTROLLER
+from pie_cluster.control.lifecycle import CONTROLLER
 from report import add_out_option, write_markdown
 from rich.console import Console
 from rich.table import Table

@@ -10,7 +10,7 @@ import pytest
 import ray
 from pie_cluster.bus import start_bus
 from pie_cluster.config import AuthConfig, LauncherConfig, ModelConfigEntry, PieConfig
-from pie_cluster.control.controller import start_controller
+from pie_cluster.control.lifecycle import start_controller
 from support.bus_calls import BUS
 from support.pie_procs import own_node
 from support.sdk_host import TRUST

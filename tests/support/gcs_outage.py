@@ -53,7 +53,7 @@ def main() -> None:
     os.environ["RAY_external_storage_namespace"] = "pie-gcs-outage"  # noqa: SIM112 (Ray reads this spelling)
     import ray
     from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
-    from pie_cluster.control.controller import start_controller
+    from pie_cluster.control.lifecycle import start_controller
     from pie_cluster.hosts.driver_events import poll
     from ray.cluster_utils import Cluster
     from support.launching import SAVES_AND_WAITS, launch, run_to_end, upload

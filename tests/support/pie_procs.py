@@ -93,7 +93,7 @@ def engine_status(pie: dict) -> dict:
     over this test session's Ray connection: a `pie status` process costs seconds of imports and joining, and the
     tests that ask for it dozens of times do not test the command (``tests/cluster/cli`` and ``test_http_cli`` do)."""
     import ray
-    from pie_cluster.control.controller import CONTROLLER
+    from pie_cluster.control.lifecycle import CONTROLLER
     from pie_cluster.ray_session import NAMESPACE
 
     controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)

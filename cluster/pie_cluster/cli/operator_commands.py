@@ -104,7 +104,7 @@ def start(
     import ray
 
     from pie_cluster.config import PieConfig
-    from pie_cluster.control.controller import start_controller
+    from pie_cluster.control.lifecycle import start_controller
     from pie_cluster.ingress.app import serve_http, start_proxy
 
     try:
@@ -145,7 +145,7 @@ def start(
 def stop(address: AddressOption = None) -> None:
     """Stop Pie's services (and the local Ray head, if `pie start` started it). Works with any part dead: a Ray
     cluster that is gone leaves only Pie's record of it, which is cleared, so the next `pie start` starts clean."""
-    from pie_cluster.control.controller import stop_controller
+    from pie_cluster.control.lifecycle import stop_controller
     from pie_cluster.ingress.app import stop_http
     from pie_cluster.ray_session import RayUnreachable, ray_cli
 
@@ -174,7 +174,7 @@ def status(
     hosts, instances, wallets, bus. A dead or unresponsive part is shown as such."""
     from pie_workers.deadlines import CONTROLLER_S, answered
 
-    from pie_cluster.control.controller import find_controller
+    from pie_cluster.control.lifecycle import find_controller
 
     with _one_line_errors("pie status"):
         _join(*_address_to_join(address, load_state()))
@@ -242,7 +242,7 @@ def drain(
     import ray
     from pie_workers.deadlines import answered
 
-    from pie_cluster.control.controller import find_controller
+    from pie_cluster.control.lifecycle import find_controller
 
     with _one_line_errors("pie drain"):
         _join(*_address_to_join(address, load_state()))

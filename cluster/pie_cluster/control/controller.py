@@ -9,8 +9,9 @@ one, else over tcp. Models are named to replicas by path or as the embedded mode
 controller's node: each replica resolves its model where it runs, and hosts get a model's tokenizer files through
 Ray. Replicas that die or hang are replaced by the supervisor (``supervisor.py``).
 
-It stays one file past 400 lines: building, watching, saving and tearing down share one set of handles, and its
-recovery, status and drain already live beside it (``control/recovery.py``, ``control/status.py``, ``drain.py``).
+Beside it: what each node's inferlets reach (``control/services.py``), its recovery, status and drain
+(``control/recovery.py``, ``control/status.py``, ``control/drain.py``), and how a driver starts, finds and stops it
+(``control/lifecycle.py``).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from pie_cluster.control.recovery import (
     ControllerState,
     ModelPlacement,
     kill_orphans,
-    kill_saved,
 )
+from pie_cluster.control.services import model_endpoints, node_services, replica_endpoints
 from pie_cluster.control.status import cluster_status
 from pie_cluster.control.supervisor import Supervisor
 from pie_cluster.hosts.node_host import InferletHost, NodeServices
@@ -56,7 +57,6 @@ from pie_cluster.market import get_or_create_market
 from pie_cluster.stores.directory import get_or_create_directory
 from pie_cluster.stores.responses import get_or_create_store
 
-CONTROLLER = "pie-controller"
 LAUNCHER = "pie-launcher"
 log = logging.getLogger(__name__)
 
@@ -265,22 +265,7 @@ class Controller:
             log.info("node %s joined: its inferlet host takes launches", node)
 
     def _services(self, nodes) -> dict[str, NodeServices]:
-        """What inferlets on each node reach: the models (through this node's view of the replicas), bus, MCP
-        servers, market, and the models' tokenizer files (fetched anew: a dead replica's would be lost)."""
-        model_files = {name: replicas[0].leader.model_files.remote() for name, replicas in self.replicas.items()}
-        revokers = (*(r.leader for replicas in self.replicas.values() for r in replicas), *self.bus.shards)
-        return {
-            node: NodeServices(
-                endpoints=self.endpoints(node),
-                replicas=self.replica_endpoints(node),
-                bus=self.bus.addresses(node),
-                mcp_servers=self.config.mcp_specs(),
-                market=self.market,
-                model_files=model_files,
-                revokers=revokers,
-            )
-            for node in nodes
-        }
+        return node_services(self.replicas, self.bus, self.market, self.config.mcp_specs(), nodes)
 
     def _publish(self) -> None:
         """A replica was replaced or a bus shard moved: hosts and the launcher get the new addresses."""
@@ -341,18 +326,12 @@ class Controller:
         return True
 
     def endpoints(self, node_id: str) -> dict[str, ModelEndpoint]:
-        """How an inferlet on ``node_id`` reaches each model: a same-node replica over ipc, else one over tcp."""
-        out = {}
-        for name, replicas in self.replicas.items():
-            local = [r for r in replicas if r.info.node_id == node_id]
-            chosen = local[0] if local else replicas[hash(node_id) % len(replicas)]
-            out[name] = _endpoint(name, chosen, node_id)
-        return out
+        """How an inferlet on ``node_id`` reaches each model (``control.services``)."""
+        return model_endpoints(self.replicas, node_id)
 
     def replica_endpoints(self, node_id: str) -> dict[str, tuple[ModelEndpoint, ...]]:
-        """Every replica of each model as reached from ``node_id`` (ipc on that node, tcp elsewhere), in replica
-        order: what the ingress there spreads its own requests over (``routing``)."""
-        return {name: tuple(_endpoint(name, r, node_id) for r in replicas) for name, replicas in self.replicas.items()}
+        """Every replica of each model as reached from ``node_id`` (``control.services``)."""
+        return replica_endpoints(self.replicas, node_id)
 
     def status(self) -> dict:
         """``pie status`` (``pie_cluster.control.status``)."""
@@ -386,63 +365,6 @@ class Controller:
             remove_placement_group(model.group)
         if self._memory is not None:
             self._memory.clear()
-
-
-def start_controller(config: PieConfig, detached: bool = True):
-    """Create the controller in the current namespace (or return the running one) once every service is up, on
-    the caller's node (`pie start` runs on the head)."""
-    # beside the caller (the head, for `pie start`); a restartable one may go elsewhere, and is restarted on another
-    # node when that one is lost (its state is in the GCS); one that is not would die with any node it landed on
-    node = ray.get_runtime_context().get_node_id()
-    options = {"name": CONTROLLER, "num_cpus": 0, "max_concurrency": 16, "get_if_exists": True}
-    if detached:  # outlives the command, and is restarted (adopting what it built) when its process dies
-        options |= {"lifetime": "detached", "max_restarts": -1, "max_task_retries": -1, **preferring(node)}
-    else:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-    controller = ray.remote(Controller).options(**options).remote(config, restartable=detached)
-    try:
-        ray.get(controller.ready.remote())
-    except ray.exceptions.RayActorError:  # its build failed (and took down what it had started)
-        ray.kill(controller)  # and its name goes with it: the next start is not handed this dead one
-        raise
-    return controller
-
-
-def find_controller():
-    """The running controller of this namespace; a clear error when Pie was not started."""
-    try:
-        return ray.get_actor(CONTROLLER)
-    except ValueError:
-        raise RuntimeError("no Pie cluster is running in this Ray namespace: start one with `pie start`") from None
-
-
-def stop_controller() -> bool:
-    """Shut every service down and remove the controller; False when none was running. A controller that died or
-    hangs is killed outright, and so is what it saved that it had started (the rest were its own actors and go with
-    it)."""
-    try:
-        controller = ray.get_actor(CONTROLLER)
-    except ValueError:
-        return False
-    try:
-        ray.get(controller.shutdown.remote(), timeout=120)
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):  # what it started may be detached: by hand
-        kill_saved(ray.get_runtime_context().namespace)
-    ray.kill(controller)
-    return True
-
-
-def _endpoint(name: str, replica: Replica, node_id: str) -> ModelEndpoint:
-    """How an inferlet on ``node_id`` reaches ``replica``: over ipc on its node, else over tcp."""
-    info = replica.info
-    return ModelEndpoint(
-        name=name,
-        address=replica.addresses["ipc" if info.node_id == node_id else "tcp"],
-        model_dir=info.model_dir,
-        page_size=info.page_size,
-        vocab_size=info.vocab_size,
-        architecture=info.architecture,
-    )
 
 
 def _alive_nodes() -> set[str]:

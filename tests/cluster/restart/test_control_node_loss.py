@@ -21,7 +21,8 @@ import ray
 from pie_cluster.bus import find_bus
 from pie_cluster.bus.queued_topics import SHRINK_S
 from pie_cluster.config import AuthConfig, BusConfig, ModelConfigEntry, PieConfig, SupervisionConfig
-from pie_cluster.control.controller import CONTROLLER, LAUNCHER, start_controller
+from pie_cluster.control.controller import LAUNCHER
+from pie_cluster.control.lifecycle import CONTROLLER, start_controller
 from pie_cluster.market.actor import MARKET_NAME
 from pie_cluster.stores.directory import DIRECTORY
 from pie_cluster.stores.responses import RESPONSES

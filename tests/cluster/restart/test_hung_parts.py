@@ -12,7 +12,7 @@ from contextlib import contextmanager, suppress
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
-from pie_cluster.control.controller import start_controller
+from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.hosts.driver_events import poll
 from pie_workers.deadlines import MARKET_S
 from ray.util.state import list_actors

@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig
-from pie_cluster.control.controller import start_controller
+from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.hosts.driver_events import poll
 from pie_cluster.launch_request import LaunchRequest
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig, SupervisionConfig
-from pie_cluster.control.controller import start_controller
+from pie_cluster.control.lifecycle import start_controller
 from support.halves import HALVES, run_halves, wait_for_message
 from support.launching import launch, run_to_end, upload
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
-from pie_cluster.control.controller import start_controller
+from pie_cluster.control.lifecycle import start_controller
 from support.halves import HALVES, run_halves
 from support.launching import upload
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, LimitsConfig, ModelConfigEntry, PieConfig, SandboxConfig
-from pie_cluster.control.controller import start_controller
+from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.hosts.driver_events import poll
 from support.launching import launch, run_to_end
 from support.program_zips import isolated_shouter, zip_program

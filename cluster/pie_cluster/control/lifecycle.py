@@ -1,0 +1,59 @@
+"""How a driver (`pie start` / `pie stop` / `pie status`, tests, benches) starts, finds and stops the controller:
+one named actor per Ray namespace."""
+
+from __future__ import annotations
+
+import ray
+import ray.exceptions
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pie_cluster.config import PieConfig
+from pie_cluster.control.controller import Controller
+from pie_cluster.control.preferred_node import preferring
+from pie_cluster.control.recovery import kill_saved
+
+CONTROLLER = "pie-controller"
+
+
+def start_controller(config: PieConfig, detached: bool = True):
+    """Create the controller in the current namespace (or return the running one) once every service is up, on
+    the caller's node (`pie start` runs on the head)."""
+    # beside the caller (the head, for `pie start`); a restartable one may go elsewhere, and is restarted on another
+    # node when that one is lost (its state is in the GCS); one that is not would die with any node it landed on
+    node = ray.get_runtime_context().get_node_id()
+    options = {"name": CONTROLLER, "num_cpus": 0, "max_concurrency": 16, "get_if_exists": True}
+    if detached:  # outlives the command, and is restarted (adopting what it built) when its process dies
+        options |= {"lifetime": "detached", "max_restarts": -1, "max_task_retries": -1, **preferring(node)}
+    else:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+    controller = ray.remote(Controller).options(**options).remote(config, restartable=detached)
+    try:
+        ray.get(controller.ready.remote())
+    except ray.exceptions.RayActorError:  # its build failed (and took down what it had started)
+        ray.kill(controller)  # and its name goes with it: the next start is not handed this dead one
+        raise
+    return controller
+
+
+def find_controller():
+    """The running controller of this namespace; a clear error when Pie was not started."""
+    try:
+        return ray.get_actor(CONTROLLER)
+    except ValueError:
+        raise RuntimeError("no Pie cluster is running in this Ray namespace: start one with `pie start`") from None
+
+
+def stop_controller() -> bool:
+    """Shut every service down and remove the controller; False when none was running. A controller that died or
+    hangs is killed outright, and so is what it saved that it had started (the rest were its own actors and go with
+    it)."""
+    try:
+        controller = ray.get_actor(CONTROLLER)
+    except ValueError:
+        return False
+    try:
+        ray.get(controller.shutdown.remote(), timeout=120)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):  # what it started may be detached: by hand
+        kill_saved(ray.get_runtime_context().namespace)
+    ray.kill(controller)
+    return True
