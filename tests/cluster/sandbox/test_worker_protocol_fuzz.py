@@ -25,13 +25,18 @@ from pie_cluster.hosts.run import InstanceSetup
 from pie_cluster.hosts.sandbox.pool import UNANSWERED_STALLS, HostSide, WorkerPool
 from pie_cluster.hosts.sandbox.protocol import (
     AbortMessage,
+    EventMessage,
     InstanceSpec,
     PingMessage,
+    PongMessage,
     ProgramRef,
     ProtocolError,
+    ReceiveMessage,
     ReplyMessage,
     StartMessage,
+    WaitingMessage,
     host_message,
+    worker_message,
 )
 from pie_cluster.hosts.sandbox.view import Relays, build_view
 from test_sandbox_pool import WAITS, launch
@@ -156,5 +161,29 @@ def test_a_start_message_carries_the_spec_the_host_sent():
     spec = InstanceSpec(
         InstanceSetup("i", "alice", "cap", {}, bus=("ipc:///b",)), ProgramRef("p", "n", "1", "main.py"), {"k": [1]}
     )
-    wire = msgpack.unpackb(msgpack.packb(["start", spec.to_wire()]))
+    wire = msgpack.unpackb(msgpack.packb(StartMessage(spec).wire()))
     assert host_message(wire) == StartMessage(spec)
+
+
+ids = st.integers(0, 2**63)
+sent_by_host = st.one_of(
+    st.builds(AbortMessage, st.text(), st.text()),
+    st.builds(ReplyMessage, ids, st.one_of(st.none(), st.text()), st.one_of(st.none(), st.text(), st.binary())),
+    st.builds(PingMessage, ids),
+)
+sent_by_worker = st.one_of(
+    st.builds(EventMessage, st.just(ALICE), st.sampled_from([k for k in KINDS if k != "file"]), st.text()),
+    st.builds(EventMessage, st.just(ALICE), st.just("file"), st.binary()),
+    st.builds(ReceiveMessage, st.just(ALICE), st.sampled_from(["message", "file"]), ids),
+    st.builds(PongMessage, ids),
+    st.builds(WaitingMessage, st.booleans()),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sent=sent_by_host, received=sent_by_worker)
+def test_every_record_reads_back_as_itself_through_msgpack(sent, received):
+    """What either side sends is a record; its ``wire()`` through msgpack is read back by the other side's parser
+    as the same record."""
+    assert host_message(msgpack.unpackb(msgpack.packb(sent.wire(), use_bin_type=True), raw=False)) == sent
+    assert worker_message(msgpack.unpackb(msgpack.packb(received.wire(), use_bin_type=True), raw=False)) == received

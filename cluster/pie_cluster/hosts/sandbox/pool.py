@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -32,21 +31,24 @@ from pathlib import Path
 from pie_cluster.config import SandboxConfig
 from pie_cluster.hosts.sandbox import bwrap, seccomp
 from pie_cluster.hosts.sandbox.limits import WorkerLimits
-from pie_cluster.hosts.sandbox.process import WorkerProcess
+from pie_cluster.hosts.sandbox.process import WorkerProcess, describe_exit
 from pie_cluster.hosts.sandbox.protocol import (
     MAX_WORKER_MESSAGE_BYTES,
     WORKER_READ_RATE,
+    AbortMessage,
     EventMessage,
     FrameWriter,
     InstanceSpec,
+    PingMessage,
     PongMessage,
     ProtocolError,
+    ReplyMessage,
+    StartMessage,
     WaitingMessage,
     read_frames,
     worker_message,
 )
 from pie_cluster.hosts.sandbox.view import SandboxView
-from pie_cluster.hosts.sandbox.watchdog import STALLED
 from pie_cluster.programs.program import Program
 
 _TAIL_BYTES = 4096  # of a worker's own stdout/stderr, kept to explain its death
@@ -125,7 +127,7 @@ class WorkerPool:
         instance_id, deadline_s = spec.setup.instance_id, spec.setup.deadline_s
         worker.instances.add(instance_id)
         self._by_instance[instance_id] = worker
-        worker.out.send("start", spec.to_wire())
+        worker.out.send(StartMessage(spec))
         if deadline_s is not None:  # the worker enforces it; this is for a program that swallows the cancel
             loop = asyncio.get_running_loop()
             loop.call_later(deadline_s + DEADLINE_GRACE_S, self._overdue, worker, instance_id)
@@ -147,7 +149,7 @@ class WorkerPool:
         worker = self._by_instance.get(instance_id)
         if worker is None:
             return False
-        worker.out.send("abort", instance_id, reason)
+        worker.out.send(AbortMessage(instance_id, reason))
         return True
 
     async def _worker_for(self, user: str, isolated: bool) -> Worker:
@@ -262,9 +264,9 @@ class WorkerPool:
 
     async def _answer(self, worker: Worker, instance_id: str, what: str, rid: int) -> None:
         try:
-            worker.out.send("reply", rid, None, await self._host.receive(instance_id, what))
+            worker.out.send(ReplyMessage(rid, None, await self._host.receive(instance_id, what)))
         except Exception as e:
-            worker.out.send("reply", rid, str(e) or type(e).__name__, None)
+            worker.out.send(ReplyMessage(rid, str(e) or type(e).__name__, None))
 
     def _overdue(self, worker: Worker, instance_id: str) -> None:
         if instance_id in worker.instances:
@@ -306,7 +308,7 @@ class WorkerPool:
                 continue
             if worker.pongs == seq:
                 seq += 1
-                worker.out.send("ping", seq)
+                worker.out.send(PingMessage(seq))
 
     async def _keep_tail(self, worker: Worker) -> None:
         while data := await worker.process.stdout.read(1 << 16):
@@ -317,7 +319,7 @@ class WorkerPool:
         if reason is not None and worker.death is None:
             worker.death = reason
         self._retire(worker)
-        _kill(worker.process)
+        worker.process.kill()
 
     def _retire(self, worker: Worker) -> None:
         worker.retired = True
@@ -332,11 +334,11 @@ class WorkerPool:
             code = await asyncio.wait_for(worker.process.wait(), EXIT_GRACE_S)
         except TimeoutError:  # (killed here, it is not what a SIGKILL usually means: out of memory)
             worker.death = worker.death or f"its socket to the host closed; it did not exit within {EXIT_GRACE_S:g} s"
-            _kill(worker.process)
+            worker.process.kill()
             code = await worker.process.wait()
         ended_by_limit = self._limits.released(worker.slot)
         if worker.instances:
-            why = worker.death or ended_by_limit or _describe_exit(code, self._config)
+            why = worker.death or ended_by_limit or describe_exit(code, self._config)
             tail = bytes(worker.tail).decode(errors="replace").strip().splitlines()[-3:]
             message = f"this user's sandboxed worker was ended: {why}" + (f" — {' | '.join(tail)}" if tail else "")
             for instance_id in sorted(worker.instances):
@@ -384,29 +386,3 @@ class WorkerPool:
     async def _discard(self, spare: asyncio.Task) -> None:
         with contextlib.suppress(Exception):
             self._stop(await spare, None)
-
-
-def _kill(process: WorkerProcess) -> None:
-    """Kill a worker's whole process group, not only bwrap: a bwrap killed while it starts leaves its namespace's
-    first process behind (it sets its parent-death signal only later), holding the worker's socket and output.
-    Past that point ``--die-with-parent`` and the PID namespace take every process in the sandbox."""
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-
-
-def _describe_exit(code: int, config: SandboxConfig) -> str:
-    """bwrap exits with the worker's status, or 128 + the signal that killed it."""
-    if code == STALLED:
-        return (
-            f"one of this user's inferlets held its event loop for more than {config.stall_s:g} s (a busy loop or "
-            "a blocking call; await, or use asyncio.to_thread)"
-        )
-    signum = -code if code < 0 else code - 128 if code > 128 else 0
-    if signum == signal.SIGKILL:
-        return f"it was killed (out of memory; its limit is {config.memory_mib} MiB of address space)"
-    if signum == signal.SIGXCPU:
-        return f"it used up its CPU-time limit ({config.cpu_seconds} s)"
-    if signum:
-        return f"it died of signal {signal.Signals(signum).name}"
-    return f"it exited with status {code}"

@@ -9,8 +9,13 @@ loop learns of the exit from a pidfd it watches and reads the process's output f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
+
+from pie_cluster.config import SandboxConfig
+from pie_cluster.hosts.sandbox.watchdog import STALLED
 
 
 class WorkerProcess:
@@ -19,7 +24,7 @@ class WorkerProcess:
 
     @classmethod
     async def start(cls, argv: list[str], pass_fds: tuple[int, ...], env: dict[str, str]) -> WorkerProcess:
-        """``argv`` in a process group of its own (see ``pool._kill``), stdout and stderr into one pipe."""
+        """``argv`` in a process group of its own (see ``kill``), stdout and stderr into one pipe."""
         popen = await asyncio.to_thread(
             subprocess.Popen,
             argv,
@@ -56,3 +61,28 @@ class WorkerProcess:
     async def wait(self) -> int:
         await self._exited.wait()
         return self._popen.returncode
+
+    def kill(self) -> None:
+        """Kill the worker's whole process group, not only bwrap: a bwrap killed while it starts leaves its
+        namespace's first process behind (it sets its parent-death signal only later), holding the worker's socket
+        and output. Past that point ``--die-with-parent`` and the PID namespace take every process in the sandbox."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+
+
+def describe_exit(code: int, config: SandboxConfig) -> str:
+    """bwrap exits with the worker's status, or 128 + the signal that killed it."""
+    if code == STALLED:
+        return (
+            f"one of this user's inferlets held its event loop for more than {config.stall_s:g} s (a busy loop or "
+            "a blocking call; await, or use asyncio.to_thread)"
+        )
+    signum = -code if code < 0 else code - 128 if code > 128 else 0
+    if signum == signal.SIGKILL:
+        return f"it was killed (out of memory; its limit is {config.memory_mib} MiB of address space)"
+    if signum == signal.SIGXCPU:
+        return f"it used up its CPU-time limit ({config.cpu_seconds} s)"
+    if signum:
+        return f"it died of signal {signal.Signals(signum).name}"
+    return f"it exited with status {code}"

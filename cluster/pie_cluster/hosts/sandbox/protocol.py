@@ -1,13 +1,16 @@
 """The host <-> worker socket: msgpack frames, each a list of messages, batched per event-loop turn.
 
-host -> worker (``host_message``)::
+Each message is a record here (``StartMessage``, ... ``WaitingMessage``), sent as ``wire()`` and read back by
+``host_message`` / ``worker_message``:
+
+host -> worker::
 
     ["start", InstanceSpec as a dict]     run an instance (its program is already under /pie/programs)
     ["abort", instance, reason]            cancel it; it ends with an error event carrying ``reason``
     ["reply", rid, error or None, value]   the answer to a worker's ``receive``
     ["ping", seq]                          the worker answers ``pong`` unless its event loop is stuck
 
-worker -> host (``worker_message``)::
+worker -> host::
 
     ["event", instance, kind, value]       stdout, stderr, message, file; then return or error (terminal)
     ["receive", instance, kind, rid]       wait for the client's next message or file
@@ -53,6 +56,9 @@ class EventMessage:
     kind: str  # an event kind (``event_limits.KINDS``), ``value`` of its type
     value: str | bytes
 
+    def wire(self) -> list:
+        return ["event", self.instance, self.kind, self.value]
+
 
 @dataclass(frozen=True)
 class ReceiveMessage:
@@ -60,10 +66,16 @@ class ReceiveMessage:
     kind: str  # "message" or "file"
     rid: int
 
+    def wire(self) -> list:
+        return ["receive", self.instance, self.kind, self.rid]
+
 
 @dataclass(frozen=True)
 class PongMessage:
     seq: int
+
+    def wire(self) -> list:
+        return ["pong", self.seq]
 
 
 @dataclass(frozen=True)
@@ -73,8 +85,11 @@ class WaitingMessage:
 
     waiting: bool
 
+    def wire(self) -> list:
+        return ["waiting", self.waiting]
 
-def worker_message(message: list) -> EventMessage | ReceiveMessage | PongMessage | WaitingMessage:
+
+def worker_message(message: list) -> WorkerMessage:
     """A worker's message, checked for its exact shape and types; raises ``ProtocolError`` naming what it was."""
     match message:
         case ["event", str(instance), str(kind), value]:
@@ -128,11 +143,17 @@ _SPEC = pydantic.TypeAdapter(InstanceSpec)
 class StartMessage:
     spec: InstanceSpec
 
+    def wire(self) -> list:
+        return ["start", self.spec.to_wire()]
+
 
 @dataclass(frozen=True)
 class AbortMessage:
     instance: str
     reason: str
+
+    def wire(self) -> list:
+        return ["abort", self.instance, self.reason]
 
 
 @dataclass(frozen=True)
@@ -143,13 +164,24 @@ class ReplyMessage:
     error: str | None
     value: object
 
+    def wire(self) -> list:
+        return ["reply", self.rid, self.error, self.value]
+
 
 @dataclass(frozen=True)
 class PingMessage:
     seq: int
 
+    def wire(self) -> list:
+        return ["ping", self.seq]
 
-def host_message(message: list) -> StartMessage | AbortMessage | ReplyMessage | PingMessage:
+
+HostMessage = StartMessage | AbortMessage | ReplyMessage | PingMessage
+WorkerMessage = EventMessage | ReceiveMessage | PongMessage | WaitingMessage
+Message = HostMessage | WorkerMessage
+
+
+def host_message(message: list) -> HostMessage:
     """A message from the trusted host, as a record; ``ProtocolError`` naming one that is not of this protocol (a
     host and worker of different versions)."""
     match message:
@@ -179,17 +211,15 @@ class FrameWriter:
     def __init__(self, writer: asyncio.StreamWriter):
         self._writer = writer
         self._outbox: list[list] = []
-        self._text: tuple[tuple, _Text, int] | None = None  # the last queued message's head, text and its length
+        self._text: tuple[tuple, _Text, int] | None = None  # the last queued event's (instance, kind), text, length
 
-    def send(self, *message) -> None:
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._outbox.append(list(message))
-        self._text = None
+    def send(self, message: Message) -> None:
+        self._queue(message.wire())
 
-    def send_text(self, *head, text: str) -> None:
-        """Send ``[*head, text]``, merged into the last queued message when that has the same head (a stream's
-        writes in one turn), in messages of at most ``TEXT_CHUNK_CHARS`` characters."""
+    def send_text(self, instance: str, kind: str, text: str) -> None:
+        """Send a stream's text as ``EventMessage``s, merged into the last queued one when that is of the same
+        instance and stream (its writes in one turn), of at most ``TEXT_CHUNK_CHARS`` characters each."""
+        head = (instance, kind)
         for start in range(0, len(text), TEXT_CHUNK_CHARS):
             chunk = text[start : start + TEXT_CHUNK_CHARS]
             if self._text is not None and self._text[0] == head and self._text[2] + len(chunk) <= TEXT_CHUNK_CHARS:
@@ -197,14 +227,20 @@ class FrameWriter:
                 parts.append(chunk)
             else:
                 parts, length = _Text([chunk]), 0
-                self.send(*head, parts)
+                self._queue(EventMessage(instance, kind, parts).wire())
             self._text = (head, parts, length + len(chunk))
 
-    def send_now(self, *message) -> None:
+    def send_now(self, message: Message) -> None:
         """Write ``message`` (after what is queued) at once, not at the end of the turn: for a worker whose loop is
         about to be blocked, where the turn would end too late."""
-        self._outbox.append(list(message))
+        self._outbox.append(message.wire())
         self._flush()
+
+    def _queue(self, message: list) -> None:
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(message)
+        self._text = None
 
     def backlog(self) -> int:
         """Bytes written and not yet taken by the peer."""

@@ -29,12 +29,16 @@ from pie_cluster.hosts.sandbox import watchdog
 from pie_cluster.hosts.sandbox.bwrap import PROGRAMS
 from pie_cluster.hosts.sandbox.protocol import (
     AbortMessage,
+    EventMessage,
     FrameWriter,
     InstanceSpec,
     PingMessage,
+    PongMessage,
     ProgramRef,
+    ReceiveMessage,
     ReplyMessage,
     StartMessage,
+    WaitingMessage,
     host_message,
     read_frames,
 )
@@ -107,7 +111,7 @@ class Worker:
                 else:
                     waiter.set_result(value)
             case PingMessage(seq):
-                self.out.send("pong", seq)
+                self.out.send(PongMessage(seq))
 
     def event(self, instance_id: str, kind: str, value) -> None:
         """An instance's event to the host, as the protocol carries it: a stream's writes of one turn merged, and
@@ -123,7 +127,7 @@ class Worker:
                 raise ValueError(f"this {kind} has {over}")
             value = cut(value, EVENT_BYTES_CEILING) if kind == "error" else f"its return value has {over}"
             kind = "error"
-        self.out.send("event", instance_id, kind, value)
+        self.out.send(EventMessage(instance_id, kind, value))
 
     def _output(self, instance_id: str, kind: str, text: str) -> None:
         """Stdout or stderr to the host, dropped (and counted, for a line saying so) while the host has not yet
@@ -133,12 +137,12 @@ class Worker:
             return
         if dropped := self._dropped.pop(instance_id, 0):
             text = f"[pie: {dropped} characters of output dropped: written faster than the host reads]\n{text}"
-        self.out.send_text("event", instance_id, kind, text=text)
+        self.out.send_text(instance_id, kind, text)
 
     async def ask(self, instance_id: str, kind: str):
         rid = next(self._rids)
         waiter = self._waiting[rid] = asyncio.get_running_loop().create_future()
-        self.out.send("receive", instance_id, kind, rid)
+        self.out.send(ReceiveMessage(instance_id, kind, rid))
         try:
             return await waiter
         finally:
@@ -180,7 +184,7 @@ class Worker:
 async def _serve(fd: int, memory_mib: int, stall_s: float) -> None:
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
     worker = Worker(FrameWriter(writer), memory_mib)
-    watchdog.install(asyncio.get_running_loop(), stall_s, lambda waiting: worker.out.send_now("waiting", waiting))
+    watchdog.install(asyncio.get_running_loop(), stall_s, lambda waiting: worker.out.send_now(WaitingMessage(waiting)))
     inferlet.runtime.blocking_wait = watchdog.waiting_on_the_cluster
     await read_frames(reader, worker.handle)  # the host closed the socket: the worker's life is over
 
