@@ -41,10 +41,12 @@ from pie_cluster.control.controller import LAUNCHER
 from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.hosts.events import Ending
 from pie_cluster.hosts.wallet_calls import wallet_calls
+from pie_cluster.instance import Launch
 from pie_cluster.launch_request import LaunchRequest
-from pie_cluster.launcher.records import RunnerReport, RunNote
+from pie_cluster.launcher.records import RunnerReport
 from pie_cluster.market.actor import MARKET_NAME
-from pie_cluster.programs import OPENAI_PROGRAM
+from pie_cluster.programs import BUILTINS, OPENAI_PROGRAM
+from pie_cluster.programs.program import Program
 from pie_cluster.ray_session import init_ray
 from pie_cluster.stores.directory import DIRECTORY
 from pie_cluster.stores.responses import RESPONSES, ResponseRecord
@@ -78,15 +80,16 @@ class Components:
         self.wallets = wallet_calls(self.market)
         self.text = [(1000 + i % 7000, i) for i in range(lineage)]
         self.program = ray.get(self.launcher.upload.remote("bench", "noop.py", NOOP))["program"]
+        self.openai_program = Program.from_path(BUILTINS[OPENAI_PROGRAM]).id  # what an ingress replica reports
 
     async def floor(self, k: int) -> None:
         await self.runner.nothing.remote()
         await self.runner.nothing.remote()
 
     async def openai(self, k: int) -> None:
-        note = RunNote(uuid.uuid4().hex, f"u{k}", OPENAI_PROGRAM, time.time())
-        ending = Ending(note.id, "return", "")
-        await self.launcher.report.remote(RunnerReport(self.runner_name, self.node, self.runner, (note,), (ending,)))
+        launch = Launch(uuid.uuid4().hex, f"u{k}", self.openai_program, {})
+        ending = Ending(launch.id, "return", "")
+        await self.launcher.report.remote(RunnerReport(self.runner_name, self.node, self.runner, (launch,), (ending,)))
 
     async def uploaded(self, k: int) -> None:
         instance = await self.launcher.launch.remote("bench", LaunchRequest(program=self.program))

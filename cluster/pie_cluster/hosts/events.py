@@ -29,6 +29,7 @@ from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from pie_cluster.config import ChannelLimits
 from pie_cluster.hosts.event_limits import KINDS, STREAMS, TERMINAL, OutputQuota, check_event, limit, size_of
 from pie_cluster.hosts.inbox import Inbox, check_room
+from pie_cluster.instance import Launch
 
 __all__ = [
     "KINDS",
@@ -148,18 +149,6 @@ class EventLog:
         return self.since(index)  # read after the wait: events may arrive while a timed-out wait is cancelled
 
 
-@dataclass(frozen=True)
-class HostedInstance:
-    """An instance a host runs, or keeps the ending of while its channel is kept: what a restarted launcher learns
-    of it from ``InferletHost.live``."""
-
-    id: str
-    user: str
-    program: str  # its program's id
-    input: dict
-    ending: tuple[str, str | bytes] | None = None  # its terminal event's kind and value; None while it runs
-
-
 @dataclass
 class Channel:
     """One instance's events out and its client's messages and files in, kept by whatever runs it."""
@@ -170,7 +159,7 @@ class Channel:
     first_pass: float | None = None  # when a pass first generated for it (the prefill's answer), measured there too
     inbox: Inbox = field(default_factory=Inbox)
     waiting: set[asyncio.Future] = field(default_factory=set)
-    launch: HostedInstance | None = None  # what a restarted launcher learns of it from its host
+    launch: Launch | None = None  # what a restarted launcher learns of it from its host
     output: OutputQuota = field(default_factory=lambda: OutputQuota(0.0, time.monotonic()))
     ending: str | None = None  # why its host is ending it (it went over a limit): only its terminal event goes out
 

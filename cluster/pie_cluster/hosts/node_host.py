@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint
@@ -21,12 +21,13 @@ from pie_workers.wire import capability
 
 from pie_cluster.config import ChannelLimits, SandboxConfig
 from pie_cluster.hosts import stdio
-from pie_cluster.hosts.events import Channels, Ending, EventBatch, HostedInstance
+from pie_cluster.hosts.events import Channels, Ending, EventBatch
 from pie_cluster.hosts.model_files import local_endpoints
 from pie_cluster.hosts.replica_relay import ReplicaRelays, failing_over
 from pie_cluster.hosts.revocations import Revoker
-from pie_cluster.hosts.run import InstanceSetup, move_bus, serve_instance
+from pie_cluster.hosts.run import move_bus, serve_instance
 from pie_cluster.hosts.sandbox.hosting import Sandbox
+from pie_cluster.instance import HostedInstance, InstanceSetup, Launch
 from pie_cluster.programs.program import Program
 
 # An instance without a deadline proves who it is for this long. Its end revokes it sooner on every replica and bus
@@ -69,15 +70,6 @@ class NodeServices:
     model_files: dict[str, object] = field(default_factory=dict)  # model name -> Ray ref to its tokenizer files
     # every replica's leader and bus shard (actor handles): told which instances ended (``revocations.py``)
     revokers: tuple = ()
-
-
-@dataclass(frozen=True)
-class InstanceLimits:
-    """What an instance may use: wall time, market credits, generated tokens (None: the cluster's default)."""
-
-    deadline_s: float | None = None
-    endowment: float | None = None
-    token_budget: int | None = None
 
 
 class InferletHost:
@@ -132,30 +124,20 @@ class InferletHost:
         """Never answers: the launcher keeps this call open to learn at once that the host died (it fails)."""
         await asyncio.Event().wait()
 
-    async def start(
-        self,
-        instance_id: str,
-        program: Program,
-        input: dict,
-        username: str,
-        limits: InstanceLimits,
-        trusted: bool = False,
-    ) -> None:
-        """Begin running the instance; returns at once (its events report how it goes). ``trusted``: one of the
-        cluster's own programs, run in this process even when the sandbox is on."""
-        channel = self._channels.open(instance_id, username)
-        channel.launch = HostedInstance(instance_id, username, program.id, input)
-        if self._sandbox is None or trusted:
-            work = self._run(instance_id, program, input, username, limits)
-        else:
-            work = self._hand_over(instance_id, program, input, username, limits)
-        self._tasks[instance_id] = asyncio.get_running_loop().create_task(work)
+    async def start(self, launch: Launch, program: Program, trusted: bool = False) -> None:
+        """Begin running the launched instance of ``program``; returns at once (its events report how it goes).
+        ``trusted``: one of the cluster's own programs, run in this process even when the sandbox is on."""
+        channel = self._channels.open(launch.id, launch.user)
+        channel.launch = launch
+        here = self._sandbox is None or trusted
+        work = self._run(launch, program) if here else self._hand_over(launch, program)
+        self._tasks[launch.id] = asyncio.get_running_loop().create_task(work)
 
     async def live(self) -> list[HostedInstance]:
         """The instances here, the ended ones (with their ending) as long as their channel is kept: what a restarted
         launcher asks every host, so it learns too the endings it was told before it died or while it was down."""
         return [
-            replace(channel.launch, ending=None if (end := channel.log.terminal) is None else (end.kind, end.value))
+            HostedInstance(channel.launch, None if (end := channel.log.terminal) is None else (end.kind, end.value))
             for channel in self._channels.all()
             if channel.launch is not None
         ]
@@ -190,7 +172,7 @@ class InferletHost:
             raise RuntimeError(f"instance {instance_id} has ended")
         return await channel.receive(kind)
 
-    async def _setup(self, instance_id: str, username: str, limits: InstanceLimits) -> InstanceSetup:
+    async def _setup(self, launch: Launch) -> InstanceSetup:
         services = self.services
         if self._endpoints is None:
             endpoints = await local_endpoints(services.endpoints, services.model_files)
@@ -198,15 +180,16 @@ class InferletHost:
                 name: failing_over(e, self._replica_addresses(name), await self._relays.address_for(name))
                 for name, e in endpoints.items()
             }
+        limits = launch.limits
         ttl = (limits.deadline_s or CAPABILITY_TTL_S) + CAPABILITY_MARGIN_S
-        minting = self._revoker.minted(instance_id, ttl)
+        minting = self._revoker.minted(launch.id, ttl)
         return InstanceSetup(
-            instance_id=instance_id,
-            username=username,
+            instance_id=launch.id,
+            username=launch.user,
             capability=capability.mint(
                 self._secret,
-                username,
-                instance_id,
+                launch.user,
+                launch.id,
                 ttl,
                 models=tuple(self._endpoints),
                 token_budget=limits.token_budget,
@@ -215,43 +198,42 @@ class InferletHost:
             endpoints=self._endpoints,
             bus=services.bus,
             mcp_servers=services.mcp_servers,
-            deadline_s=limits.deadline_s,
-            token_budget=limits.token_budget,
+            limits=limits,
         )
 
     # -- one instance, in this process or handed to a sandboxed worker ----------------------------------------------
 
-    async def _run(self, instance_id: str, program: Program, input: dict, username: str, limits: InstanceLimits):
+    async def _run(self, launch: Launch, program: Program):
+        instance_id = launch.id
         try:
             try:
-                setup = await self._setup(instance_id, username, limits)
+                setup = await self._setup(launch)
             except Exception as e:  # its models' files could not be fetched to this node
                 self.emit(instance_id, "error", f"the host could not prepare the instance: {e}")
                 return
             await serve_instance(
                 program,
                 program.load_main,
-                input,
+                launch.input,
                 setup,
                 lambda kind, value: self.emit(instance_id, kind, value),
                 _ClientSession(self, instance_id),
                 aborted=lambda: self._abort_reasons.pop(instance_id, "aborted"),
                 market=self.services.market,
-                endowment=limits.endowment,
             )
         finally:
             self._tasks.pop(instance_id, None)
 
-    async def _hand_over(self, instance_id: str, program: Program, input: dict, username: str, limits):
+    async def _hand_over(self, launch: Launch, program: Program):
         """Give the instance to its user's worker; if that fails (or it is aborted first), it ends here."""
         try:
-            await self._sandbox.start(program, input, await self._setup(instance_id, username, limits), limits)
+            await self._sandbox.start(program, launch.input, await self._setup(launch))
         except asyncio.CancelledError:
-            self.emit(instance_id, "error", self._abort_reasons.pop(instance_id, "aborted"))
+            self.emit(launch.id, "error", self._abort_reasons.pop(launch.id, "aborted"))
         except Exception as e:
-            self.emit(instance_id, "error", f"no sandboxed worker could take the instance: {e}")
+            self.emit(launch.id, "error", f"no sandboxed worker could take the instance: {e}")
         finally:
-            self._tasks.pop(instance_id, None)
+            self._tasks.pop(launch.id, None)
 
     def emit(self, instance_id: str, kind: str, value: str | bytes) -> None:
         self._channels.emit(instance_id, kind, value)

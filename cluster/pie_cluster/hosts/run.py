@@ -7,7 +7,6 @@ import json
 import logging
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from inferlet.runtime import ModelEndpoint, Runtime, SessionIO, install, uninsta
 from pie_cluster.hosts import stdio
 from pie_cluster.hosts.stdio import Sink
 from pie_cluster.hosts.wallet_calls import wallet_calls
+from pie_cluster.instance import InstanceSetup
 from pie_cluster.programs.program import Main, Program, ProgramError
 
 log = logging.getLogger(__name__)
@@ -103,21 +103,6 @@ async def run_inferlet(
                     log.warning("the market did not close the wallet of %s: %s", runtime.instance_id, e)
 
 
-@dataclass(frozen=True)
-class InstanceSetup:
-    """Who an instance is and what it reaches: the same whether it runs in the trusted host or in a worker."""
-
-    instance_id: str
-    username: str
-    capability: str  # minted by the trusted host; the replicas and bus shards take the identity from it alone
-    endpoints: dict[str, ModelEndpoint]
-    bus: tuple[str, ...] = ()
-    mcp_servers: dict[str, ServerSpec] = field(default_factory=dict)
-    deadline_s: float | None = None
-    token_budget: int | None = None
-    opening_balance: float | None = None  # its wallet's credits, when the trusted side opened it before the start
-
-
 Emit = Callable[[str, "str | bytes"], None]  # (event kind, value) of one instance
 
 
@@ -130,12 +115,12 @@ async def serve_instance(
     io: SessionIO | None,
     aborted: Callable[[], str],
     market=None,
-    endowment: float | None = None,
 ) -> None:
     """Run one instance to its end; its last event is ``return`` or an ``error`` that says why (``aborted()``: the
-    reason it was cancelled). ``main`` loads the program's entry point (errors there are the program's)."""
+    reason it was cancelled). ``main`` loads the program's entry point (errors there are the program's). Its wallet
+    opens on ``market`` with ``setup.limits.endowment``, unless ``setup.opening_balance`` says its host opened it."""
     try:
-        async with asyncio.timeout(setup.deadline_s) as deadline:
+        async with asyncio.timeout(setup.limits.deadline_s) as deadline:
             result = await run_inferlet(
                 main(),
                 input,
@@ -148,16 +133,16 @@ async def serve_instance(
                 output=emit,
                 mcp_servers=setup.mcp_servers,
                 market=market,
-                endowment=endowment,
-                token_budget=setup.token_budget,
+                endowment=setup.limits.endowment,
+                token_budget=setup.limits.token_budget,
                 opening_balance=setup.opening_balance,
             )
         emit("return", encode_return(result))
     except asyncio.CancelledError:
         emit("error", aborted())
     except TimeoutError as e:
-        if setup.deadline_s is not None and deadline.expired():
-            emit("error", f"deadline exceeded: the instance ran for more than {setup.deadline_s:g} s")
+        if setup.limits.deadline_s is not None and deadline.expired():
+            emit("error", f"deadline exceeded: the instance ran for more than {setup.limits.deadline_s:g} s")
         else:
             emit("error", describe_error(e, program))
     except ProgramError as e:

@@ -37,11 +37,12 @@ from pie_cluster.hosts.model_files import local_endpoints
 from pie_cluster.hosts.node_host import CAPABILITY_MARGIN_S, CAPABILITY_TTL_S, NodeServices
 from pie_cluster.hosts.replica_relay import ReplicaRelays, every_replica_failing_over
 from pie_cluster.hosts.revocations import Revoker
-from pie_cluster.hosts.run import InstanceSetup, serve_instance
+from pie_cluster.hosts.run import serve_instance
 from pie_cluster.hosts.wallet_calls import wallet_calls
 from pie_cluster.ingress.routing import PrefixRouter, Prompt
 from pie_cluster.ingress.slot_lease import SlotLease
-from pie_cluster.launcher.records import RunnerServices, RunNote
+from pie_cluster.instance import InstanceLimits, InstanceSetup, Launch
+from pie_cluster.launcher.records import RunnerServices
 from pie_cluster.programs.program import Main, Program
 
 log = logging.getLogger("pie.http")
@@ -49,10 +50,9 @@ log = logging.getLogger("pie.http")
 
 @dataclass
 class LocalRun:
-    """One instance run in this process."""
+    """One instance run in this process: its launch (as reported to the launcher, without its input) and its state."""
 
-    instance_id: str
-    user: str
+    launch: Launch
     wallet: _Wallet | None  # its market wallet while this process holds it (then ``run_inferlet`` does)
     task: asyncio.Task | None = None
     abort_reason: str | None = None
@@ -143,21 +143,21 @@ class LocalInstances:
             self._listening = asyncio.get_running_loop().create_task(self._listen_for_orders())
         instance_id = uuid.uuid4().hex
         channel = self._channels.open(instance_id, user)
-        run = LocalRun(instance_id, user, wallet=None)
+        run = LocalRun(Launch(instance_id, user, self._programs[program].id, {}), wallet=None)
         # launched first, its program's first step (prompt, context) runs before the calls below are submitted
         self._launch(run, program, input, prompt)
         run.wallet = self._open_wallet(instance_id)
-        self._lease.started(RunNote(instance_id, user, program, time.time()))
+        self._lease.started(run.launch)
         return instance_id, channel
 
     def _launch(self, run: LocalRun, program: str, input: dict, prompt: Prompt | None) -> None:
-        self._runs[run.instance_id] = run
+        self._runs[run.launch.id] = run
         run.task = asyncio.get_running_loop().create_task(self._run(run, program, input, prompt))
         run.task.add_done_callback(lambda _: self._ended(run))
 
     def _ended(self, run: LocalRun) -> None:
         """Whatever wallet the run still holds (cancelled before it began, too) is closed."""
-        self._close_wallet(run.instance_id, run.wallet)
+        self._close_wallet(run.launch.id, run.wallet)
         self._free_slot(run)
 
     def _free_slot(self, run: LocalRun) -> None:
@@ -165,7 +165,7 @@ class LocalInstances:
         report that carries the ending then says the slot is idle, for launches that wait."""
         if run.holds_slot:
             run.holds_slot = False
-            self._lease.free(run.user)
+            self._lease.free(run.launch.user)
 
     def _revokers(self) -> tuple:
         return self._services.services.revokers if self._services is not None else ()
@@ -195,7 +195,7 @@ class LocalInstances:
             task.add_done_callback(self._closing.discard)
 
     async def _run(self, run: LocalRun, program: str, input: dict, prompt: Prompt | None) -> None:
-        instance_id, user = run.instance_id, run.user
+        instance_id, user = run.launch.id, run.launch.user
         placed: str | None = None  # the replica the router chose, counted in flight there until this ends
         try:
             try:
@@ -221,7 +221,7 @@ class LocalInstances:
                 endpoints=endpoints,
                 bus=services.services.bus,
                 mcp_servers=services.services.mcp_servers,
-                deadline_s=services.deadline_s,
+                limits=InstanceLimits(deadline_s=services.deadline_s),
                 opening_balance=opening,
             )
             if market is not None:
@@ -249,7 +249,7 @@ class LocalInstances:
         (a market round that names the instance before the wallet opens bills it nothing for that round)."""
         wallet = run.wallet
         if wallet is not None and wallet.market != market:  # the market moved meanwhile: run_inferlet opens one there
-            self._close_wallet(run.instance_id, wallet)
+            self._close_wallet(run.launch.id, wallet)
             run.wallet = wallet = None
         if wallet is None:
             return None, market
@@ -257,7 +257,7 @@ class LocalInstances:
             return self._endowment, None
         self._endowment = opening = await wallet.opened()
         if opening is None:  # the market did not open it: run_inferlet tries again, and says why
-            self._close_wallet(run.instance_id, wallet)
+            self._close_wallet(run.launch.id, wallet)
             run.wallet = None
         return opening, market
 
@@ -295,7 +295,7 @@ class LocalInstances:
             return self._services
 
     def emit(self, run: LocalRun, kind: str, value: str | bytes) -> None:
-        self._channels.emit(run.instance_id, kind, value)
+        self._channels.emit(run.launch.id, kind, value)
         if kind in TERMINAL:
             self._free_slot(run)
 

@@ -21,7 +21,8 @@ from pie_workers.deadlines import LAUNCHER_S, answer
 
 from pie_cluster.coalesced_calls import CoalescedCalls
 from pie_cluster.hosts.events import Ending
-from pie_cluster.launcher.records import Granted, Queued, Refused, RunnerReport, RunNote, RunOnHost, SlotAsk
+from pie_cluster.instance import Launch
+from pie_cluster.launcher.records import Granted, Queued, Refused, RunnerReport, RunOnHost, SlotAsk
 
 IDLE_S = 2.0
 """How long a freed slot waits here for its user's next request before it goes back to the launcher."""
@@ -43,7 +44,7 @@ class SlotLease:
         self._launcher, self._node, self._name, self._actor = launcher, node, name, actor
         self._users: dict[str, _UserSlots] = {}
         self._ask = CoalescedCalls(launcher.lease, "the launcher", LAUNCHER_S, node, name, actor)
-        self._started: list[RunNote] = []
+        self._started: list[Launch] = []
         self._ended: list[Ending] = []
         self._returned: Counter[str] = Counter()
         self._flushing = False
@@ -96,8 +97,8 @@ class SlotLease:
         """An instance of ``user``'s that held a slot ended."""
         self._users[user].idle_since.append(time.monotonic())
 
-    def started(self, note: RunNote) -> None:
-        self._started.append(note)
+    def started(self, launch: Launch) -> None:
+        self._started.append(launch)
         self._soon()
 
     def ended(self, endings: list[Ending]) -> None:

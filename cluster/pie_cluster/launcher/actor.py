@@ -34,7 +34,8 @@ from pydantic import ValidationError
 
 from pie_cluster.config import ChannelLimits, LauncherConfig, SupervisionConfig
 from pie_cluster.hosts.events import TERMINAL, Ending, Location, NotFound
-from pie_cluster.hosts.node_host import InstanceLimits, NodeServices
+from pie_cluster.hosts.node_host import NodeServices
+from pie_cluster.instance import InstanceLimits, Launch
 from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher.admission import Admission
 from pie_cluster.launcher.hosts import Hosts, HostsWiring
@@ -46,12 +47,11 @@ from pie_cluster.launcher.records import (
     RunnerOrders,
     RunnerReport,
     RunnerServices,
-    RunNote,
     RunOnHost,
     SlotAnswer,
     SlotAsk,
 )
-from pie_cluster.launcher.recovery import LauncherMemory, LauncherState, WaitingLaunch, known_to_hosts, program_of
+from pie_cluster.launcher.recovery import LauncherMemory, LauncherState, SavedLaunch, known_to_hosts, program_of
 from pie_cluster.market import endowment_for
 from pie_cluster.overloaded import Overloaded
 from pie_cluster.programs import BUILTINS
@@ -82,7 +82,7 @@ class Launcher:
             store, capacity, stored=self._memory.holds, restore=saved is not None, blobs=self._memory.programs
         )
         self._builtins = {name: Program.from_path(path) for name, path in BUILTINS.items()}
-        self._builtin_ids = {program.id for program in self._builtins.values()}
+        self._builtins_by_id = {program.id: program for program in self._builtins.values()}
         self._admission = Admission(config.admission_limits())
         # the ingress replicas and the slots they hold
         self._leases = Leases(
@@ -104,20 +104,21 @@ class Launcher:
             if record.ending is None:
                 self._admission.resume(record.user)
                 self._programs.started(record.user, record.program.id)
-        waiting = sorted(self._memory.waiting.load().values(), key=lambda launch: launch.created)
-        for launch in waiting:
-            self._queue_again(launch)
+        waiting = sorted(self._memory.waiting.load().values(), key=lambda saved: saved.launch.created)
+        for saved in waiting:
+            self._queue_again(saved)
         self._hosts.watch_all()
 
-    def _queue_again(self, launch: WaitingLaunch) -> None:
+    def _queue_again(self, saved: SavedLaunch) -> None:
         """A launch that waited for a slot when the old process died waits again (or starts, if one is free)."""
+        launch = saved.launch
         program = program_of(launch.program, launch.user, self._programs, self._builtins)
         if program is None:  # deleted meanwhile: nothing to run
             self._memory.waiting.delete((launch.id,))
             return
         pool = self._hosts.pool
-        node = launch.node_id if launch.node_id in pool.hosts else self._choose_node(None)
-        instance = self._instances.add(launch.record(program, node, pool.hosts[node]))
+        node = saved.node_id if saved.node_id in pool.hosts else self._choose_node(None)
+        instance = self._instances.add(saved.record(program, node, pool.hosts[node]))
         self._programs.started(instance.user, program.id)
         try:
             if self._admission.admit(instance.user, instance.id):
@@ -191,13 +192,12 @@ class Launcher:
         # host (a Ray actor, made when it starts)
         dedicated = program.isolated and not self._sandboxed
         host = None if dedicated else pool.hosts[node]
-        instance = InstanceRecord(instance_id, user, program, dict(request.input), node, host, dedicated)
-        self._instances.add(instance)
-        self._programs.started(user, program.id)
         page_size = min(e.page_size for e in pool.services[node].endpoints.values())
         deadline_s = request.deadline_s if request.deadline_s is not None else self._default_deadline_s
-        endowment = endowment_for(request.token_budget, page_size)
-        instance.limits = InstanceLimits(deadline_s, endowment, request.token_budget)
+        limits = InstanceLimits(deadline_s, endowment_for(request.token_budget, page_size), request.token_budget)
+        launch = Launch(instance_id, user, program.id, dict(request.input), limits)
+        instance = self._instances.add(InstanceRecord(launch, program, node, host, dedicated))
+        self._programs.started(user, program.id)
         self._run_or_wait(instance, runs_now)
         self.launched += 1
         return instance_id
@@ -208,7 +208,7 @@ class Launcher:
         if runs_now:
             self._start(instance)
         else:
-            self._memory.waiting.put((instance.id,), WaitingLaunch.of(instance))
+            self._memory.waiting.put((instance.id,), SavedLaunch.of(instance))
             self._leases.reclaim_if_waiting()
 
     def _start(self, instance: InstanceRecord) -> None:
@@ -217,10 +217,8 @@ class Launcher:
         instance.queued = False
         if instance.dedicated:
             instance.host = self._hosts.dedicated(instance.node_id, instance.program, self._dedicated_channels)
-        trusted = instance.program.id in self._builtin_ids  # the cluster's own programs need no sandbox
-        started = instance.host.start.remote(
-            instance.id, instance.program, instance.input, instance.user, instance.limits, trusted
-        )
+        trusted = instance.program.id in self._builtins_by_id  # the cluster's own programs need no sandbox
+        started = instance.host.start.remote(instance.launch, instance.program, trusted)
         self._spawn(self._watch_start(instance, started))
 
     async def _watch_start(self, instance: InstanceRecord, started) -> None:
@@ -345,12 +343,12 @@ class Launcher:
         self._end(report.ended)
         self._leases.reported(report).started += len(report.started)
 
-    def _note(self, report: RunnerReport, note: RunNote) -> None:
-        program = self._builtins.get(note.program)
-        if program is None or note.id in self._instances:
+    def _note(self, report: RunnerReport, launch: Launch) -> None:
+        program = self._builtins_by_id.get(launch.program)  # (a runner runs only the cluster's own programs)
+        if program is None or launch.id in self._instances:
             return
-        self._instances.add(InstanceRecord.run_by(report.runner, report.node, note, program, self._default_deadline_s))
-        self._programs.started(note.user, program.id)
+        self._instances.add(InstanceRecord.run_by(report.runner, report.node, launch, program))
+        self._programs.started(launch.user, program.id)
         self.launched += 1
 
     async def services_for(self, node: str) -> RunnerServices:

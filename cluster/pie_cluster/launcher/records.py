@@ -9,37 +9,51 @@ import time
 from dataclasses import dataclass, field
 
 from pie_cluster.hosts.events import Ending
-from pie_cluster.hosts.node_host import InstanceLimits, NodeServices
+from pie_cluster.hosts.node_host import NodeServices
+from pie_cluster.instance import HostedInstance, Launch
 from pie_cluster.overloaded import Overloaded
 from pie_cluster.programs.program import Program
 
 
 @dataclass
 class InstanceRecord:
-    """What the launcher knows of one instance: whose, what, where it runs, and how it ended."""
+    """What the launcher knows of one instance: its launch, its program, where it runs, and how it ended."""
 
-    id: str
-    user: str
+    launch: Launch
     program: Program
-    input: dict
     node_id: str
-    host: object | None  # its inferlet host actor (None until a dedicated one is made at its start)
-    dedicated: bool
-    created: float = field(default_factory=time.time)
+    host: object | None = None  # its inferlet host actor (None until a dedicated one is made at its start)
+    dedicated: bool = False
     ended: float | None = None
     ending: tuple[str, str | bytes] | None = None  # its terminal event (kind, value), once it ended
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # its host took it, or it ended: locate answers
-    limits: InstanceLimits = field(default_factory=InstanceLimits)  # what it runs with
     queued: bool = False  # waiting for an admission slot
     runner: str | None = None  # the ingress replica that runs it (one of the cluster's own programs), if one does
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @property
+    def id(self) -> str:
+        return self.launch.id
+
+    @property
+    def user(self) -> str:
+        return self.launch.user
+
     @classmethod
-    def run_by(cls, runner: str, node: str, note: RunNote, program: Program, deadline_s: float) -> InstanceRecord:
-        """One an ingress replica began (``note``, from its report): listed, never placed by the launcher; nothing
-        of its input is known here (``pie list`` shows ``{}``)."""
-        instance = cls(note.id, note.user, program, {}, node, None, False, note.created, runner=runner)
-        instance.limits = InstanceLimits(deadline_s)
+    def run_by(cls, runner: str, node: str, launch: Launch, program: Program) -> InstanceRecord:
+        """One an ingress replica began (``launch``, from its report, without its input): listed, never placed by the
+        launcher."""
+        instance = cls(launch, program, node, runner=runner)
+        instance.settled.set()
+        return instance
+
+    @classmethod
+    def hosted(cls, hosted: HostedInstance, program: Program, node: str, host) -> InstanceRecord:
+        """One a host says it runs or ran (what a restarted launcher learns)."""
+        instance = cls(hosted.launch, program, node, host)
+        if hosted.ending is not None:
+            instance.ending, instance.ended = hosted.ending, time.time()
+            instance.finished.set()
         instance.settled.set()
         return instance
 
@@ -54,9 +68,9 @@ class InstanceRecord:
             "program": self.program.label,
             "status": status,
             "node": self.node_id,
-            "input": self.input,
-            "created": self.created,
-            "elapsed_s": round(end - self.created, 3),
+            "input": self.launch.input,
+            "created": self.launch.created,
+            "elapsed_s": round(end - self.launch.created, 3),
         }
 
 
@@ -133,17 +147,6 @@ SlotAnswer = Granted | Queued | Refused | RunOnHost
 
 
 @dataclass(frozen=True)
-class RunNote:
-    """An instance an ingress replica began on a slot of its lease: what ``pie list`` shows of it (not its input,
-    which is the request's prompt)."""
-
-    id: str
-    user: str
-    program: str  # the cluster program's name (``OPENAI_PROGRAM``, ...)
-    created: float
-
-
-@dataclass(frozen=True)
 class RunnerReport:
     """What an ingress replica tells the launcher, one message per event-loop turn that has news and at least every
     ``leases.RENEW_S``: the instances it began and how others ended, the slots it gives back, and the slots it
@@ -152,7 +155,7 @@ class RunnerReport:
     runner: str
     node: str
     handle: object  # its Ray actor, pinged to learn that it died
-    started: tuple[RunNote, ...] = ()
+    started: tuple[Launch, ...] = ()  # without their input, which is the request's prompt
     ended: tuple[Ending, ...] = ()
     returned: dict[str, int] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)

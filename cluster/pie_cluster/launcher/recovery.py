@@ -14,7 +14,6 @@ longer counts them once they run.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import ray
@@ -22,7 +21,7 @@ import ray.exceptions
 from pie_workers.deadlines import HOST_S, NoAnswer, answer
 
 from pie_cluster.gcs_store import GcsStore
-from pie_cluster.hosts.node_host import InstanceLimits
+from pie_cluster.instance import Launch
 from pie_cluster.launcher.records import HostPool, InstanceRecord
 from pie_cluster.programs.program import Program
 from pie_cluster.programs.store import ProgramStore
@@ -38,37 +37,21 @@ class LauncherState:
 
 
 @dataclass(frozen=True)
-class WaitingLaunch:
+class SavedLaunch:
     """A launch waiting for an admission slot, as saved: enough to queue it again after a restart."""
 
-    id: str
-    user: str
-    program: str  # its id
-    input: dict
+    launch: Launch
     node_id: str
     dedicated: bool
-    limits: InstanceLimits
-    created: float
 
     @classmethod
-    def of(cls, instance: InstanceRecord) -> WaitingLaunch:
-        return cls(
-            instance.id,
-            instance.user,
-            instance.program.id,
-            instance.input,
-            instance.node_id,
-            instance.dedicated,
-            instance.limits,
-            instance.created,
-        )
+    def of(cls, instance: InstanceRecord) -> SavedLaunch:
+        return cls(instance.launch, instance.node_id, instance.dedicated)
 
     def record(self, program: Program, node: str, pooled_host) -> InstanceRecord:
         """The record of this launch, queued again on ``node`` (its pooled host runs it unless it is dedicated)."""
         host = None if self.dedicated else pooled_host
-        instance = InstanceRecord(self.id, self.user, program, self.input, node, host, self.dedicated, self.created)
-        instance.limits, instance.queued = self.limits, True
-        return instance
+        return InstanceRecord(self.launch, program, node, host, self.dedicated, queued=True)
 
 
 class LauncherMemory:
@@ -79,7 +62,7 @@ class LauncherMemory:
         key = ray.get_runtime_context().get_actor_id()
         self._state = GcsStore("pie-launcher", f"{key}/state")
         self.holds = GcsStore("pie-launcher", f"{key}/holds")
-        self.waiting = GcsStore("pie-launcher", f"{key}/waiting")  # instance id -> WaitingLaunch
+        self.waiting = GcsStore("pie-launcher", f"{key}/waiting")  # instance id -> SavedLaunch
         self.programs = GcsStore("pie-launcher", f"{key}/programs")  # program id -> Program (see ProgramStore)
 
     def load(self) -> LauncherState | None:
@@ -101,12 +84,7 @@ async def known_to_hosts(pool: HostPool, programs: ProgramStore, builtins: dict[
     for node, host in pool.hosts.items():
         with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
             for live in await answer(host.live.remote(), f"the inferlet host on node {node}", HOST_S):
-                program = program_of(live.program, live.user, programs, builtins)
+                program = program_of(live.launch.program, live.launch.user, programs, builtins)
                 if program is not None:
-                    record = InstanceRecord(live.id, live.user, program, live.input, node, host, False)
-                    if live.ending is not None:
-                        record.ending, record.ended = live.ending, time.time()
-                        record.finished.set()
-                    record.settled.set()
-                    records.append(record)
+                    records.append(InstanceRecord.hosted(live, program, node, host))
     return records

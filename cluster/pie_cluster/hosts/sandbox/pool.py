@@ -124,7 +124,7 @@ class WorkerPool:
                 break
         else:
             raise RuntimeError(f"{START_TRIES} of this user's workers in a row ended while it was being started")
-        instance_id, deadline_s = spec.setup.instance_id, spec.setup.deadline_s
+        instance_id, deadline_s = spec.setup.instance_id, spec.setup.limits.deadline_s
         worker.instances.add(instance_id)
         self._by_instance[instance_id] = worker
         worker.out.send(StartMessage(spec))

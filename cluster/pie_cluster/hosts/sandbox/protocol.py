@@ -37,7 +37,7 @@ import pydantic
 
 from pie_cluster.config import EVENT_BYTES_CEILING
 from pie_cluster.hosts.event_limits import check_event
-from pie_cluster.hosts.run import InstanceSetup
+from pie_cluster.instance import InstanceSetup
 
 MAX_WORKER_MESSAGE_BYTES = EVENT_BYTES_CEILING + (64 << 10)  # the largest event value, framed: more ends the worker
 MAX_HOST_MESSAGE_BYTES = 256 << 20  # from the trusted host (a launch's input)
