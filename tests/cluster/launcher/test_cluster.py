@@ -215,7 +215,8 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
 ):
     """SIGKILL the launcher while an instance runs, and take its program files away as if it were restarted on
     another node: Ray restarts it, it reads its programs back from the GCS and asks the hosts what runs, so the
-    instance is listed and followed as before and finishes, and programs uploaded before launch."""
+    instance is listed (its launch as before) and followed as before and finishes, and programs uploaded before
+    launch."""
     import os
     import shutil
     import signal
@@ -225,6 +226,7 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
 
     program = upload(launcher, WAITS_WITH_A_WALLET)
     first = launch(launcher, program)
+    (before,) = [i for i in ray.get(launcher.list.remote("alice")) if i["id"] == first]
     since, kinds = 0, []
     while "message" not in kinds:
         got = poll(launcher, "alice", first, since, 5.0)
@@ -246,6 +248,7 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
     print(f"the launcher listed the running instance again {time.monotonic() - killed:.1f} s after its SIGKILL")
     (again,) = [i for i in listed if i["id"] == first]
     assert again["status"] == "running" and again["program"].startswith("prog@"), again
+    assert (again["created"], again["input"]) == (before["created"], before["input"])  # its launch, as its host kept it
 
     host = ray.get(launcher.locate.remote("alice", first)).host
     ray.get(host.send.remote("alice", first, "message", "finish"))
