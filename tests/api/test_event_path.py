@@ -19,6 +19,7 @@ from support.pie_procs import engine_status, started_pie
 
 MODEL = "default"
 ALICE = {"Authorization": "Bearer tok-alice"}
+BOB = {"Authorization": "Bearer tok-bob"}
 PARTS = ("queue", "start", "first_pass", "first_token", "stream")
 
 CHATTY = b"""
@@ -117,22 +118,21 @@ def test_an_openai_request_costs_the_launcher_one_report_of_its_start_and_end_ho
 
 
 def test_an_openai_request_is_aborted_by_its_instance_id_and_frees_its_pages(pie):
-    bob = {"Authorization": "Bearer tok-bob"}
     got: list[dict] = []
-    streaming = threading.Thread(target=lambda: got.extend(chat_stream(pie, 100000, bob)))
+    streaming = threading.Thread(target=lambda: got.extend(chat_stream(pie, 100000, BOB)))
     streaming.start()
     deadline = time.time() + 60
     running = []
     while not running and time.time() < deadline:
-        running = [i for i in httpx.get(f"{pie['url']}/v1/instances", headers=bob).json() if i["status"] == "running"]
+        running = [i for i in httpx.get(f"{pie['url']}/v1/instances", headers=BOB).json() if i["status"] == "running"]
         time.sleep(0.2)
     (instance,) = running
     assert httpx.delete(f"{pie['url']}/v1/instances/{instance['id']}", headers=ALICE).status_code == 404  # not hers
-    assert httpx.delete(f"{pie['url']}/v1/instances/{instance['id']}", headers=bob).json() == {"aborted": True}
+    assert httpx.delete(f"{pie['url']}/v1/instances/{instance['id']}", headers=BOB).json() == {"aborted": True}
     streaming.join(60)
     assert not streaming.is_alive()
     assert "aborted by its user" in json.dumps(got[-1])  # the stream's last chunk is the error
-    (listed,) = [i for i in httpx.get(f"{pie['url']}/v1/instances", headers=bob).json() if i["id"] == instance["id"]]
+    (listed,) = [i for i in httpx.get(f"{pie['url']}/v1/instances", headers=BOB).json() if i["id"] == instance["id"]]
     assert listed["status"] == "failed"
     (replica,) = engine_status(pie)["replicas"]
     assert replica["contexts"] == 0 and replica["pages_used"] == 0
@@ -178,23 +178,11 @@ def test_a_chat_over_its_users_limit_waits_for_a_slot_with_nothing_begun_then_ru
     left in the ingress's lease goes back to the launcher for them). His chat then asks for a slot and waits in the
     launcher's queue: nothing of it has begun (no context, no page, no chunk), and it runs from the start once one
     of his instances ends, to the same answer."""
-    bob = {"Authorization": "Bearer tok-bob"}
-    expected = chunk_text(chat_stream(pie, 8, bob))
-    upload = httpx.post(f"{pie['url']}/v1/programs?filename=wait.py", content=WAIT, headers=bob, timeout=60)
-    body = {"program": upload.json()["program"]}
-    waiting = [httpx.post(f"{pie['url']}/v1/instances", json=body, headers=bob).json()["id"] for _ in range(2)]
-
-    def statuses() -> list[str]:
-        listed = httpx.get(f"{pie['url']}/v1/instances", headers=bob).json()
-        return [i["status"] for i in listed if i["id"] in waiting]
-
-    deadline = time.time() + 30
-    while statuses() != ["running", "running"] and time.time() < deadline:
-        time.sleep(0.1)
-    assert statuses() == ["running", "running"]
+    expected = chunk_text(chat_stream(pie, 8, BOB))
+    waiting = bob_at_his_limit(pie)
     asked = launcher_calls_of(pie, "lease")
     got: list[dict] = []
-    streaming = threading.Thread(target=chat_stream, args=(pie, 8, bob), kwargs={"into": got})
+    streaming = threading.Thread(target=chat_stream, args=(pie, 8, BOB), kwargs={"into": got})
     streaming.start()
     deadline = time.time() + 30
     while launcher_calls_of(pie, "lease") == asked and time.time() < deadline:
@@ -203,35 +191,94 @@ def test_a_chat_over_its_users_limit_waits_for_a_slot_with_nothing_begun_then_ru
     (replica,) = engine_status(pie)["replicas"]
     assert replica["contexts"] == 0 and replica["pages_used"] == 0 and not got and streaming.is_alive()
     assert engine_status(pie)["launcher"]["queued"] == 1
-    httpx.post(f"{pie['url']}/v1/instances/{waiting[0]}/messages", json={"message": "done"}, headers=bob)
+    httpx.post(f"{pie['url']}/v1/instances/{waiting[0]}/messages", json={"message": "done"}, headers=BOB)
     streaming.join(120)
     assert not streaming.is_alive() and chunk_text(got) == expected
     assert got[-1]["choices"][0]["finish_reason"] == "length"
-    httpx.post(f"{pie['url']}/v1/instances/{waiting[1]}/messages", json={"message": "done"}, headers=bob)
+    finish_and_free(pie, waiting[1:])
+
+
+def test_a_chat_waiting_for_a_slot_when_the_launcher_is_killed_waits_again_in_the_restarted_ones_queue(pie):
+    """SIGKILL the launcher while bob's chat waits in its queue: the queue dies with it, so the ingress asks the
+    restarted launcher again (which learned bob's two running instances from their host) and the chat waits there,
+    then runs to the same answer once a slot frees."""
+    import os
+    import signal
+
+    from ray.util.state import list_actors
+
+    expected = chunk_text(chat_stream(pie, 8, BOB))
+    waiting = bob_at_his_limit(pie)
+    got: list[dict] = []
+    streaming = threading.Thread(target=chat_stream, args=(pie, 8, BOB), kwargs={"into": got})
+    streaming.start()
+    deadline = time.time() + 30
+    while engine_status(pie)["launcher"]["queued"] != 1 and time.time() < deadline:
+        time.sleep(0.1)
+    (launcher,) = list_actors(filters=[("name", "=", "pie-launcher"), ("state", "=", "ALIVE")])
+    os.kill(launcher["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    while True:  # the restarted launcher has it in its queue again
+        try:
+            if engine_status(pie)["launcher"]["queued"] == 1:
+                break
+        except Exception:  # `pie status` fails while the launcher restarts
+            pass
+        assert time.monotonic() - killed < 60, "the chat was not queued again within 60 s of the launcher's kill"
+        time.sleep(0.2)
+    print(f"the chat waited in the restarted launcher's queue {time.monotonic() - killed:.1f} s after the SIGKILL")
+    assert streaming.is_alive() and not got
+    httpx.post(f"{pie['url']}/v1/instances/{waiting[0]}/messages", json={"message": "done"}, headers=BOB)
+    streaming.join(120)
+    assert not streaming.is_alive() and chunk_text(got) == expected
+    finish_and_free(pie, waiting[1:])
+
+
+def bob_at_his_limit(pie) -> list[str]:
+    """Two running instances of bob's, which take both his slots (``max_running_per_user = 2``) until each is sent
+    a message."""
+    upload = httpx.post(f"{pie['url']}/v1/programs?filename=wait.py", content=WAIT, headers=BOB, timeout=60)
+    body = {"program": upload.json()["program"]}
+    waiting = [httpx.post(f"{pie['url']}/v1/instances", json=body, headers=BOB).json()["id"] for _ in range(2)]
+
+    def statuses() -> list[str]:
+        listed = httpx.get(f"{pie['url']}/v1/instances", headers=BOB).json()
+        return [i["status"] for i in listed if i["id"] in waiting]
+
+    deadline = time.time() + 30
+    while statuses() != ["running", "running"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert statuses() == ["running", "running"]
+    return waiting
+
+
+def finish_and_free(pie, instances: list[str]) -> None:
+    """End bob's ``instances``; then every slot is back (no lease holds one idle for long)."""
+    for instance in instances:
+        httpx.post(f"{pie['url']}/v1/instances/{instance}/messages", json={"message": "done"}, headers=BOB)
     deadline = time.time() + 30
     while engine_status(pie)["launcher"]["running"] and time.time() < deadline:
         time.sleep(0.1)
-    assert engine_status(pie)["launcher"]["running"] == 0  # every slot back: no lease holds one idle for long
+    assert engine_status(pie)["launcher"]["running"] == 0
 
 
 def test_a_chat_whose_client_leaves_while_it_waits_for_a_slot_leaves_no_slot_taken(pie):
     """A request queued behind its user's limit whose client goes away is ended at the launcher (when Serve cancels
     its handler) or served once a slot frees (when it does not): either way, afterwards nothing of it runs or
     waits."""
-    bob = {"Authorization": "Bearer tok-bob"}
-    upload = httpx.post(f"{pie['url']}/v1/programs?filename=wait.py", content=WAIT, headers=bob, timeout=60)
+    upload = httpx.post(f"{pie['url']}/v1/programs?filename=wait.py", content=WAIT, headers=BOB, timeout=60)
     body = {"program": upload.json()["program"]}
-    waiting = [httpx.post(f"{pie['url']}/v1/instances", json=body, headers=bob).json()["id"] for _ in range(2)]
+    waiting = [httpx.post(f"{pie['url']}/v1/instances", json=body, headers=BOB).json()["id"] for _ in range(2)]
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 8}
     with pytest.raises(httpx.ReadTimeout):  # bob is at his limit: the request waits, and its client gives up
-        httpx.post(f"{pie['url']}/v1/chat/completions", json=chat, headers=bob, timeout=httpx.Timeout(60, read=2))
+        httpx.post(f"{pie['url']}/v1/chat/completions", json=chat, headers=BOB, timeout=httpx.Timeout(60, read=2))
     for instance in waiting:
-        httpx.post(f"{pie['url']}/v1/instances/{instance}/messages", json={"message": "done"}, headers=bob)
+        httpx.post(f"{pie['url']}/v1/instances/{instance}/messages", json={"message": "done"}, headers=BOB)
     deadline = time.time() + 60
     while (launcher := engine_status(pie)["launcher"])["running"] + launcher["queued"] and time.time() < deadline:
         time.sleep(0.2)
     assert launcher["running"] == launcher["queued"] == 0, launcher
-    listed = httpx.get(f"{pie['url']}/v1/instances", headers=bob).json()
+    listed = httpx.get(f"{pie['url']}/v1/instances", headers=BOB).json()
     assert all(i["status"] in ("finished", "failed") for i in listed), listed
 
 

@@ -18,9 +18,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pie_workers.deadlines import LAUNCHER_S, answer
+from ray.exceptions import RayActorError
 
 from pie_cluster.coalesced_calls import CoalescedCalls
-from pie_cluster.hosts.events import Ending
+from pie_cluster.hosts.events import Ending, NotFound
 from pie_cluster.instance import Launch
 from pie_cluster.launcher.records import Granted, Queued, Refused, RunnerReport, RunOnHost, SlotAsk
 
@@ -30,6 +31,8 @@ RENEW_S = 5.0
 """The longest a replica holding slots stays silent: what it reports renews its lease (and a restarted launcher
 learns from it what the replica holds)."""
 TICK_S = 0.5
+REQUEUE_S = 120.0
+"""How long a request that waited in the launcher's queue when the launcher died asks again: its restart."""
 
 
 @dataclass
@@ -59,28 +62,46 @@ class SlotLease:
             slots.idle_since.pop()  # the one freed last: the older ones age out
             return True
         ask = SlotAsk(uuid.uuid4().hex, user)
-        asking = asyncio.ensure_future(self._ask(ask))
-        try:
-            answered = await asyncio.shield(asking)
-        except BaseException:  # the request went away (or no answer came): whatever the answer is, it is handled
-            asking.add_done_callback(lambda done: self._answered_late(ask, done))
-            raise
-        if isinstance(answered, RunOnHost):
-            return False
-        if isinstance(answered, Refused):
-            raise answered.error()
-        if isinstance(answered, Queued):
-            try:
-                while not await answer(
-                    self._launcher.slot.remote(self._name, ask.id, LAUNCHER_S), "the launcher", 2 * LAUNCHER_S
-                ):
-                    pass
-            except BaseException:  # its place in the queue, or the slot granted meanwhile, goes back
-                self._launcher.withdraw.remote(self._name, ask.id)
-                raise
+        requeue_until = time.monotonic() + REQUEUE_S
+        while True:
+            answered = await self._asked(ask)
+            if isinstance(answered, RunOnHost):
+                return False
+            if isinstance(answered, Refused):
+                raise answered.error()
+            if isinstance(answered, Granted) or await self._waited(ask, requeue_until):
+                break
         self._users.setdefault(user, _UserSlots()).held += 1
         self._tick()
         return True
+
+    async def _asked(self, ask: SlotAsk):
+        """The launcher's answer to ``ask`` (one ``lease`` call with the other asks of this loop turn)."""
+        asking = asyncio.ensure_future(self._ask(ask))
+        try:
+            return await asyncio.shield(asking)
+        except BaseException:  # the request went away (or no answer came): whatever the answer is, it is handled
+            asking.add_done_callback(lambda done: self._answered_late(ask, done))
+            raise
+
+    async def _waited(self, ask: SlotAsk, requeue_until: float) -> bool:
+        """Wait in the launcher's queue until the slot of ``ask`` is granted (True). False when the launcher died
+        meanwhile (before ``requeue_until``): its queue went with it, so the ask goes again, to the restarted one
+        (after this replica's report, so that it counts the slots held here first)."""
+        try:
+            while not await answer(
+                self._launcher.slot.remote(self._name, ask.id, LAUNCHER_S), "the launcher", 2 * LAUNCHER_S
+            ):
+                pass
+            return True
+        except (RayActorError, NotFound):  # it died, or it restarted and knows no such ask
+            if time.monotonic() > requeue_until:
+                raise
+            self._report()
+            return False
+        except BaseException:  # its place in the queue, or the slot granted meanwhile, goes back
+            self._launcher.withdraw.remote(self._name, ask.id)
+            raise
 
     def _answered_late(self, ask: SlotAsk, done: asyncio.Future) -> None:
         """An ask whose request went away before its answer: a slot granted anyway stays here, idle; a place in
