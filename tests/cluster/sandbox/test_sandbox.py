@@ -98,7 +98,7 @@ def ray_actor():
 
 def gcs():
     host, _, port = INPUT["gcs"].rpartition(":")
-    return socket.create_connection((host, int(port)), timeout=3)
+    return socket.create_connection((host, int(port)), timeout=1)
 
 def secrets_in_proc():
     found = []
@@ -124,19 +124,23 @@ async def main(input):
     model = Model.load("default")
     as_bob = dataclasses.replace(me, username="bob", session="forged")
     forged = dataclasses.replace(as_bob, capability=me.capability.split(".")[0] + ".AAAA")
-    got = {
-        "ray": attempt(ray_actor),
-        "gcs": attempt(gcs),
-        "http": attempt(lambda: socket.create_connection(("127.0.0.1", input["port"]), timeout=3)),
-        "internet": attempt(lambda: socket.create_connection(("1.1.1.1", 80), timeout=3)),
-        "config": attempt(lambda: read(input["config"])),
-        "passwd": attempt(lambda: read("/etc/passwd")),
-        "ray_session": attempt(lambda: os.listdir("/tmp/ray")),
-        "pie_cache": attempt(lambda: os.listdir(input["cache"])),
-        "proc_environ": attempt(secrets_in_proc),
-        "snapshot_as_bob": attempt(lambda: Context.open(Model(model.endpoint, as_bob), "bob-notes") or _none()),
-        "snapshot_forged": attempt(lambda: Context.open(Model(model.endpoint, forged), "bob-notes") or _none()),
+    attempts = {
+        "ray": ray_actor,
+        "gcs": gcs,
+        "http": lambda: socket.create_connection(("127.0.0.1", input["port"]), timeout=1),
+        "internet": lambda: socket.create_connection(("1.1.1.1", 80), timeout=1),
+        "config": lambda: read(input["config"]),
+        "passwd": lambda: read("/etc/passwd"),
+        "ray_session": lambda: os.listdir("/tmp/ray"),
+        "pie_cache": lambda: os.listdir(input["cache"]),
+        "proc_environ": secrets_in_proc,
+        "snapshot_as_bob": lambda: Context.open(Model(model.endpoint, as_bob), "bob-notes") or _none(),
+        "snapshot_forged": lambda: Context.open(Model(model.endpoint, forged), "bob-notes") or _none(),
     }
+    got = {}
+    for name, escape in attempts.items():  # each in a task step of its own: the stall watchdog times steps
+        got[name] = attempt(escape)
+        await asyncio.sleep(0)
     token = runtime.install(as_bob)
     try:
         got["queue_as_bob"] = f"ESCAPED: {await asyncio.wait_for(messaging.pull('inbox'), 2)!r}"
