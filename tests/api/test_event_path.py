@@ -210,28 +210,31 @@ def test_a_chat_waiting_for_a_slot_when_the_launcher_is_killed_waits_again_in_th
     expected = chunk_text(chat_stream(pie, 8, BOB))
     waiting = bob_at_his_limit(pie)
     got: list[dict] = []
-    streaming = threading.Thread(target=chat_stream, args=(pie, 8, BOB), kwargs={"into": got})
-    streaming.start()
-    deadline = time.time() + 30
-    while engine_status(pie)["launcher"]["queued"] != 1 and time.time() < deadline:
-        time.sleep(0.1)
-    (launcher,) = list_actors(filters=[("name", "=", "pie-launcher"), ("state", "=", "ALIVE")])
-    os.kill(launcher["pid"], signal.SIGKILL)
-    killed = time.monotonic()
-    while True:  # the restarted launcher has it in its queue again
-        try:
-            if engine_status(pie)["launcher"]["queued"] == 1:
-                break
-        except Exception:  # `pie status` fails while the launcher restarts
-            pass
-        assert time.monotonic() - killed < 60, "the chat was not queued again within 60 s of the launcher's kill"
-        time.sleep(0.2)
-    print(f"the chat waited in the restarted launcher's queue {time.monotonic() - killed:.1f} s after the SIGKILL")
-    assert streaming.is_alive() and not got
-    httpx.post(f"{pie['url']}/v1/instances/{waiting[0]}/messages", json={"message": "done"}, headers=BOB)
-    streaming.join(120)
-    assert not streaming.is_alive() and chunk_text(got) == expected
-    finish_and_free(pie, waiting[1:])
+    try:
+        streaming = threading.Thread(target=chat_stream, args=(pie, 8, BOB), kwargs={"into": got})
+        streaming.start()
+        deadline = time.time() + 30
+        while engine_status(pie)["launcher"]["queued"] != 1 and time.time() < deadline:
+            time.sleep(0.1)
+        (launcher,) = list_actors(filters=[("name", "=", "pie-launcher"), ("state", "=", "ALIVE")])
+        os.kill(launcher["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        while True:  # the restarted launcher has it in its queue again
+            try:
+                if engine_status(pie)["launcher"]["queued"] == 1:
+                    break
+            except Exception:  # `pie status` fails while the launcher restarts
+                pass
+            assert streaming.is_alive(), "the chat ended while the launcher restarted"
+            assert time.monotonic() - killed < 60, "the chat was not queued again within 60 s of the launcher's kill"
+            time.sleep(0.2)
+        print(f"the chat waited in the restarted launcher's queue {time.monotonic() - killed:.1f} s after its kill")
+        assert streaming.is_alive() and not got
+        httpx.post(f"{pie['url']}/v1/instances/{waiting[0]}/messages", json={"message": "done"}, headers=BOB)
+        streaming.join(120)
+        assert not streaming.is_alive() and chunk_text(got) == expected
+    finally:
+        finish_and_free(pie, waiting)
 
 
 def bob_at_his_limit(pie) -> list[str]:
@@ -253,7 +256,7 @@ def bob_at_his_limit(pie) -> list[str]:
 
 
 def finish_and_free(pie, instances: list[str]) -> None:
-    """End bob's ``instances``; then every slot is back (no lease holds one idle for long)."""
+    """End bob's ``instances`` (those still running); then every slot is back (no lease holds one idle for long)."""
     for instance in instances:
         httpx.post(f"{pie['url']}/v1/instances/{instance}/messages", json={"message": "done"}, headers=BOB)
     deadline = time.time() + 30

@@ -77,8 +77,9 @@ def run(
     from pie_cluster.market import endowment_for, get_or_create_market
     from pie_cluster.ray_session import init_ray
 
-    try:
+    try:  # what it is asked to run and with what, checked before anything starts
         main = load_program(program)
+        settings = RunnerSettings(num_pages=pages, backend=backend)
     except (ValueError, SyntaxError, ImportError) as e:
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
@@ -90,11 +91,6 @@ def run(
     market = get_or_create_market(ray.get_runtime_context().namespace)
     trust = LocalTrust()  # this run's own secret: its replica and bus verify the capability it mints for the inferlet
     bus = start_bus(shards=1, detached=False, secret=trust.secret)  # messaging and broadcast work as under `pie start`
-    try:
-        settings = RunnerSettings(num_pages=pages, backend=backend)
-    except ValueError as e:
-        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
-        raise typer.Exit(2) from None
     replica = Replica(
         model or default_model_path("llama"),
         tp,

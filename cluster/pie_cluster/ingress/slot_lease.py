@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pie_workers.deadlines import LAUNCHER_S, answer
+from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from ray.exceptions import RayActorError
 
 from pie_cluster.coalesced_calls import CoalescedCalls
@@ -32,7 +32,7 @@ RENEW_S = 5.0
 learns from it what the replica holds)."""
 TICK_S = 0.5
 REQUEUE_S = 120.0
-"""How long a request that waited in the launcher's queue when the launcher died asks again: its restart."""
+"""How long a request that waited in the launcher's queue when the launcher died asks the restarted one again."""
 
 
 @dataclass
@@ -62,15 +62,24 @@ class SlotLease:
             slots.idle_since.pop()  # the one freed last: the older ones age out
             return True
         ask = SlotAsk(uuid.uuid4().hex, user)
-        requeue_until = time.monotonic() + REQUEUE_S
+        queue_lost: float | None = None  # when the launcher died with this ask in its queue
         while True:
-            answered = await self._asked(ask)
+            try:
+                answered = await self._asked(ask)
+            except RayActorError:  # the launcher is down: a request that had its place in its queue waits for it
+                if queue_lost is None or time.monotonic() - queue_lost > REQUEUE_S:
+                    raise
+                await asyncio.sleep(TICK_S)
+                continue
             if isinstance(answered, RunOnHost):
                 return False
             if isinstance(answered, Refused):
                 raise answered.error()
-            if isinstance(answered, Granted) or await self._waited(ask, requeue_until):
+            if isinstance(answered, Granted) or await self._waited(ask):
                 break
+            if queue_lost is not None and time.monotonic() - queue_lost > REQUEUE_S:
+                raise NoAnswer(f"the launcher lost this request's place in its queue again for {REQUEUE_S:g} s")
+            queue_lost = queue_lost or time.monotonic()
         self._users.setdefault(user, _UserSlots()).held += 1
         self._tick()
         return True
@@ -84,10 +93,10 @@ class SlotLease:
             asking.add_done_callback(lambda done: self._answered_late(ask, done))
             raise
 
-    async def _waited(self, ask: SlotAsk, requeue_until: float) -> bool:
+    async def _waited(self, ask: SlotAsk) -> bool:
         """Wait in the launcher's queue until the slot of ``ask`` is granted (True). False when the launcher died
-        meanwhile (before ``requeue_until``): its queue went with it, so the ask goes again, to the restarted one
-        (after this replica's report, so that it counts the slots held here first)."""
+        meanwhile: its queue went with it, so the ask goes again, to the restarted one (after this replica's report,
+        so that it counts the slots held here first)."""
         try:
             while not await answer(
                 self._launcher.slot.remote(self._name, ask.id, LAUNCHER_S), "the launcher", 2 * LAUNCHER_S
@@ -95,8 +104,6 @@ class SlotLease:
                 pass
             return True
         except (RayActorError, NotFound):  # it died, or it restarted and knows no such ask
-            if time.monotonic() > requeue_until:
-                raise
             self._report()
             return False
         except BaseException:  # its place in the queue, or the slot granted meanwhile, goes back

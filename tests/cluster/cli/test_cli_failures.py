@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.pie_procs import PIE, free_port
+from support.pie_procs import PIE, engine_status, free_port
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -248,11 +248,12 @@ def test_a_killed_replica_is_replaced_and_stop_then_start_works(started, ray_clu
 
     rank = only_actor(ray_cluster.address, "RankWorker")
     os.kill(rank["pid"], signal.SIGKILL)  # a real crash, not a polite ray.kill
-    for _ in range(300):  # the controller notices (every 2 s) and loads a replacement
-        report = json.loads(pie(env, "status", "--json").stdout)
+    for _ in range(300):  # the controller notices (every 2 s) and loads a replacement (polled over this session's
+        report = engine_status(started)  # Ray connection: a `pie status` process costs seconds of imports)
         if report["replica_restarts"] == 1 and report["replicas"][0]["state"] == "serving":
             break
         time.sleep(0.5)
+    report = json.loads(pie(env, "status", "--json").stdout)  # what the command prints says so too
     assert report["replica_restarts"] == 1 and report["replicas"][0]["state"] == "serving", report
     assert only_actor(ray_cluster.address, "RankWorker")["pid"] != rank["pid"]
     shown = pie(env, "status")
