@@ -323,7 +323,7 @@ def measure(args, console: Console) -> tuple[Cells, list[str]]:
     )
     cells: Cells = {}
     with local_pie(pages=args.pages, responses=ResponsesConfig(park_s=args.park_s)) as pie, closing(vllm):
-        program = ray.get(pie.launcher.upload.remote("bench", "agent.py", AGENT_PROGRAM.encode()))["program"]
+        program = ray.get(pie.launcher.upload.remote("bench", "agent.py", AGENT_PROGRAM.encode())).program
         bench = Bench(args, pie, program, vllm)
         warm_up(bench, console)
         for workload in args.workloads:

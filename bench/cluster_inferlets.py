@@ -35,8 +35,8 @@ def isolated_zip(name: str, source: str) -> bytes:
 def upload(launcher, source: str, isolated: bool = False, name: str = "prog", user: str = USER) -> str:
     """The program id; only ``user`` can launch it (programs belong to the user who uploaded them)."""
     if isolated:
-        return ray.get(launcher.upload.remote(user, f"{name}.zip", isolated_zip(name, source)))["program"]
-    return ray.get(launcher.upload.remote(user, f"{name}.py", textwrap.dedent(source).encode()))["program"]
+        return ray.get(launcher.upload.remote(user, f"{name}.zip", isolated_zip(name, source))).program
+    return ray.get(launcher.upload.remote(user, f"{name}.py", textwrap.dedent(source).encode())).program
 
 
 def run_to_end(launcher, user: str, instance_id: str, timeout: float = DEADLINE_S) -> tuple[str, str]:

@@ -68,7 +68,7 @@ def idle_memory(launcher, node: str, k: int, console: Console) -> dict:
     ray.get(launcher.abort.remote(USER, warm))
     run_to_end(launcher, USER, warm)
     time.sleep(0.5)
-    running_before = ray.get(launcher.stats.remote())["running"]
+    running_before = ray.get(launcher.stats.remote()).running
     before = rss(pid)
 
     ids = ray.get([launcher.launch.remote(USER, request) for _ in range(k)])
@@ -84,7 +84,7 @@ def idle_memory(launcher, node: str, k: int, console: Console) -> dict:
     ended_by_abort = sum(1 for kind, value in ends if kind == "error" and "aborted" in value)
     time.sleep(0.5)
     released = rss(pid)
-    running_after = ray.get(launcher.stats.remote())["running"]
+    running_after = ray.get(launcher.stats.remote()).running
     return {
         "k": k,
         "pid": pid,

@@ -79,7 +79,7 @@ class Components:
         self.node = node
         self.wallets = wallet_calls(self.market)
         self.text = [(1000 + i % 7000, i) for i in range(lineage)]
-        self.program = ray.get(self.launcher.upload.remote("bench", "noop.py", NOOP))["program"]
+        self.program = ray.get(self.launcher.upload.remote("bench", "noop.py", NOOP)).program
         self.openai_program = Program.from_path(BUILTINS[OPENAI_PROGRAM]).id  # what an ingress replica reports
 
     async def floor(self, k: int) -> None:
@@ -218,7 +218,7 @@ def main() -> None:
     notes = [
         f"Load average while it ran (1, 5, 15 min): {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; the driver, "
         "Ray and the measured actor share these cores, so the requests/s are lower bounds.",
-        f"Launcher's call counts at the end: {launcher_stats['calls']}. 'Calls/s asked' is requests/s times the "
+        f"Launcher's call counts at the end: {launcher_stats.calls}. 'Calls/s asked' is requests/s times the "
         "calls per request; the launcher's admissions and the market's wallets of one event-loop turn of a caller "
         "go as one call, so under many callers those actors take fewer calls than that (the counts above).",
         "The bus row: messages/s for push -> pull within one shard, median ping-pong round trip (ms), and "

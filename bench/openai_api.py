@@ -202,7 +202,7 @@ def hop_split(url: str, n: int) -> dict[str, float]:
 
 def request_per_message_ms(url: str, launcher, n: int) -> list[float]:
     """The same requests handed to one long-lived inferlet as session messages, answered on its event stream."""
-    program = ray.get(launcher.upload.remote("local", "serving_loop.py", SERVING_LOOP.encode()))["program"]
+    program = ray.get(launcher.upload.remote("local", "serving_loop.py", SERVING_LOOP.encode())).program
     times = []
     with httpx.Client(base_url=url, timeout=120) as http:
         instance = http.post("/v1/instances", json={"program": program}).json()["id"]

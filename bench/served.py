@@ -80,7 +80,7 @@ def ours(setup: Setup, model_dir, prompts: list[list[int]], args) -> tuple[float
     """Best tokens/s of ``setup`` and what its replica resolved (CPUs per rank, threads, backend)."""
     pages = len(prompts) * ((args.prompt + args.tokens) // 16 + 2) + 64
     with local_pie(pages=pages, cpus_per_rank=setup.cpus_per_rank, backend=setup.backend, model_dir=model_dir) as pie:
-        program = ray.get(pie.launcher.upload.remote("bench", "generate.py", PROGRAM))["program"]
+        program = ray.get(pie.launcher.upload.remote("bench", "generate.py", PROGRAM)).program
         asyncio.run(generate_all(pie.launcher, program, prompts[:4], 8))  # warm-up
         best = min(asyncio.run(generate_all(pie.launcher, program, prompts, args.tokens)) for _ in range(args.repeats))
         replica = pie.replica()

@@ -86,8 +86,8 @@ def first_event(launcher, instance: str, kind: str, timeout: float = 300) -> lis
 @pytest.mark.slow
 def test_a_thousand_concurrent_pooled_inferlets_all_complete(launcher):
     upload = launcher.upload.remote
-    worker = ray.get(upload("load", "worker.py", WORKER.encode()))["program"]
-    release = ray.get(upload("load", "release.py", RELEASE.encode()))["program"]
+    worker = ray.get(upload("load", "worker.py", WORKER.encode())).program
+    release = ray.get(upload("load", "release.py", RELEASE.encode())).program
     warm = ray.get(launcher.launch.remote("load", LaunchRequest(program=worker, input={"i": -1, "prompt": "w"})))
     worker_uid = int(first_event(launcher, warm, "message")[2])
     shared = worker_process(worker_uid)
@@ -113,16 +113,16 @@ def test_a_thousand_concurrent_pooled_inferlets_all_complete(launcher):
     parked = [first_event(launcher, i, "message") for i in ids]
     assert all(e[1] == "message" and int(e[2]) == worker_uid for e in parked), [e for e in parked if e[1] != "message"]
     parked_rss = shared.memory_info().rss
-    assert ray.get(launcher.stats.remote())["running"] == N
+    assert ray.get(launcher.stats.remote()).running == N
 
     ray.get(launcher.launch.remote("load", LaunchRequest(program=release)))
     results = [json.loads(first_event(launcher, i, "return")[2]) for i in ids]
     assert sorted(r["i"] for r in results) == list(range(N)) and {r["echoed"] for r in results} == {"3"}
     for _ in range(100):
-        if ray.get(launcher.stats.remote())["running"] == 0:
+        if ray.get(launcher.stats.remote()).running == 0:
             break
         time.sleep(0.1)
-    assert ray.get(launcher.stats.remote())["running"] == 0
+    assert ray.get(launcher.stats.remote()).running == 0
 
     latencies = sorted(seconds for _, seconds in launched)
     p99 = latencies[int(0.99 * (len(latencies) - 1))]

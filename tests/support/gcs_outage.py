@@ -107,7 +107,7 @@ def main() -> None:
                     "reopened": reopened,
                     "load": loaded,
                     "serving_again_s": round(serving_again_s, 2),
-                    "listed": sorted(i["id"] for i in ray.get(launcher.list.remote("alice"))),
+                    "listed": sorted(i.id for i in ray.get(launcher.list.remote("alice"))),
                     "waiting_id": waiting,
                     "market_before": market,
                     "market_after": status["market"],

@@ -12,7 +12,7 @@ from pie_cluster.launch_request import LaunchRequest
 
 
 def upload(launcher, source: str, user: str = "alice", filename: str = "prog.py") -> str:
-    return ray.get(launcher.upload.remote(user, filename, textwrap.dedent(source).encode()))["program"]
+    return ray.get(launcher.upload.remote(user, filename, textwrap.dedent(source).encode())).program
 
 
 def launch(launcher, program: str, input: dict | None = None, user: str = "alice", **fields) -> str:

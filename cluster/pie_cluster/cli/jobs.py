@@ -75,7 +75,7 @@ def job_run(request: LaunchRequest, user: str) -> int:
     except ValueError:
         err.print("[red]error:[/red] no Pie cluster is running on this Ray cluster (run `pie start`)")
         return 1
-    program_id = answered(launcher.upload.remote(user, filename, data), "the launcher", LAUNCHER_S)["program"]
+    program_id = answered(launcher.upload.remote(user, filename, data), "the launcher", LAUNCHER_S).program
     launched = launcher.launch.remote(user, request.model_copy(update={"program": program_id}))
     instance = answered(launched, "the launcher", LAUNCHER_S)
     return asyncio.run(_print_events(launcher, user, instance))

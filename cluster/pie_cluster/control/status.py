@@ -3,12 +3,14 @@ market. A part that is dead or does not answer within the probe deadline is repo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import ray
 import ray.exceptions
 
 from pie_cluster.control.supervisor import probe_ranks
+from pie_cluster.launcher.records import LauncherStats
 
 if TYPE_CHECKING:
     from pie_cluster.control.controller import Controller
@@ -39,7 +41,7 @@ def cluster_status(controller: Controller) -> dict:
         "controller_restarts": controller.restarts,
         "nodes": [{"node": node, "alive": alive.get(node, False), **_host_row(got)} for node, got in hosts.items()],
         "drained": [{"node": node, "alive": alive.get(node, False)} for node in sorted(controller.drained)],
-        "launcher": launcher if isinstance(launcher, dict) else {"state": launcher},
+        "launcher": dataclasses.asdict(launcher) if isinstance(launcher, LauncherStats) else {"state": launcher},
         "bus": bus if isinstance(bus, dict) else {"state": bus},
         "bus_shards": [info.node_id for info in controller.bus.infos],  # each shard's node, in shard order
         "market": market if isinstance(market, dict) else {"state": market},

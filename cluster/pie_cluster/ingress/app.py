@@ -14,7 +14,7 @@ import base64
 import json
 import logging
 from contextlib import aclosing
-from typing import Annotated, Any
+from typing import Annotated
 
 import ray
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
@@ -40,6 +40,7 @@ from pie_cluster.ingress.responses.routes import RESPONSES_PATH, ResponsesRoutes
 from pie_cluster.ingress.responses.routes import router as responses_router
 from pie_cluster.ingress.routing import PrefixRouter
 from pie_cluster.launch_request import LaunchRequest, describe_errors
+from pie_cluster.launcher.records import ListedInstance, Uploaded
 from pie_cluster.programs import BUILTINS
 from pie_cluster.programs.program import MAX_PROGRAM_BYTES
 
@@ -124,24 +125,8 @@ class Launched(BaseModel):
     id: str
 
 
-class Uploaded(BaseModel):
-    program: str
-    name: str
-    isolated: bool
-
-
 class SessionMessage(BaseModel):
     message: str
-
-
-class Instance(BaseModel):
-    id: str
-    program: str
-    status: str
-    node: str
-    input: dict[str, Any]
-    created: float
-    elapsed_s: float
 
 
 def _wire_value(kind: str, value: str | bytes) -> str:
@@ -208,11 +193,11 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
     @app.get("/healthz")
     async def health(self) -> dict:
         """Up, and how uploaded programs are confined (``off``: they run trusted, with Ray in reach)."""
-        return {"status": "ok", "sandbox": (await self._call("healthz", self._launcher.stats))["sandbox"]}
+        return {"status": "ok", "sandbox": (await self._call("healthz", self._launcher.stats)).sandbox}
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        self._running.set((await self._call("metrics", self._launcher.stats))["running"])
+        self._running.set((await self._call("metrics", self._launcher.stats)).running)
         return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/programs", response_model=Uploaded)
@@ -223,7 +208,7 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         filename: Annotated[
             str, Query(max_length=255, description="program.py, or a .zip of a directory with pie.toml")
         ],
-    ) -> dict:
+    ) -> Uploaded:
         data = await request.body()
         return await self._call("upload", self._launcher.upload, user, filename, data)
 
@@ -248,8 +233,8 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
             return StreamingResponse(events, media_type="text/event-stream")
         return {"id": instance}
 
-    @app.get("/v1/instances", response_model=list[Instance])
-    async def list_instances(self, user: User) -> list:
+    @app.get("/v1/instances", response_model=list[ListedInstance])
+    async def list_instances(self, user: User) -> list[ListedInstance]:
         return await self._call("list", self._launcher.list, user)
 
     @app.get("/v1/instances/{instance_id}/events")

@@ -44,12 +44,15 @@ from pie_cluster.launcher.leases import Leases
 from pie_cluster.launcher.records import (
     HostPool,
     InstanceRecord,
+    LauncherStats,
+    ListedInstance,
     RunnerOrders,
     RunnerReport,
     RunnerServices,
     RunOnHost,
     SlotAnswer,
     SlotAsk,
+    Uploaded,
 )
 from pie_cluster.launcher.recovery import LauncherMemory, LauncherState, SavedLaunch, known_to_hosts, program_of
 from pie_cluster.market import endowment_for
@@ -162,13 +165,13 @@ class Launcher:
 
     # -- programs ------------------------------------------------------------------------------------------------
 
-    async def upload(self, user: str, filename: str, data: bytes) -> dict:
+    async def upload(self, user: str, filename: str, data: bytes) -> Uploaded:
         """Store a program for ``user`` (a .py file or a .zip with pie.toml); returns its id and name@version."""
         program = Program.from_upload(filename, data)
         if self._sandboxed:
             program.check_sandboxable()
         self._programs.put(user, program)
-        return {"program": program.id, "name": program.label, "isolated": program.isolated}
+        return Uploaded(program.id, program.label, program.isolated)
 
     # -- instances -----------------------------------------------------------------------------------------------
 
@@ -296,23 +299,23 @@ class Launcher:
         services = self._hosts.required().services
         return sorted({name for node_services in services.values() for name in node_services.endpoints})
 
-    async def list(self, user: str) -> list[dict]:
-        return [i.summary() for i in self._instances if i.user == user]
+    async def list(self, user: str) -> list[ListedInstance]:
+        return [i.listed() for i in self._instances if i.user == user]
 
     async def close(self) -> None:
         """The cluster stops: the stored programs leave the disk (the controller calls this before killing it)."""
         self._programs.remove_all()
 
-    async def stats(self) -> dict:
-        return {
-            "launched": self.launched,
-            "calls": dict(self.calls),
-            "ingress_replicas": self._leases.started(),
-            "running": self._admission.running,
-            "queued": self._admission.queued,
-            "programs": len(self._programs),
-            "sandbox": "bubblewrap" if self._sandboxed else "off",
-        }
+    async def stats(self) -> LauncherStats:
+        return LauncherStats(
+            launched=self.launched,
+            calls=dict(self.calls),
+            ingress_replicas=self._leases.started(),
+            running=self._admission.running,
+            queued=self._admission.queued,
+            programs=len(self._programs),
+            sandbox="bubblewrap" if self._sandboxed else "off",
+        )
 
     # -- the ingress replicas' leases of admission slots (launcher/leases.py) ------------------------------------
 

@@ -57,21 +57,51 @@ class InstanceRecord:
         instance.settled.set()
         return instance
 
-    def summary(self) -> dict:
+    def listed(self) -> ListedInstance:
         end = self.ended or time.time()
         if self.ending is not None:
             status = {"return": "finished", "error": "failed"}[self.ending[0]]
         else:
             status = "queued" if self.queued else "running"
-        return {
-            "id": self.id,
-            "program": self.program.label,
-            "status": status,
-            "node": self.node_id,
-            "input": self.launch.input,
-            "created": self.launch.created,
-            "elapsed_s": round(end - self.launch.created, 3),
-        }
+        created = self.launch.created
+        return ListedInstance(
+            self.id, self.program.label, status, self.node_id, self.launch.input, created, round(end - created, 3)
+        )
+
+
+@dataclass(frozen=True)
+class ListedInstance:
+    """One instance as the launcher's ``list`` answers it (``GET /v1/instances``, `pie list`)."""
+
+    id: str
+    program: str  # its program's name@version
+    status: str  # queued, running, finished or failed
+    node: str
+    input: dict
+    created: float
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class LauncherStats:
+    """The launcher's counts, as `pie status` shows them under ``launcher``."""
+
+    launched: int  # instances launched since it started, the ingress replicas' included
+    calls: dict[str, int]  # calls taken from clients, hosts and ingress replicas, by method
+    ingress_replicas: dict[str, int]  # instances each ingress replica has run
+    running: int  # admission slots taken
+    queued: int  # launches and asks waiting for one
+    programs: int  # programs stored
+    sandbox: str  # "bubblewrap" or "off"
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """A stored program, as the launcher's ``upload`` answers it (``POST /v1/programs``)."""
+
+    program: str  # its id, what launches name
+    name: str  # name@version
+    isolated: bool
 
 
 @dataclass

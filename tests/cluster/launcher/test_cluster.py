@@ -226,7 +226,7 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
 
     program = upload(launcher, WAITS_WITH_A_WALLET)
     first = launch(launcher, program)
-    (before,) = [i for i in ray.get(launcher.list.remote("alice")) if i["id"] == first]
+    (before,) = [i for i in ray.get(launcher.list.remote("alice")) if i.id == first]
     since, kinds = 0, []
     while "message" not in kinds:
         got = poll(launcher, "alice", first, since, 5.0)
@@ -239,16 +239,16 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
     while True:
         try:
             listed = ray.get(launcher.list.remote("alice"), timeout=5)
-            if any(i["id"] == first for i in listed):
+            if any(i.id == first for i in listed):
                 break
         except ray.exceptions.RayError:
             pass
         assert time.monotonic() - killed < 60, "the launcher did not come back within 60 s"
         time.sleep(0.2)
     print(f"the launcher listed the running instance again {time.monotonic() - killed:.1f} s after its SIGKILL")
-    (again,) = [i for i in listed if i["id"] == first]
-    assert again["status"] == "running" and again["program"].startswith("prog@"), again
-    assert (again["created"], again["input"]) == (before["created"], before["input"])  # its launch, as its host kept it
+    (again,) = [i for i in listed if i.id == first]
+    assert again.status == "running" and again.program.startswith("prog@"), again
+    assert (again.created, again.input) == (before.created, before.input)  # its launch, as its host kept it
 
     host = ray.get(launcher.locate.remote("alice", first)).host
     ray.get(host.send.remote("alice", first, "message", "finish"))
@@ -258,10 +258,10 @@ def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
     ray.get(host.send.remote("alice", second, "message", "finish"))
     assert run_to_end(launcher, second)[-1][1] == "return"
     for _ in range(100):  # the hosts report endings to the launcher a moment after their clients see them
-        if ray.get(launcher.stats.remote())["running"] == 0:
+        if ray.get(launcher.stats.remote()).running == 0:
             break
         time.sleep(0.1)
-    assert ray.get(launcher.stats.remote())["running"] == 0  # no admission slot leaked across the restart
+    assert ray.get(launcher.stats.remote()).running == 0  # no admission slot leaked across the restart
 
 
 WAITS = """
@@ -290,7 +290,7 @@ def test_a_restarted_launcher_lists_what_ended_and_queues_again_what_waited(clus
         ray.get(host.send.remote(user, instance, "message", text))
 
     def statuses() -> dict[str, str]:
-        return {i["id"]: i["status"] for i in ray.get(launcher.list.remote(user), timeout=5)}
+        return {i.id: i.status for i in ray.get(launcher.list.remote(user), timeout=5)}
 
     def ending(instance: str) -> list:
         return run_to_end(launcher, instance, user)[-1][1:]
@@ -329,10 +329,10 @@ def test_a_restarted_launcher_lists_what_ended_and_queues_again_what_waited(clus
     assert all(ending(i) == ["return", "bye"] for i in [*running, waiting[0]])
     for _ in range(100):  # the hosts report endings to the launcher a moment after their clients see them
         stats = ray.get(launcher.stats.remote())
-        if stats["running"] == stats["queued"] == 0:
+        if stats.running == stats.queued == 0:
             break
         time.sleep(0.1)
-    assert stats["running"] == stats["queued"] == 0, stats
+    assert stats.running == stats.queued == 0, stats
 
 
 def test_a_snapshot_saved_on_one_node_opens_takes_and_deletes_from_the_other(cluster, launcher):
@@ -613,10 +613,10 @@ def test_leased_slots_come_from_the_same_counts_and_queue_as_launches_and_end_wi
 
     assert lease("first", first, 6) == [Granted()] * 6
     assert lease("second", second, 6) == [Granted()] * 4 + [Queued()] * 2
-    assert ray.get(launcher.stats.remote())["running"] >= limit
+    assert ray.get(launcher.stats.remote()).running >= limit
     program = upload(launcher, "async def main(input):\n    return 'ran'\n", user=user)
     waiting = launch(launcher, program, user=user)
-    assert {i["id"]: i["status"] for i in ray.get(launcher.list.remote(user))}[waiting] == "queued"
+    assert {i.id: i.status for i in ray.get(launcher.list.remote(user))}[waiting] == "queued"
     assert not ray.get(launcher.slot.remote("second", "second-4", 0.2))  # still waiting
 
     ray.get(launcher.report.remote(RunnerReport("first", node, first, returned={user: 1}, held={user: 5})))
@@ -629,7 +629,7 @@ def test_leased_slots_come_from_the_same_counts_and_queue_as_launches_and_end_wi
     ray.kill(second)  # its lease ends with it: five slots and a place in the queue
     deadline = time.time() + 60
     while time.time() < deadline:
-        status = {i["id"]: i for i in ray.get(launcher.list.remote(user))}[waiting]["status"]
+        status = {i.id: i for i in ray.get(launcher.list.remote(user))}[waiting].status
         if status != "queued":
             break
         time.sleep(0.2)
@@ -644,5 +644,5 @@ def test_leased_slots_come_from_the_same_counts_and_queue_as_launches_and_end_wi
         ray.get(launcher.withdraw.remote("first", ask_id))
     ray.get(launcher.report.remote(RunnerReport("first", node, first, returned={user: held})))
     stats = ray.get(launcher.stats.remote())
-    assert stats["queued"] == 0
+    assert stats.queued == 0
     ray.kill(first)

@@ -145,8 +145,8 @@ def test_other_users_cannot_see_attach_to_message_or_abort_an_instance(launcher)
     program = upload(launcher, "async def main(input):\n    return 'mine'\n")
     instance = launch(launcher, program)
     run_to_end(launcher, instance)
-    assert instance in [i["id"] for i in ray.get(launcher.list.remote("alice"))]
-    assert instance not in [i["id"] for i in ray.get(launcher.list.remote("bob"))]
+    assert instance in [i.id for i in ray.get(launcher.list.remote("alice"))]
+    assert instance not in [i.id for i in ray.get(launcher.list.remote("bob"))]
     for call in (launcher.locate.remote("bob", instance, 0.1), launcher.abort.remote("bob", instance)):
         with pytest.raises(NotFound, match="no instance"):
             ray.get(call)
@@ -191,14 +191,14 @@ def test_an_isolated_directory_program_runs_on_the_pooled_host_when_sandboxed(la
     it (a dedicated Ray host is what a cluster with the sandbox off makes: test_trusted_mode.py)."""
     data = isolated_shouter("getuid")
     uploaded = ray.get(launcher.upload.remote("alice", "shouter.zip", data))
-    assert uploaded["name"] == "shouter@1.2.3" and uploaded["isolated"]
+    assert uploaded.name == "shouter@1.2.3" and uploaded.isolated
     uid = b"import os\nasync def main(input):\n    return os.getuid()\n"
     pooled = ray.get(launcher.upload.remote("alice", "uid.py", uid))
     hosts = inferlet_host_actors(ray_cluster)
-    kind, value = run_to_end(launcher, launch(launcher, uploaded["program"], {"text": "hey"}))[-1][1:]
+    kind, value = run_to_end(launcher, launch(launcher, uploaded.program, {"text": "hey"}))[-1][1:]
     isolated = json.loads(value)
     assert kind == "return" and isolated["text"] == "HEY"
-    pooled_uid = json.loads(run_to_end(launcher, launch(launcher, pooled["program"], {}))[-1][2])
+    pooled_uid = json.loads(run_to_end(launcher, launch(launcher, pooled.program, {}))[-1][2])
     assert isolated["process"] != pooled_uid  # a worker of its own (each worker has its own uid on a root host)
     assert inferlet_host_actors(ray_cluster) == hosts
 

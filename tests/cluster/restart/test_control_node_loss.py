@@ -163,7 +163,7 @@ def test_the_control_plane_s_machine_is_lost_and_the_cluster_serves_on(ray_clust
         fresh = upload(launcher, FRESH)
         for node in (near, far):  # one host reaches the new shard on its node, the other through a relay
             assert returned(launcher, launch(launcher, fresh, topics, node_id=node)) == "fresh"
-        assert {n["id"] for n in ray.get(launcher.list.remote(USER))} >= {waiting, connected}
+        assert {n.id for n in ray.get(launcher.list.remote(USER))} >= {waiting, connected}
         status = ray.get(controller.status.remote())
         assert status["market"]["wallets"] == 0 and status["market"]["balanced"], status["market"]
         assert find_bus().stats(USER) == {"sessions": 0, "topics": 0, "queued": 0, "waiters": 0, "subscriptions": 0}

@@ -50,8 +50,8 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
         launcher = ray.get_actor("pie-launcher")
         status = ray.get(controller.status.remote())
         assert sorted(r["node"] for r in status["replicas"]) == sorted(before | {doomed})
-        program = ray.get(launcher.upload.remote("ann", "greedy.py", GREEDY))["program"]
-        parked = ray.get(launcher.upload.remote("ann", "parked.py", PARKED))["program"]
+        program = ray.get(launcher.upload.remote("ann", "greedy.py", GREEDY)).program
+        parked = ray.get(launcher.upload.remote("ann", "parked.py", PARKED)).program
         stranded = ray.get(launcher.launch.remote("ann", LaunchRequest(program=parked, node_id=doomed)))
         assert poll(launcher, "ann", stranded, 0, 60.0).events[0][1:] == ["message", "parked"]
 

@@ -29,12 +29,12 @@ def launcher(ray_session):
 
 def test_an_isolated_directory_program_runs_in_its_own_process(launcher):
     data = isolated_shouter("getpid")
-    isolated = ray.get(launcher.upload.remote("alice", "shouter.zip", data))["program"]
+    isolated = ray.get(launcher.upload.remote("alice", "shouter.zip", data)).program
     pid = b"import os\nasync def main(input):\n    return os.getpid()\n"
     pooled = ray.get(launcher.upload.remote("alice", "pid.py", pid))
     got = json.loads(run_to_end(launcher, launch(launcher, isolated, {"text": "hey"}))[-1][2])
     assert got["text"] == "HEY"
-    assert got["process"] != json.loads(run_to_end(launcher, launch(launcher, pooled["program"]))[-1][2])
+    assert got["process"] != json.loads(run_to_end(launcher, launch(launcher, pooled.program))[-1][2])
 
 
 def test_a_runtime_env_goes_to_ray_and_a_host_that_cannot_start_ends_the_instance(launcher):
@@ -46,7 +46,7 @@ def test_a_runtime_env_goes_to_ray_and_a_host_that_cannot_start_ends_the_instanc
     conda = "pie-test-no-such-env"
     """
     data = zip_program({"pie.toml": manifest, "main.py": "async def main(input):\n    return 'never'\n"})
-    program = ray.get(launcher.upload.remote("alice", "unbuildable.zip", data))["program"]  # accepted when trusted...
+    program = ray.get(launcher.upload.remote("alice", "unbuildable.zip", data)).program  # accepted when trusted...
     instance = launch(launcher, program)
     (event,) = run_to_end(launcher, instance)  # ...and the instance ends saying why it never ran
     assert event[1] == "error" and "could not start the instance" in event[2] and "runtime env" in event[2]
@@ -70,7 +70,7 @@ def test_a_killed_dedicated_host_ends_its_instance_with_an_error(launcher):
     """
     manifest = '[package]\nname = "parked"\nversion = "0.1.0"\n[inferlet]\nisolated = true\n'
     data = zip_program({"pie.toml": manifest, "main.py": main})
-    program = ray.get(launcher.upload.remote("alice", "parked.zip", data))["program"]
+    program = ray.get(launcher.upload.remote("alice", "parked.zip", data)).program
     instance = launch(launcher, program)
     (event,) = poll(launcher, "alice", instance, 0, 60.0).events
     killed = time.monotonic()
@@ -100,7 +100,7 @@ async def main(input):
 
 def test_an_in_process_instance_is_held_to_the_same_event_limits(launcher):
     """Without the sandbox, instances run in the host's own process: their events have the same bounds there."""
-    program = ray.get(launcher.upload.remote("alice", "over.py", OVER_LIMITS))["program"]
+    program = ray.get(launcher.upload.remote("alice", "over.py", OVER_LIMITS)).program
     for send, limit in [(True, "event_bytes = 1048576"), (False, "stdout_total_bytes = 1048576")]:
         *_, (_, kind, message) = run_to_end(launcher, launch(launcher, program, {"send": send}))
         assert kind == "error" and message.startswith("the instance was ended: ") and f"[limits] {limit}" in message
@@ -110,6 +110,6 @@ def test_an_isolated_instance_on_a_dedicated_host_is_held_to_the_configured_limi
     """A dedicated host takes the cluster's ``[limits]`` too (here a 1 MiB stdout total), not the defaults."""
     manifest = '[package]\nname = "loud"\nversion = "0.1.0"\n[inferlet]\nisolated = true\n'
     data = zip_program({"pie.toml": manifest, "main.py": OVER_LIMITS.decode()})
-    program = ray.get(launcher.upload.remote("alice", "loud.zip", data))["program"]
+    program = ray.get(launcher.upload.remote("alice", "loud.zip", data)).program
     *_, (_, kind, message) = run_to_end(launcher, launch(launcher, program, {"send": False}))
     assert kind == "error" and "[limits] stdout_total_bytes = 1048576" in message, message
