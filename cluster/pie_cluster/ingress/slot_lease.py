@@ -104,7 +104,7 @@ class SlotLease:
                 pass
             return True
         except (RayActorError, NotFound):  # it died, or it restarted and knows no such ask
-            self._report()
+            self._soon()  # submitted before the ask goes again
             return False
         except BaseException:  # its place in the queue, or the slot granted meanwhile, goes back
             self._launcher.withdraw.remote(self._name, ask.id)

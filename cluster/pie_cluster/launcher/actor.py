@@ -77,8 +77,6 @@ class Launcher:
         saved = self._memory.load()
         store = Path(saved.store) if saved else new_store_directory(config.program_store_dir)
         self._state = saved or LauncherState(str(store))
-        wiring = HostsWiring(self._spawn, lambda: self._leases.services_changed(), self._host_died)
-        self._hosts = Hosts(self._state, self._memory, supervision, wiring)
         self._sandboxed = sandboxed
         capacity = config.program_store_mib << 20
         self._programs = ProgramStore(
@@ -91,6 +89,8 @@ class Launcher:
         self._leases = Leases(
             self._admission, supervision, lambda key: self._start(self._instances[key]), self._runner_died
         )
+        wiring = HostsWiring(self._spawn, self._leases.services_changed, self._host_died)
+        self._hosts = Hosts(self._state, self._memory, supervision, wiring)
         self._instances = Instances(config.keep_finished)
         self._dedicated_channels = dataclasses.replace(channels, keep_finished=1)
         self._default_deadline_s = config.default_deadline_s
@@ -102,7 +102,7 @@ class Launcher:
             self._spawn(self._recover(saved.pool))
 
     async def _recover(self, pool: HostPool) -> None:
-        for record in await known_to_hosts(pool, self._programs, self._builtins):
+        for record in await known_to_hosts(pool, self._programs, self._builtins_by_id):
             self._instances.add(record)
             if record.ending is None:
                 self._admission.resume(record.user)
@@ -115,7 +115,7 @@ class Launcher:
     def _queue_again(self, saved: SavedLaunch) -> None:
         """A launch that waited for a slot when the old process died waits again (or starts, if one is free)."""
         launch = saved.launch
-        program = program_of(launch.program, launch.user, self._programs, self._builtins)
+        program = program_of(launch.program, launch.user, self._programs, self._builtins_by_id)
         if program is None:  # deleted meanwhile: nothing to run
             self._memory.waiting.delete((launch.id,))
             return

@@ -179,8 +179,8 @@ SlotAnswer = Granted | Queued | Refused | RunOnHost
 @dataclass(frozen=True)
 class RunnerReport:
     """What an ingress replica tells the launcher, one message per event-loop turn that has news and at least every
-    ``leases.RENEW_S``: the instances it began and how others ended, the slots it gives back, and the slots it
-    holds per user after that (what a restarted launcher counts again)."""
+    ``ingress.slot_lease.RENEW_S``: the instances it began and how others ended, the slots it gives back, and the
+    slots it holds per user after that (what a restarted launcher counts again)."""
 
     runner: str
     node: str

@@ -73,8 +73,8 @@ class LauncherMemory:
 
 
 def program_of(program_id: str, user: str, programs: ProgramStore, builtins: dict[str, Program]) -> Program | None:
-    by_id = {program.id: program for program in builtins.values()}
-    return by_id.get(program_id) or programs.get(user, program_id)
+    """The program of that id: a built-in (``builtins``: by id), else one ``user`` stored; None if it is gone."""
+    return builtins.get(program_id) or programs.get(user, program_id)
 
 
 async def known_to_hosts(pool: HostPool, programs: ProgramStore, builtins: dict[str, Program]) -> list:
