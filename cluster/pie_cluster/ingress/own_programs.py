@@ -110,7 +110,7 @@ class _Session:
 
 class LocalInstances:
     def __init__(self, launcher, programs: dict[str, Path], router: PrefixRouter):
-        """``programs``: the cluster's own programs by name (the launcher's ``BUILTINS``); ``router``: how requests
+        """``programs``: the cluster's own programs by name (``programs.BUILTINS``); ``router``: how requests
         are spread over a model's replicas (``[server] routing``, ``[cache] share``)."""
         self._launcher = launcher
         self._programs = {name: Program.from_path(path) for name, path in programs.items()}
