@@ -94,7 +94,8 @@ def test_best_of_n_shares_the_prefix_scores_right_and_releases_children(served, 
         ids = torch.tensor([prompt + c["tokens"]])
         with torch.no_grad():
             logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1], -1)
-        expected = logp[torch.arange(len(c["tokens"])), torch.tensor(c["tokens"])].sum().item()
+        picked = torch.tensor(c["tokens"], dtype=torch.long)  # (an empty reply: no tokens, a sum of 0)
+        expected = logp[torch.arange(len(picked)), picked].sum().item()
         assert c["sum_logprob"] == pytest.approx(expected, abs=1e-3)
     after = served.stats()
     assert after["working"] == 0 and after["contexts"] == 0, "every child, scorer and the parent released"
