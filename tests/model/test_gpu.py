@@ -1,7 +1,8 @@
 """The CUDA path, for the day a GPU is lent (``make gpu-check`` runs these; without a GPU they are skipped, saying
 why). The model code, the KV pool and the runner have CUDA branches that CPU runs never reach: bf16 weights and
-pool, pinned host buffers for suspended pages, NCCL between tensor-parallel ranks, and the vllm backend's CUDA kernels
-(its pool against the torch pool is in ``test_vllm_kernels``, also marked ``gpu``).
+pool, pinned host buffers for suspended pages, NCCL between tensor-parallel ranks, the torch backend's Triton
+attention (against SDPA in ``test_triton_attention``) and the vllm backend's CUDA kernels (its pool against the torch
+pool in ``test_vllm_kernels``); those two files' GPU tests are also marked ``gpu``.
 
 Tolerance in bf16: its 8-bit mantissa rounds each value to ~0.4% of its size, and two implementations that sum in
 a different order drift by a few of those steps per layer. So the check is on what a user sees — the most likely

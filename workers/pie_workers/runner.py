@@ -68,6 +68,17 @@ def _resolve_device_dtype(settings: RunnerSettings) -> tuple[torch.device, torch
     return device, DTYPES[name]
 
 
+def _pool_class(backend: str, device: torch.device) -> type:
+    """Each backend's pool for the device: on a GPU the torch backend attends with its Triton kernel."""
+    if backend == "vllm":
+        return VllmCudaKVPool if device.type == "cuda" else VllmCpuKVPool
+    if device.type == "cuda":
+        from pie_workers.triton_kv_pool import TritonKVPool  # imports triton, which a CPU-only host may lack
+
+        return TritonKVPool
+    return KVPool
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -98,11 +109,8 @@ class ModelRunner:
             num_pages = pages_for_memory_fraction(settings.memory_fraction, per_page, self.device)
             num_pages = tp.broadcast_object(num_pages)  # every rank must agree on the pool size
         host_pages = num_pages if settings.host_pages is None else settings.host_pages
-        pool = (
-            KVPool if settings.backend == "torch" else VllmCudaKVPool if self.device.type == "cuda" else VllmCpuKVPool
-        )
         shape = PoolShape(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
-        self.kv = pool(shape)
+        self.kv = _pool_class(settings.backend, self.device)(shape)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
 
     def _pack_linear_weights(self) -> None:
