@@ -1,7 +1,7 @@
 """The ``torch`` backend's KV pool on a GPU: the torch pool's pages, written as on a CPU, attended by the Triton
 kernel of ``layers.triton_attention`` over each request's block table instead of gathered into padded buckets.
 
-The kernel expresses every request but those with a custom attention mask (sliding windows included), so the plan
+The kernel expresses every request (sliding windows included) but those with a custom attention mask, so the plan
 builds the torch path's buckets for those alone (``kernel_attends_all``) and their rows are recomputed over them
 after the kernel, as the vllm backend's pools do. ``tests/model/test_triton_attention.py`` checks it under Triton's
 interpreter on a CPU, and in bf16 wherever CUDA is.
