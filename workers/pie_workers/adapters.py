@@ -61,6 +61,11 @@ class LoraAdapter:
     weights: ModuleWeights
     sigma: float = DEFAULT_SIGMA
 
+    @property
+    def nbytes(self) -> int:
+        """What it costs its user's store quota (the directory reads it without importing this module)."""
+        return weights_bytes(self.weights)
+
 
 def initial_adapter(cfg: ModelConfig, config: LoraConfig, seed: int, sigma: float) -> LoraAdapter:
     """PEFT's default init: A kaiming-uniform like ``torch.nn.Linear``, B zero, so a new adapter changes nothing."""

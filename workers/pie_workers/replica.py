@@ -16,6 +16,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 import ray.exceptions
@@ -27,9 +28,12 @@ from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.engine.tenancy import TenantLimits
 from pie_workers.model_dir import ModelSource, description_files, local_model_dir
 from pie_workers.rank_threads import rank_threads, usable_cores
-from pie_workers.runner import ModelRunner, RunnerSettings, resolve_device
+from pie_workers.runner_settings import RunnerSettings
 from pie_workers.wire.admission import Revocation
 from pie_workers.wire.batch import ForwardBatch, RequestOutput
+
+if TYPE_CHECKING:
+    from pie_workers.runner import ModelRunner
 
 STOP_S = 30.0  # a rank's stop: one that does not answer in time is killed as it is
 
@@ -78,6 +82,7 @@ class RankWorker:
         import torch
 
         from pie_workers.parallel import init_group
+        from pie_workers.runner import ModelRunner, resolve_device  # torch: the rank's process only, not its driver
 
         model_dir = local_model_dir(model, f"node {ray.util.get_node_ip_address()}")
         backend = "nccl" if torch.cuda.is_available() and settings.device != "cpu" else "gloo"

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from pie_workers import sampling
 from pie_workers.adapters import AdapterStore, LoraAdapter, LoraConfig
-from pie_workers.backends import check_backend, resolve_backend
+from pie_workers.backends import resolve_backend
 from pie_workers.batch_checks import BatchError
 from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, plan_batch
 from pie_workers.config import ModelConfig
@@ -27,6 +27,7 @@ from pie_workers.layers.lora import ModuleWeights
 from pie_workers.loader import CheckpointReader
 from pie_workers.models.llama import LlamaModel
 from pie_workers.parallel import TensorParallel
+from pie_workers.runner_settings import RunnerSettings
 from pie_workers.vllm_cuda_kv_pool import VllmCudaKVPool
 from pie_workers.vllm_kv_pool import VllmCpuKVPool
 from pie_workers.wire.batch import ForwardBatch, RequestOutput, Slot, SlotOutput
@@ -39,21 +40,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class GroupBroken(RuntimeError):
     """A forward pass of a tensor-parallel group failed after the plan went out (a rank died, or one stopped inside
     a collective): no later pass of this group can succeed, so its replica must be replaced, not answer errors."""
-
-
-@dataclass(frozen=True)
-class RunnerSettings:
-    page_size: int = 16
-    num_pages: int | None = None  # explicit pool size; otherwise memory_fraction of free memory
-    memory_fraction: float = 0.5
-    dtype: str | None = None  # default: float32 on CPU, bfloat16 on GPU
-    device: str | None = None  # default: cuda if available
-    adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
-    host_pages: int | None = None  # host-memory pages for suspended contexts' KV; default: as many as the pool
-    backend: str = "auto"  # "torch": plain torch; "vllm": vLLM's kernels; "auto": resolve_backend() picks one
-
-    def __post_init__(self) -> None:
-        check_backend(self.backend, self.page_size)
 
 
 def resolve_device(settings: RunnerSettings) -> torch.device:

@@ -66,7 +66,7 @@ def run(
     from pie_workers.engine.scheduler import BatchLimits
     from pie_workers.rank_threads import usable_cores
     from pie_workers.replica import Replica
-    from pie_workers.runner import RunnerSettings
+    from pie_workers.runner_settings import RunnerSettings
     from pie_workers.tiny_model import default_model_path
 
     from pie_cluster.bus import start_bus

@@ -29,7 +29,7 @@ from pie_workers.deadlines import LAUNCHER_S, answered
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.model_dir import ModelSource
 from pie_workers.replica import Replica, replica_placement
-from pie_workers.runner import RunnerSettings
+from pie_workers.runner_settings import RunnerSettings
 from pie_workers.tiny_model import EmbeddedModel
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

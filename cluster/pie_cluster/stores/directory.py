@@ -32,7 +32,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import ray
-from pie_workers.adapters import weights_bytes
 from pie_workers.engine.tenancy import QuotaExceeded
 
 from pie_cluster.gcs_store import DurableDict, GcsStore
@@ -73,9 +72,9 @@ class UserDirectory:
         self._named: Counter[tuple[str, str]] = Counter(key[:2] for key in self._snapshots)  # (model, user) -> names
         self._stored: Counter[str] = Counter()  # user -> bytes of their adapters and files above
         for (_, user, _), entry in self._adapters.items():
-            self._stored[user] += weights_bytes(entry.adapter.weights)
+            self._stored[user] += entry.adapter.nbytes
         for (_, user, _), adapter in self._adapter_files.items():
-            self._stored[user] += weights_bytes(adapter.weights)
+            self._stored[user] += adapter.nbytes
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
@@ -156,7 +155,7 @@ class UserDirectory:
         """The adapter is gone: every copy but ``by``'s (which destroyed its own) is dropped."""
         entry = self._adapters.pop((model, user, name), None)
         if entry is not None:
-            self._stored[user] -= weights_bytes(entry.adapter.weights)
+            self._stored[user] -= entry.adapter.nbytes
         for holder in entry.holders if entry is not None else ():
             if holder != by:
                 _tell(holder, "drop_adapter", user, name)
@@ -171,7 +170,7 @@ class UserDirectory:
 
     def _charge(self, user: str, adapter, replaced, what: str) -> None:
         """Count ``adapter`` (in place of ``replaced``, if any) against the user's bytes here, or refuse it."""
-        size, freed = weights_bytes(adapter.weights), 0 if replaced is None else weights_bytes(replaced.weights)
+        size, freed = adapter.nbytes, 0 if replaced is None else replaced.nbytes
         total = self._stored[user] - freed + size
         if total > self._store_bytes_per_user:
             raise QuotaExceeded(
