@@ -4,7 +4,8 @@ streaming) and by raw HTTP for the SSE framing and the error shapes.
 The tiny model has random weights, so its text is gibberish; what is checked is the protocol and the semantics:
 greedy output equal to an inferlet's own greedy run, streamed equal to non-streamed, alone equal to among 32,
 seeds reproducible, stop strings cut, JSON that parses and validates, forced tool calls, logprobs that are
-log-probabilities.
+log-probabilities. One module of ~410 lines on purpose: its tests share one started cluster, whose start
+costs ~30 CPU-seconds.
 """
 
 from __future__ import annotations

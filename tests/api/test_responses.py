@@ -5,6 +5,7 @@ ingress or the response store restarted), streaming events in order, background 
 trips, JSON output, ownership, expiry, and the error shapes.
 
 The tiny model's text is gibberish; what is checked is the protocol, the structure and greedy determinism.
+One module of ~500 lines on purpose: its tests share one started cluster, whose start costs ~30 CPU-seconds.
 """
 
 from __future__ import annotations
