@@ -16,6 +16,7 @@ import ray
 from pie_cluster.config import AuthConfig, CacheConfig, ModelConfigEntry, PieConfig, ResponsesConfig, SandboxConfig
 from pie_cluster.control.controller import LAUNCHER
 from pie_cluster.control.lifecycle import find_controller, start_controller
+from pie_cluster.control.status_records import ReplicaStatus
 from pie_cluster.ingress.app import serve_http, stop_http
 from pie_cluster.ray_session import NAMESPACE, job_env
 from vllm_peer import free_port
@@ -26,9 +27,9 @@ class LocalPie:
     url: str  # e.g. http://127.0.0.1:PORT; the OpenAI routes are under /v1
     launcher: object  # the launcher actor, for launching and following inferlets without HTTP
 
-    def replica(self) -> dict:
+    def replica(self) -> ReplicaStatus:
         """``pie status``'s row of the model's one replica: what it resolved (CPUs per rank, threads, backend)."""
-        (replica,) = ray.get(find_controller().status.remote())["replicas"]
+        (replica,) = ray.get(find_controller().status.remote()).replicas
         return replica
 
 

@@ -213,7 +213,7 @@ def contended_run(args, with_market: bool, host_buffer: bool) -> dict:
     return {
         "tokens": [t for t, _ in results],
         "wall": wall,
-        "suspensions": stats["suspensions"],
+        "suspensions": stats.suspensions,
         "latency": float(np.mean([s for _, s in results])),
     }
 

@@ -286,7 +286,7 @@ def main() -> None:
             theirs = measure(base_url, args, console, "vllm")
 
     shape = f"{args.requests} requests x {args.tokens} tokens"
-    threads = f"ours {replica['threads']} thread(s) per rank, vLLM {args.vllm_threads}"
+    threads = f"ours {replica.threads} thread(s) per rank, vLLM {args.vllm_threads}"
     table = Table(title=f"OpenAI API, chat, {args.model} model, {shape}, greedy ({threads})")
     columns = ("clients", "TTFT p50 (ms) pie", "vLLM", "ratio", "req/s pie", "vLLM", "ratio")
     for col in (*columns, "CPU ms/req pie", "vLLM", "ratio"):

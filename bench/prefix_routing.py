@@ -129,8 +129,8 @@ def jobs(requests: int, prompts: list[str], users: int, seed: int = 0) -> list[J
 
 def replica_hits() -> tuple[int, ...]:
     """Prompt tokens each replica has served from its prefix trie so far (the controller's status)."""
-    rows = ray.get(ray.get_actor(CONTROLLER).status.remote())["replicas"]
-    return tuple(r.get("prefix_hit_tokens", 0) for r in sorted(rows, key=lambda r: r["replica"]))
+    rows = ray.get(ray.get_actor(CONTROLLER).status.remote()).replicas
+    return tuple(r.prefix_hit_tokens or 0 for r in sorted(rows, key=lambda r: r.replica))
 
 
 def token(user: int) -> str:

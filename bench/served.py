@@ -84,7 +84,7 @@ def ours(setup: Setup, model_dir, prompts: list[list[int]], args) -> tuple[float
         asyncio.run(generate_all(pie.launcher, program, prompts[:4], 8))  # warm-up
         best = min(asyncio.run(generate_all(pie.launcher, program, prompts, args.tokens)) for _ in range(args.repeats))
         replica = pie.replica()
-    resolved = f"{replica['cpus_per_rank']} CPU(s)/rank, {replica['threads']} thread(s), {replica['backend']}"
+    resolved = f"{replica.cpus_per_rank} CPU(s)/rank, {replica.threads} thread(s), {replica.backend}"
     return len(prompts) * args.tokens / best, resolved
 
 

@@ -1,6 +1,6 @@
 """No cluster-wide actor on the per-event path: an instance's events go from where it runs to its client.
 
-Counted by the launcher itself (``stats()["calls"]``, shown by `pie status --json`): an uploaded program's instance
+Counted by the launcher itself (``stats().calls``, shown by `pie status --json`): an uploaded program's instance
 streamed over HTTP, and an OpenAI request served by the built-in program in the ingress, cost the launcher the same
 calls whether they produce a handful of events or hundreds. An OpenAI request is still an instance of its user:
 listed, and ended by ``DELETE /v1/instances/{id}`` like any other; and the ingress's histograms split its time.

@@ -86,9 +86,9 @@ def test_best_of_n_shares_the_prefix_scores_right_and_releases_children(served, 
     )["input_ids"]
     cue = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert got["prefix_len"] == len(prompt) - len(cue)
-    assert stats[0]["committed"] >= got["prefix_len"] // 16 >= 2
-    assert all(s["committed"] == stats[0]["committed"] for s in stats[:n])
-    assert all(b["working"] - a["working"] <= 1 for a, b in zip(stats[: n - 1], stats[1:n], strict=True))
+    assert stats[0].committed >= got["prefix_len"] // 16 >= 2
+    assert all(s.committed == stats[0].committed for s in stats[:n])
+    assert all(b.working - a.working <= 1 for a, b in zip(stats[: n - 1], stats[1:n], strict=True))
     # the Logprob scores equal transformers' log-softmax over the same tokens
     for c in candidates:
         ids = torch.tensor([prompt + c["tokens"]])
@@ -98,7 +98,7 @@ def test_best_of_n_shares_the_prefix_scores_right_and_releases_children(served, 
         expected = logp[torch.arange(len(picked)), picked].sum().item()
         assert c["sum_logprob"] == pytest.approx(expected, abs=1e-3)
     after = served.stats()
-    assert after["working"] == 0 and after["contexts"] == 0, "every child, scorer and the parent released"
+    assert after.working == 0 and after.contexts == 0, "every child, scorer and the parent released"
 
 
 def test_snapshot_prefix_is_per_user_and_answers_like_a_fresh_prefill(served):
@@ -119,7 +119,7 @@ def test_snapshot_prefix_is_per_user_and_answers_like_a_fresh_prefill(served):
     assert isinstance(other, str) and "no snapshot named" in other, "snapshots are per user"
     assert "no snapshot named" in served.run(main, {"mode": "use", "name": name, **question}, user="alice")
     stats = served.stats()
-    assert stats["working"] == 0 and stats["contexts"] == 0
+    assert stats.working == 0 and stats.contexts == 0
 
 
 async def plain_greedy(input: dict) -> list[int]:
@@ -153,7 +153,7 @@ def test_sliding_window_equals_hf_with_a_4d_window_mask(served, hf):
     assert narrow["tokens"] != wide["tokens"]
     assert narrow["seq_len"] == len(ids) + 7
     stats = served.stats()
-    assert stats["working"] == 0 and stats["contexts"] == 0
+    assert stats.working == 0 and stats.contexts == 0
 
 
 def render(tok, messages: list[dict], replies: list[list[int]]) -> list[int]:

@@ -42,7 +42,7 @@ def test_react_agent_calls_its_tool_with_parsed_arguments_and_keeps_its_cache(se
         assert step["observation"] == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
     assert sum(sent) == got["seq_len"], "every token went through the model once: no turn re-sent the conversation"
     assert got["pending"] > 0, "the last observation waits in the buffer for the next turn"
-    assert served.stats()["contexts"] == 0
+    assert served.stats().contexts == 0
 
 
 def test_tree_of_thought_keeps_the_best_judged_branch_and_releases_the_rest(served):
@@ -53,7 +53,7 @@ def test_tree_of_thought_keeps_the_best_judged_branch_and_releases_the_rest(serv
         assert len(scores) == 3 and scores[level["chosen"]] == max(scores)
         assert len({tuple(b["tokens"]) for b in level["branches"]}) > 1, "seeded branches differ"
     after = served.stats()
-    assert after["contexts"] == 0 and after["working"] == 0
+    assert after.contexts == 0 and after.working == 0
 
 
 def test_json_extraction_always_validates_against_its_schema(served):
@@ -116,4 +116,4 @@ def test_beam_search_scores_are_transformers_logprobs_and_width_one_is_greedy(se
         assert beam["score"] == pytest.approx(hf_logprob_sum(model, wide["prompt"], beam["tokens"]), abs=1e-3)
     narrow = served.run(example("beam_search"), {"width": 1, "steps": 5})
     assert narrow["best"]["tokens"] == hf_greedy_ids(model, narrow["prompt"], 5, stops=())
-    assert served.stats()["contexts"] == 0
+    assert served.stats().contexts == 0

@@ -123,7 +123,7 @@ def test_sdk_adapter_lifecycle_generation_and_errors(served, user, replica_root)
     assert "destroyed" in errors["destroyed"]
     assert (replica_root / user / "saved" / "child" / "adapter_model.safetensors").is_file()
     stats = served.stats()
-    assert stats["working"] == 0 and stats["contexts"] == 0
+    assert stats.working == 0 and stats.contexts == 0
 
 
 def test_sdk_loads_a_peft_adapter_and_matches_peft(served, tiny_llama, user, replica_root):
@@ -169,7 +169,7 @@ def test_kv_under_a_zo_seed_is_never_shared_and_adapters_share_only_with_themsel
                 h = fwd.probe(len(prompt) - 1, Logits())
                 logits[key] = np.frombuffer((await fwd.execute()).logits(h), np.float32)
                 after = await served.replica.leader.engine_stats.remote()
-                fresh_pages[key] = before["free"] - after["free"]
+                fresh_pages[key] = before.free - after.free
         adapter.destroy()
         return fresh_pages, logits
 

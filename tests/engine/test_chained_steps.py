@@ -215,7 +215,7 @@ def test_collect_chains_steps_and_ends_where_stepping_one_by_one_ends(served):
         with Context(model) as base:
             base.user(PROMPT_TEXT)
             await base.flush()
-            return await both_ways(base, lambda: served.stats()["chained"], max_tokens=12, stop=[])
+            return await both_ways(base, lambda: served.stats().chained, max_tokens=12, stop=[])
 
     expect, got, passes, states, after = served.run(main)
     assert got == expect and len(got) == 12
@@ -230,7 +230,7 @@ def test_a_stop_token_skips_the_chained_pass(served):
         with Context(model) as base:
             base.user(PROMPT_TEXT)
             free = await base.fork().generate(Sampler.argmax(), max_tokens=10, stop=[]).collect_tokens()
-            return free, *await both_ways(base, lambda: served.stats()["chained"], stop=[free[5]])
+            return free, *await both_ways(base, lambda: served.stats().chained, stop=[free[5]])
 
     free, expect, got, passes, states, after = served.run(main)
     cut = free.index(free[5])
@@ -300,4 +300,4 @@ def test_a_failed_step_fails_the_chained_one_and_restores_the_buffer(served):
     assert "out of the vocabulary" in error
     assert kv_unchanged and buffer == [999999]
     stats = served.stats()
-    assert stats["working"] == 0 and stats["contexts"] == 0
+    assert stats.working == 0 and stats.contexts == 0

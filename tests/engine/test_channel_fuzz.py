@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inferlet._channel import Channel
 from pie_workers.engine.channel import MAX_FRAME_BYTES
+from pie_workers.engine.engine_stats import EngineStats
 from pie_workers.engine.service import ReplicaEngine
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.messages import PassReply, PassRequest, decode, encode
@@ -41,9 +42,9 @@ def replica(tiny_llama):
     return serving(lambda: ReplicaEngine(ModelRunner(tiny_llama, RunnerSettings(num_pages=PAGES)), secret=TRUST.secret))
 
 
-def stats(replica) -> dict:
+def stats(replica) -> EngineStats:
     path, engine, loop = replica
-    return asyncio.run_coroutine_threadsafe(engine.op_stats(None), loop).result(30)
+    return asyncio.run_coroutine_threadsafe(engine.stats(), loop).result(30)
 
 
 def hello(user: str = "fuzz", instance: str = "1") -> bytes:
@@ -138,10 +139,10 @@ def test_contexts_of_a_connection_that_vanished_are_released(replica):
     send_and_drop(path, msgpack.packb(creates))
     for _ in range(100):
         got = stats(replica)
-        if got["contexts"] == 0:
+        if got.contexts == 0:
             break
         threading.Event().wait(0.05)
-    assert got["contexts"] == 0 and got["free"] + got["cached"] == got["total"], got
+    assert got.contexts == 0 and got.free + got.cached == got.total, got
 
 
 def test_a_context_made_after_its_session_closed_in_the_same_frame_is_released(replica):
@@ -151,4 +152,4 @@ def test_a_context_made_after_its_session_closed_in_the_same_frame_is_released(r
     name = session("closing", "1", "s")
     send_and_drop(path, msgpack.packb([[0, name, "close", []], [1, name, "create", []], [2, name, "create", []]]))
     got = stats(replica)
-    assert got["contexts"] == 0 and got["free"] + got["cached"] == got["total"], got
+    assert got.contexts == 0 and got.free + got.cached == got.total, got

@@ -89,7 +89,7 @@ async def generate(path: str, user: str) -> list[int]:
 
 def contexts(replica) -> int:
     path, engine, loop = replica
-    return asyncio.run_coroutine_threadsafe(engine.op_stats(None), loop).result(30)["contexts"]
+    return asyncio.run_coroutine_threadsafe(engine.stats(), loop).result(30).contexts
 
 
 def test_a_flood_without_a_handshake_is_refused_unread_while_bobs_passes_complete(replica, caplog):

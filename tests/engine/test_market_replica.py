@@ -12,6 +12,7 @@ import math
 import pytest
 import ray
 from inferlet import Context, Model, Sampler, scheduling
+from pie_workers.engine.engine_stats import EngineStats
 from pie_workers.engine.market_link import ROUND_S
 from pie_workers.wire.pages import pages_for
 from support.sdk_host import TRUST
@@ -50,7 +51,7 @@ def run_all(replica, market, runs: list[tuple]) -> list:
     return asyncio.run(all_of())
 
 
-def stats(replica) -> dict:
+def stats(replica) -> EngineStats:
     return ray.get(replica.leader.engine_stats.remote())
 
 
@@ -105,8 +106,8 @@ def test_contention_charges_rent_and_make_cost_and_every_credit_is_accounted_for
     assert 2 * pages * 1_000_000 <= after.burned - before.burned <= 4 * pages * 1_000_000
     assert after.returned - before.returned == after.issued - before.issued - (after.burned - before.burned)
     s = stats(replica)
-    assert s["market_rounds"] > 0 and s["working"] == 0 and s["suspended"] == 0 and s["waiting"] == 0
-    assert s["suspensions"] > 0 and s["offloaded"] == 0  # suspended pages were dropped and recomputed
+    assert s.market_rounds > 0 and s.working == 0 and s.suspended == 0 and s.waiting == 0
+    assert s.suspensions > 0 and s.offloaded == 0  # suspended pages were dropped and recomputed
 
 
 async def latecomer(input):
@@ -120,8 +121,8 @@ async def latecomer(input):
         ctx.set_bid(input["bid"])
         ctx.user("The latecomer's story begins")
         await ctx.flush()  # its context is in the market's reports from here on
-        rounds = (await input["leader"].engine_stats.remote())["market_rounds"]
-        while (await input["leader"].engine_stats.remote())["market_rounds"] < rounds + 2:
+        rounds = (await input["leader"].engine_stats.remote()).market_rounds
+        while (await input["leader"].engine_stats.remote()).market_rounds < rounds + 2:
             await asyncio.sleep(0.01)  # the market has capped what it can afford
         tokens = await ctx.generate(Sampler.argmax(), max_tokens=80).collect_tokens()
         return {"tokens": tokens, "ended": asyncio.get_running_loop().time()}

@@ -66,9 +66,9 @@ def test_concurrent_generations_finish_with_the_tokens_they_get_alone(scarce):
     results = together(scarce, inputs)
     assert [r["tokens"] for r in results] == solo(scarce, inputs)
     stats = scarce.stats()
-    assert stats["suspensions"] > before["suspensions"], "the workload needed more pages than the replica has"
-    assert stats["offloaded"] > before["offloaded"], "some suspended pages waited in host memory"
-    assert stats["working"] == 0 and stats["contexts"] == 0 and stats["suspended"] == 0 and stats["waiting"] == 0
+    assert stats.suspensions > before.suspensions, "the workload needed more pages than the replica has"
+    assert stats.offloaded > before.offloaded, "some suspended pages waited in host memory"
+    assert stats.working == 0 and stats.contexts == 0 and stats.suspended == 0 and stats.waiting == 0
 
 
 def test_a_burst_of_inferlets_all_finish(scarce):
@@ -103,7 +103,7 @@ def test_high_fanout_forks_under_contention(scarce):
 
     outs = scarce.run(fanout)
     assert outs == [scarce.run(one_branch, {"i": i}) for i in range(8)]
-    assert scarce.stats()["working"] == 0
+    assert scarce.stats().working == 0
 
 
 _readers_started: set[int] = set()  # readers that have generated a token (all inferlets of a run share a process)
@@ -166,7 +166,7 @@ def test_memory_goes_to_the_highest_bidder(scarce, bid, chained):
     assert top["tokens"] == solo(scarce, [late])[0]
     assert [r["tokens"] for r in readers] == [scarce.run(reader, {"seed": i})["tokens"] for i in range(2)]
     stats = scarce.stats()
-    assert stats["working"] == 0 and stats["suspended"] == 0 and stats["waiting"] == 0
+    assert stats.working == 0 and stats.suspended == 0 and stats.waiting == 0
 
 
 def test_a_context_suspended_by_hand_comes_back_intact(scarce):
@@ -184,7 +184,7 @@ def test_a_context_suspended_by_hand_comes_back_intact(scarce):
         before = scarce.stats()
         suspended = scarce.run(suspending, {"n": n, "suspend": True})
         after = scarce.stats()
-        assert after["suspensions"] == before["suspensions"] + 1 and after["suspended"] == 0
+        assert after.suspensions == before.suspensions + 1 and after.suspended == 0
         assert suspended == scarce.run(suspending, {"n": n, "suspend": False})
 
 
@@ -205,7 +205,7 @@ def test_kv_that_could_not_be_restored_refuses_to_be_suspended(scarce):
 
     refused, seq_len = scarce.run(masked)
     assert refused is not None and "cannot be suspended" in refused and seq_len == 4
-    assert scarce.stats()["suspended"] == 0
+    assert scarce.stats().suspended == 0
 
 
 def test_idle_yields_pages_to_a_bidder(scarce):
@@ -230,10 +230,10 @@ def test_idle_yields_pages_to_a_bidder(scarce):
             holder.cue()
             return await holder.generate(Sampler.argmax(), max_tokens=8).collect_tokens()
 
-    before = scarce.stats()["suspensions"]
+    before = scarce.stats().suspensions
     prompt = "While the holder idles, the bidder writes"
     out, after = scarce.run(holder_and_bidder, {"prompt": prompt})
-    assert scarce.stats()["suspensions"] > before, "the idle holder gave its pages up"
+    assert scarce.stats().suspensions > before, "the idle holder gave its pages up"
     assert out == solo(scarce, [{"prompt": prompt, "n": 80}])[0]
     assert after == scarce.run(holder_alone), "the holder came back intact"
 

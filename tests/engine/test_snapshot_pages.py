@@ -67,7 +67,7 @@ async def read_long(input):
 
 
 def snapshots_held(served) -> int:
-    return ray.get(served.replica.leader.engine_stats.remote())["snapshots"]
+    return ray.get(served.replica.leader.engine_stats.remote()).snapshots
 
 
 def test_idle_snapshots_yield_their_pages_and_reopen_the_same(mirrored):
@@ -108,4 +108,4 @@ def test_a_context_kept_by_moving_its_pages_opens_like_one_saved(mirrored):
     continued = mirrored.run(save_two_ways, {"run": uuid.uuid4().hex[:6]})
     assert continued["moved"] == continued["copied"]
     after = ray.get(mirrored.replica.leader.engine_stats.remote())
-    assert after["contexts"] == 0 and after["snapshots"] == before["snapshots"]
+    assert after.contexts == 0 and after.snapshots == before.snapshots

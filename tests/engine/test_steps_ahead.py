@@ -255,13 +255,13 @@ def _compare(served, n: int, **how) -> tuple:
             before = served.stats()
             got = await stepping(ahead, n, **how)
             after = served.stats()
-            counts = after["ahead"] - before["ahead"], after["ahead_taken"] - before["ahead_taken"]
+            counts = after.ahead - before.ahead, after.ahead_taken - before.ahead_taken
             runs = [(t, c.seq_len, c.buffer(), await continuation(c)) for t, c in ((reference, plain), (got, ahead))]
             return runs, counts
 
     runs, counts = served.run(main)
     stats = served.stats()
-    return runs, counts, (stats["working"], stats["contexts"])
+    return runs, counts, (stats.working, stats.contexts)
 
 
 def test_stepping_takes_the_steps_run_ahead(served):

@@ -120,15 +120,15 @@ def test_stats_over_alices_connection_cover_only_her_own_work(runner):
         await r.call("bob", "save", ctx, "bobs-secret")
         await r.ask("bob")
         during = await r.call("alice", "stats")
-        replica_wide = await r.engine.op_stats(None)  # the trusted side (``pie status``) sees everyone's
+        replica_wide = await r.engine.stats()  # the trusted side (``pie status``) sees everyone's
         await r.call("bob", "destroy", ctx)
         return seen, during, replica_wide
 
     seen, during, replica_wide = run(runner, body)
     assert during == seen, "a counter alice reads moved with bob's work"
     assert set(seen) == {"contexts", "snapshots", "suspended", "prefix_hit_tokens"}
-    assert replica_wide["snapshots"] == 1 and replica_wide["contexts"] == 1
-    assert replica_wide["prefix_hit_tokens"] == CACHED  # bob's repeat
+    assert replica_wide.snapshots == 1 and replica_wide.contexts == 1
+    assert replica_wide.prefix_hit_tokens == CACHED  # bob's repeat
 
 
 def test_a_cache_salt_narrows_reuse_to_the_same_salt(runner):
@@ -153,9 +153,9 @@ def test_a_malformed_cache_salt_is_refused_by_name(runner, salt):
     async def body(r: Replica):
         with pytest.raises(ValueError, match=f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters"):
             await r.call("alice", "create", salt)
-        return await r.engine.op_stats(None)
+        return await r.engine.stats()
 
-    assert run(runner, body)["contexts"] == 0
+    assert run(runner, body).contexts == 0
 
 
 def test_forks_and_snapshots_of_the_same_user_share_pages(runner):

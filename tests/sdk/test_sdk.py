@@ -54,9 +54,9 @@ def test_sixteen_concurrent_inferlets_each_equal_hf(served, hf):
         messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt(i)}]
         assert got == hf_greedy(hf, messages, 16), i
     after = served.stats()
-    requests, batches = after["requests"] - before["requests"], after["batches"] - before["batches"]
+    requests, batches = after.requests - before.requests, after.batches - before.batches
     assert requests / batches > 4, "concurrent inferlets should share batches"
-    assert after["working"] == 0 and after["contexts"] == 0, "every page and context released"
+    assert after.working == 0 and after.contexts == 0, "every page and context released"
 
 
 CHILD_TURNS = ["Why?", "Explain the river model in seven blue tokens, please.", '{"json": [1, 2, 3]}']
@@ -83,9 +83,9 @@ def test_fork_shares_committed_pages_and_children_diverge(served, hf):
         return await served.replica.leader.engine_stats.remote()
 
     base, forked, outs, _ = served.run(main)
-    assert base["committed"] >= 2
-    assert forked["committed"] == base["committed"], "children share the parent's committed pages"
-    assert forked["working"] - base["working"] <= 3, "only the partly filled page is copied"
+    assert base.committed >= 2
+    assert forked.committed == base.committed, "children share the parent's committed pages"
+    assert forked.working - base.working <= 3, "only the partly filled page is copied"
     for i, got in enumerate(outs):
         # child i's conversation is the parent's buffer + its own user turn; a fresh run of the same text agrees
         tok, _ = hf
@@ -93,8 +93,8 @@ def test_fork_shares_committed_pages_and_children_diverge(served, hf):
         assert got == expected, i
     assert len({tuple(o) for o in outs}) > 1, "children diverge"
     after = served.stats()
-    assert after["working"] == 0 and after["committed"] == 0
-    assert after["free"] + after["cached"] == after["total"]
+    assert after.working == 0 and after.committed == 0
+    assert after.free + after.cached == after.total
 
 
 def hf_greedy_tokens(hf, system: str, user1: str, user2: str, n: int) -> list[int]:
@@ -231,7 +231,7 @@ def test_bad_input_raises_in_the_inferlet_and_the_replica_keeps_serving(served, 
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt(5)}]
     assert other == hf_greedy(hf, messages, 8), "another inferlet is unaffected"
     stats = served.stats()
-    assert stats["working"] == 0 and stats["contexts"] == 0
+    assert stats.working == 0 and stats.contexts == 0
 
 
 def test_a_new_context_reuses_cached_prefix_pages(served, hf):
@@ -255,7 +255,7 @@ def test_a_new_context_reuses_cached_prefix_pages(served, hf):
         )["input_ids"]
     )
     without_reuse = pages_for(prompt_len + 5, 16)  # pages the prompt and 5 generated tokens fill in the KV cache
-    fresh = before["free"] - after["free"]  # the pool is far from full: nothing is evicted to make room
+    fresh = before.free - after.free  # the pool is far from full: nothing is evicted to make room
     assert fresh <= without_reuse - 2, "at least the two pages of pure system prompt were adopted from the cache"
     messages = [{"role": "system", "content": long_system}, {"role": "user", "content": "Why is the sea salty?"}]
     assert second == hf_greedy(hf, messages, 6)
@@ -274,7 +274,7 @@ def test_a_model_that_fails_to_close_does_not_keep_the_others_contexts(served, t
         asyncio.run(
             run_inferlet(holds_both, {}, {**served.endpoints, "gone": gone}, "alice", **TRUST.instance("alice"))
         )
-    assert served.stats()["contexts"] == 0
+    assert served.stats().contexts == 0
 
 
 def test_an_ending_inferlet_releases_its_contexts_without_holding_the_event_loop(served):
@@ -306,4 +306,4 @@ def test_an_ending_inferlet_releases_its_contexts_without_holding_the_event_loop
 
     assert asyncio.run(both()) == "ok"
     assert marks["closed"] > marks["returned"]
-    assert served.stats()["contexts"] == 0
+    assert served.stats().contexts == 0

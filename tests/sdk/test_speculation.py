@@ -122,7 +122,7 @@ def test_wrong_drafts_are_rejected_and_rolled_back(served):
     spec = served.run(_generation("oracle", k=3), {"truth": wrong})
     assert spec["tokens"] == truth and spec["after"] == plain["after"]
     assert spec["oracle"]["rolled_back"] > 0
-    assert served.stats()["working"] == 0, "rejected drafts' pages were given back"
+    assert served.stats().working == 0, "rejected drafts' pages were given back"
 
 
 def test_a_stop_token_inside_accepted_drafts_leaves_kv_and_buffer_consistent(served):
@@ -200,7 +200,7 @@ def test_speculator_errors_are_raised_in_the_inferlet(served):
     with pytest.raises(TypeError, match="draft/accept/rollback/reset"):
         served.run(not_a_speculator)
     assert served.run(_generation("none", max_tokens=4))["tokens"], "the replica still serves"
-    assert served.stats()["working"] == 0
+    assert served.stats().working == 0
 
 
 def test_ngram_drafter_copies_what_followed_the_latest_match():

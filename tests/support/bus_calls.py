@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 
 from inferlet import messaging
+from pie_cluster.bus import BusStats
 from pie_cluster.hosts.run import run_inferlet
 from support.sdk_host import TRUST
 
 BUS = "pie-bus-test"
-NOTHING_HELD = {"sessions": 0, "topics": 0, "queued": 0, "waiters": 0, "subscriptions": 0}
+NOTHING_HELD = BusStats()
 
 
 def run(bus, *mains_inputs, user: str) -> list:
@@ -28,7 +29,7 @@ def run(bus, *mains_inputs, user: str) -> list:
 
 async def wait_for_stats(bus, user: str, **expected: int) -> None:
     """Let the event loop run until the bus reports ``expected`` for ``user``."""
-    while any(bus.stats(user)[name] != count for name, count in expected.items()):
+    while any(getattr(bus.stats(user), name) != count for name, count in expected.items()):
         await asyncio.sleep(0.01)
 
 

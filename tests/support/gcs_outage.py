@@ -11,6 +11,7 @@ long until a new launch runs to its end, lets the waiting instance finish, and o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -73,7 +74,7 @@ def main() -> None:
             got = poll(launcher, "alice", waiting, since, 5.0)
             since, seen = got.next_index, [e[1] for e in got.events]
         host = ray.get(launcher.locate.remote("alice", waiting)).host
-        market = ray.get(controller.status.remote())["market"]
+        market = ray.get(controller.status.remote()).market
         busy, load = upload(launcher, BUSY), []
         for i in range(LOAD):  # they run from before the kill until after the GCS is back
             work = {"seconds": OUTAGE_S + 4, "expected": expected, "topic": f"load-{i}"}
@@ -109,9 +110,9 @@ def main() -> None:
                     "serving_again_s": round(serving_again_s, 2),
                     "listed": sorted(i.id for i in ray.get(launcher.list.remote("alice"))),
                     "waiting_id": waiting,
-                    "market_before": market,
-                    "market_after": status["market"],
-                    "replicas": [r["state"] for r in status["replicas"]],
+                    "market_before": dataclasses.asdict(market),
+                    "market_after": dataclasses.asdict(status.market),
+                    "replicas": [r.state for r in status.replicas],
                 }
             )
         )

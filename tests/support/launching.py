@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import ray
+from pie_cluster.control.status_records import ReplicaStatus
 from pie_cluster.hosts.driver_events import poll
 from pie_cluster.launch_request import LaunchRequest
 
@@ -31,8 +32,8 @@ def run_to_end(launcher, instance_id: str, user: str = "alice", timeout: float =
     raise AssertionError(f"instance {instance_id} did not end in {timeout} s; events so far: {events}")
 
 
-def engine_stats(cluster) -> list[dict]:
-    return ray.get(cluster.status.remote())["replicas"]
+def engine_stats(cluster) -> list[ReplicaStatus]:
+    return ray.get(cluster.status.remote()).replicas
 
 
 # A greedy generation of 8 tokens; with ``{"save": True}`` it saves its prompt as snapshot "before" and waits for a

@@ -94,10 +94,11 @@ def engine_status(pie: dict) -> dict:
     tests that ask for it dozens of times do not test the command (``tests/cluster/cli`` and ``test_http_cli`` do)."""
     import ray
     from pie_cluster.control.lifecycle import CONTROLLER
+    from pie_cluster.control.status_records import status_json
     from pie_cluster.ray_session import NAMESPACE
 
     controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-    return json.loads(json.dumps(ray.get(controller.status.remote(), timeout=120)))
+    return json.loads(json.dumps(status_json(ray.get(controller.status.remote(), timeout=120))))
 
 
 def pie_start_refused(jail: list[str], home: Path) -> str:

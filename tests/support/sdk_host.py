@@ -8,6 +8,7 @@ import pytest
 import ray
 from pie_cluster.hosts.in_process import LocalTrust
 from pie_cluster.hosts.run import run_inferlet
+from pie_workers.engine.engine_stats import EngineStats
 
 TRUST = LocalTrust(b"the test session's cluster secret")
 """The test session's trusted side: its replicas and buses verify with ``TRUST.secret``, and each inferlet a test
@@ -30,7 +31,7 @@ class Served:
 
         return asyncio.run(all_of())
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return ray.get(self.replica.leader.engine_stats.remote())
 
 

@@ -24,6 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pie_workers.config import ModelConfig
+from pie_workers.engine.engine_stats import EngineStats
 from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.engine.tenancy import TenantLimits
 from pie_workers.model_dir import ModelSource, description_files, local_model_dir
@@ -162,8 +163,8 @@ class RankWorker:
         runs its passes in a thread); the pid says which process to look at."""
         return os.getpid()
 
-    async def engine_stats(self) -> dict:
-        return await self.engine.op_stats(None)
+    async def engine_stats(self) -> EngineStats:
+        return await self.engine.stats()
 
     async def follow(self) -> None:
         await asyncio.to_thread(self.runner.follow)

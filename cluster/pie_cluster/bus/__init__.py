@@ -5,7 +5,7 @@ handle to start, find, inspect and stop them::
 
     bus = start_bus(secret=secret)           # get-or-create shard actors "pie-bus-0..N-1" in the caller's namespace
     await run_inferlet(main, input, endpoints, user, instance_id=i, capability=c, bus=bus.addresses())  # ipc/tcp
-    bus.stats(user)                          # sessions / topics / queued / waiters / subscriptions held
+    bus.stats(user)                          # BusStats: sessions / topics / queued / waiters / subscriptions
     find_bus()                               # the same handle, from any job or task
 
 Why this shape:
@@ -46,5 +46,6 @@ Why this shape:
 """
 
 from pie_cluster.bus.handle import Bus, find_bus, replace_shards, start_bus
+from pie_cluster.bus.topics import BusStats
 
-__all__ = ["Bus", "find_bus", "replace_shards", "start_bus"]
+__all__ = ["Bus", "BusStats", "find_bus", "replace_shards", "start_bus"]

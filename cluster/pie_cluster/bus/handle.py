@@ -13,6 +13,7 @@ from pie_workers.wire.admission import ConnectionLimits
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus.shard import BusShard, ShardInfo, secret_id
+from pie_cluster.bus.topics import BusStats
 from pie_cluster.config import BusLimits
 
 DEFAULT_NAME = "pie-bus"
@@ -40,14 +41,10 @@ class Bus:
         node_id = node_id or ray.get_runtime_context().get_node_id()
         return tuple(info.ipc if info.node_id == node_id else info.tcp for info in self.infos)
 
-    def stats(self, user: str | None = None, timeout: float | None = None) -> dict[str, int]:
+    def stats(self, user: str | None = None, timeout: float | None = None) -> BusStats:
         """What the bus holds, summed over shards (only ``user``'s topics and sessions, if given); Ray's
         ``GetTimeoutError`` if a shard does not answer within ``timeout`` s."""
-        total: dict[str, int] = {}
-        for shard in ray.get([s.stats.remote(user) for s in self.shards], timeout=timeout):
-            for name, count in shard.items():
-                total[name] = total.get(name, 0) + count
-        return total
+        return sum(ray.get([s.stats.remote(user) for s in self.shards], timeout=timeout), BusStats())
 
     def shutdown(self) -> None:
         """Stop and kill every shard; whatever was queued is gone."""

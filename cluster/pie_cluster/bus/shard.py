@@ -70,7 +70,7 @@ from pie_cluster.bus.journal import Journal, NoJournal, Replayed
 from pie_cluster.bus.peers import Peers
 from pie_cluster.bus.queued_topics import SHRINK_S, QueuedTopics
 from pie_cluster.bus.quotas import refusal
-from pie_cluster.bus.topics import Topics
+from pie_cluster.bus.topics import BusStats, Topics
 from pie_cluster.config import BusLimits
 from pie_cluster.gcs_store import GcsStore
 
@@ -191,7 +191,7 @@ class BusShard:
         self._info = ShardInfo(self.index, self.count, node, tcp, f"ipc://{self._ipc_path}", secret_id(self._secret))
         self._stored.put((), self._info)
 
-    async def stats(self, user: str | None = None) -> dict[str, int]:
+    async def stats(self, user: str | None = None) -> BusStats:
         return self._topics.stats(user)
 
     async def stop(self) -> None:

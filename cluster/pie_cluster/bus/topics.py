@@ -11,12 +11,26 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from pie_cluster.bus.journal import Journal, NoJournal
 
 Key = tuple[str, str]  # (user, topic): users never share a key, which is all the namespacing there is
 Emit = Callable[[bytes, str, list], None]
+
+
+@dataclass(frozen=True)
+class BusStats:
+    """Counts of what a shard holds, or the whole bus (shards' counts added up): the evidence that nothing leaks."""
+
+    sessions: int = 0
+    topics: int = 0
+    queued: int = 0  # messages
+    waiters: int = 0  # pulls waiting for one
+    subscriptions: int = 0
+
+    def __add__(self, other: BusStats) -> BusStats:
+        return BusStats(*(mine + theirs for mine, theirs in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass
@@ -132,17 +146,17 @@ class Topics:
         for sid in list(held.subscriptions):
             self.unsubscribe(peer, sid)
 
-    def stats(self, user: str | None = None) -> dict[str, int]:
-        """Counts of what the shard holds (for ``user`` only, if given): the evidence that nothing leaks."""
+    def stats(self, user: str | None = None) -> BusStats:
+        """Counts of what the shard holds (for ``user`` only, if given)."""
         mine = (lambda key: True) if user is None else (lambda key: key[0] == user)
         queues = [q for key, q in self._queues.items() if mine(key)]
-        return {
-            "sessions": sum(1 for held in self._held.values() if user is None or held.user == user),
-            "topics": len({key for key in (*self._queues, *self._subscribers) if mine(key)}),
-            "queued": sum(len(q.messages) for q in queues),
-            "waiters": sum(len(q.waiters) for q in queues),
-            "subscriptions": sum(len(s) for key, s in self._subscribers.items() if mine(key)),
-        }
+        return BusStats(
+            sessions=sum(1 for held in self._held.values() if user is None or held.user == user),
+            topics=len({key for key in (*self._queues, *self._subscribers) if mine(key)}),
+            queued=sum(len(q.messages) for q in queues),
+            waiters=sum(len(q.waiters) for q in queues),
+            subscriptions=sum(len(s) for key, s in self._subscribers.items() if mine(key)),
+        )
 
     # -- bookkeeping --
 

@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -23,6 +23,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from pie_cluster.cli.state import clear_state, load_state, save_state
+
+if TYPE_CHECKING:
+    from pie_cluster.control.status_records import NodeStatus
 
 console = Console()
 err = Console(stderr=True)
@@ -175,55 +178,55 @@ def status(
     from pie_workers.deadlines import CONTROLLER_S, answered
 
     from pie_cluster.control.lifecycle import find_controller
+    from pie_cluster.control.status_records import Unanswered, status_json
 
     with _one_line_errors("pie status"):
         _join(*_address_to_join(address, load_state()))
         report = answered(find_controller().status.remote(), "the controller", CONTROLLER_S)
     if as_json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(status_json(report), indent=2))
         return
     table = Table(title="replicas")
     columns = ("model", "#", "node", "TP", "CPUs/rank", "threads", "device", "state", "pages used / total", "cached")
     columns = (*columns, "suspended", "price")
     for column in (*columns, "queued", "batches"):
         table.add_column(column)
-    for r in report["replicas"]:
-        head = [r["model"], str(r["replica"]), r["node"][:8], str(r["tensor_parallel"])]
-        head += [str(r.get("cpus_per_rank", "-")), str(r.get("threads", "-")), f"{r['device']} ({r['backend']})"]
-        head.append(r["state"])
-        if r["state"] != "serving":
+    for r in report.replicas:
+        head = [r.model, str(r.replica), r.node[:8], str(r.tensor_parallel)]
+        head += [str(r.cpus_per_rank), str(r.threads), f"{r.device} ({r.backend})", r.state]
+        if r.state != "serving":
             table.add_row(*head, *["-"] * 6)
             continue
         table.add_row(
             *head,
-            f"{r['pages_used']} / {r['pages_total']}",
-            str(r["pages_cached"]),
-            str(r["suspended"]),
-            f"{r['price']:g}",
-            str(r["queued"]),
-            str(r["batches"]),
+            f"{r.pages_used} / {r.pages_total}",
+            str(r.pages_cached),
+            str(r.suspended),
+            f"{r.price:g}",
+            str(r.queued),
+            str(r.batches),
         )
     console.print(table)
-    for node in report["nodes"]:
-        if not node["alive"] or node["host"] != "serving":
-            console.print(f"node {node['node'][:8]}: {'alive' if node['alive'] else 'lost'}, host {node['host']}")
-    for node in report.get("drained", []):
-        console.print(f"node {node['node'][:8]}: drained{' (still in the cluster)' if node['alive'] else ''}")
-    launcher, bus, market = report["launcher"], report["bus"], report["market"]
+    for node in report.nodes:
+        if not node.alive or node.host != "serving":
+            console.print(f"node {node.node[:8]}: {'alive' if node.alive else 'lost'}, host {node.host}")
+    for node in report.drained:
+        console.print(f"node {node.node[:8]}: drained{' (still in the cluster)' if node.alive else ''}")
+    launcher, bus, market = report.launcher, report.bus, report.market
     console.print(
         " · ".join(
             [
-                f"nodes {sum(n['alive'] for n in report['nodes'])}/{len(report['nodes'])}",
-                _sandbox_line(report["nodes"]),
-                f"launcher {launcher['state']}"
-                if "state" in launcher
-                else f"instances running {launcher['running']} (launched {launcher['launched']})",
-                f"bus {bus['state']}"
-                if "state" in bus
-                else f"bus topics {bus['topics']}, subscriptions {bus['subscriptions']}",
-                f"market {market['state']}"
-                if "state" in market
-                else f"wallets {market['wallets']} holding {market['held']:g} credits",
+                f"nodes {sum(n.alive for n in report.nodes)}/{len(report.nodes)}",
+                _sandbox_line(report.nodes),
+                f"launcher {launcher.state}"
+                if isinstance(launcher, Unanswered)
+                else f"instances running {launcher.running} (launched {launcher.launched})",
+                f"bus {bus.state}"
+                if isinstance(bus, Unanswered)
+                else f"bus topics {bus.topics}, subscriptions {bus.subscriptions}",
+                f"market {market.state}"
+                if isinstance(market, Unanswered)
+                else f"wallets {market.wallets} holding {market.held:g} credits",
             ]
         )
     )
@@ -255,20 +258,22 @@ def drain(
         if len(matches) != 1:
             raise ValueError(f"{wanted!r} names {len(matches)} of the nodes with an inferlet host: {', '.join(nodes)}")
         report = answered(controller.drain.remote(matches[0], timeout), "the controller", timeout + 120)
-    replicas = f"; replicas still there until it leaves: {', '.join(report['replicas'])}" if report["replicas"] else ""
+    replicas = f"; replicas still there until it leaves: {', '.join(report.replicas)}" if report.replicas else ""
     console.print(
-        f"[green]✓[/green] node {report['node'][:8]} drained in {report['seconds']:g} s: {report['finished']} "
-        f"instance(s) finished, {report['ended']} ended by the timeout{replicas}",
+        f"[green]✓[/green] node {report.node[:8]} drained in {report.seconds:g} s: {report.finished} "
+        f"instance(s) finished, {report.ended} ended by the timeout{replicas}",
         soft_wrap=True,
     )
 
 
-def _sandbox_line(nodes: list[dict]) -> str:
+def _sandbox_line(nodes: list[NodeStatus]) -> str:
     """How uploaded programs run: ``off`` means trusted users only (their code can reach Ray); with the sandbox on,
     how each worker is bounded as a whole (``cgroup`` or ``rlimit``: see the README's security model)."""
-    modes = sorted({n["sandbox"] for n in nodes if "sandbox" in n}) or ["unknown"]
-    workers = sum(n.get("workers", 0) for n in nodes)
-    limits = "/".join(sorted({n["limits"] for n in nodes if "limits" in n}))
+    described = [n.description for n in nodes if n.description is not None]
+    modes = sorted({d.sandbox for d in described}) or ["unknown"]
+    pools = [d.pool for d in described if d.pool is not None]
+    workers = sum(pool.workers for pool in pools)
+    limits = "/".join(sorted({pool.limits for pool in pools}))
     return f"sandbox {'/'.join(modes)}" + (f" ({workers} workers, limits {limits})" if "bubblewrap" in modes else "")
 
 

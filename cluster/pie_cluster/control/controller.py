@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pie_cluster.bus import replace_shards, start_bus
 from pie_cluster.config import ModelConfigEntry, PieConfig
 from pie_cluster.control.cpu_share import automatic_cpus_for
-from pie_cluster.control.drain import drain_node
+from pie_cluster.control.drain import DrainReport, drain_node
 from pie_cluster.control.preferred_node import preferring
 from pie_cluster.control.recovery import (
     HOST_PREFIX,
@@ -49,6 +49,7 @@ from pie_cluster.control.recovery import (
 )
 from pie_cluster.control.services import model_endpoints, node_services, replica_endpoints
 from pie_cluster.control.status import cluster_status
+from pie_cluster.control.status_records import ClusterStatus
 from pie_cluster.control.supervisor import Supervisor
 from pie_cluster.hosts.node_host import InferletHost, NodeServices
 from pie_cluster.launcher.actor import Launcher
@@ -333,14 +334,14 @@ class Controller:
         """Every replica of each model as reached from ``node_id`` (``control.services``)."""
         return replica_endpoints(self.replicas, node_id)
 
-    def status(self) -> dict:
+    def status(self) -> ClusterStatus:
         """``pie status`` (``pie_cluster.control.status``)."""
         return cluster_status(self)
 
     def nodes(self) -> list[str]:
         return list(self.hosts)
 
-    def drain(self, node: str, timeout_s: float) -> dict:
+    def drain(self, node: str, timeout_s: float) -> DrainReport:
         """``pie drain`` (``pie_cluster.control.drain``)."""
         return drain_node(self, node, timeout_s)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
@@ -24,9 +25,19 @@ POLL_S = 0.2
 ABORT_GRACE_S = 10.0  # for aborted instances to report their ending before the host is stopped
 
 
-def drain_node(controller: Controller, node: str, timeout_s: float) -> dict:
-    """Drain ``node``; what happened: instances that finished and that were ended, the time it took, and the
-    replicas still on the node."""
+@dataclass(frozen=True)
+class DrainReport:
+    """What a drain did, as ``pie drain`` reports it."""
+
+    node: str
+    finished: int  # instances that finished within the timeout
+    ended: int  # ... and those still running then, ended with an error naming the drain
+    seconds: float
+    replicas: list[str]  # "model #index" of those still on the node: they serve until it leaves the cluster
+
+
+def drain_node(controller: Controller, node: str, timeout_s: float) -> DrainReport:
+    """Drain ``node`` (the module's docstring says how)."""
     hosts, launcher = controller.hosts, controller.launcher
     if node not in hosts:
         raise ValueError(f"no inferlet host on node {node!r}; nodes: {', '.join(sorted(hosts))}")
@@ -54,15 +65,15 @@ def drain_node(controller: Controller, node: str, timeout_s: float) -> dict:
         controller.save()
     took = time.monotonic() - started
     log.info("node %s drained in %.1f s", node, took)
-    return {
-        "node": node,
-        "finished": at_start - ended,
-        "ended": ended,
-        "seconds": round(took, 1),
-        "replicas": [
+    return DrainReport(
+        node=node,
+        finished=at_start - ended,
+        ended=ended,
+        seconds=round(took, 1),
+        replicas=[
             f"{name} #{i}"
             for name, group in controller.replicas.items()
             for i, replica in enumerate(group)
             if replica.info.node_id == node
         ],
-    }
+    )

@@ -3,25 +3,23 @@ market. A part that is dead or does not answer within the probe deadline is repo
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import ray
 import ray.exceptions
 
+from pie_cluster.control.status_records import ClusterStatus, DrainedNode, NodeStatus, ReplicaStatus, Unanswered
 from pie_cluster.control.supervisor import probe_ranks
-from pie_cluster.launcher.records import LauncherStats
 
 if TYPE_CHECKING:
     from pie_cluster.control.controller import Controller
 
-_ENGINE_FIELDS = ("queued", "batches", "requests", "prefix_hit_tokens", "contexts", "suspended", "price")
 
-
-def cluster_status(controller: Controller) -> dict:
+def cluster_status(controller: Controller) -> ClusterStatus:
     deadline = controller.config.supervision.probe_deadline_s
     replicas = [
-        _replica_row(controller, name, i, replica, deadline)
+        _replica_status(controller, name, i, replica, deadline)
         for name, group in controller.replicas.items()
         for i, replica in enumerate(group)
     ]
@@ -32,64 +30,72 @@ def cluster_status(controller: Controller) -> dict:
     try:
         bus = controller.bus.stats(timeout=deadline)
     except ray.exceptions.GetTimeoutError:
-        bus = "unresponsive"
+        bus = Unanswered("unresponsive")
     except ray.exceptions.RayError:
-        bus = "dead"
-    return {
-        "replicas": replicas,
-        "replica_restarts": controller.supervisor.restarts,
-        "controller_restarts": controller.restarts,
-        "nodes": [{"node": node, "alive": alive.get(node, False), **_host_row(got)} for node, got in hosts.items()],
-        "drained": [{"node": node, "alive": alive.get(node, False)} for node in sorted(controller.drained)],
-        "launcher": dataclasses.asdict(launcher) if isinstance(launcher, LauncherStats) else {"state": launcher},
-        "bus": bus if isinstance(bus, dict) else {"state": bus},
-        "bus_shards": [info.node_id for info in controller.bus.infos],  # each shard's node, in shard order
-        "market": market if isinstance(market, dict) else {"state": market},
-    }
+        bus = Unanswered("dead")
+    return ClusterStatus(
+        replicas=replicas,
+        replica_restarts=controller.supervisor.restarts,
+        controller_restarts=controller.restarts,
+        nodes=[_node_status(node, alive.get(node, False), got) for node, got in hosts.items()],
+        drained=[DrainedNode(node, alive.get(node, False)) for node in sorted(controller.drained)],
+        launcher=launcher,
+        bus=bus,
+        bus_shards=[info.node_id for info in controller.bus.infos],
+        market=market,
+    )
 
 
-def _replica_row(controller: Controller, name: str, index: int, replica, deadline: float) -> dict:
+def _replica_status(controller: Controller, name: str, index: int, replica, deadline: float) -> ReplicaStatus:
     info = replica.info
-    row = {
-        "model": name,
-        "replica": index,
-        "node": info.node_id,
-        "model_dir": info.model_dir,
-        "tensor_parallel": info.tensor_parallel_size,
-        "cpus_per_rank": controller.cpus_per_rank(name),
-        "threads": info.threads,
-        "device": info.device,
-        "backend": info.backend,
-    }
+    status = functools.partial(
+        ReplicaStatus,
+        model=name,
+        replica=index,
+        node=info.node_id,
+        model_dir=info.model_dir,
+        tensor_parallel=info.tensor_parallel_size,
+        cpus_per_rank=controller.cpus_per_rank(name),
+        threads=info.threads,
+        device=info.device,
+        backend=info.backend,
+    )
     if (name, index) in controller.supervisor.restarting:
-        return {**row, "state": "restarting"}
+        return status(state="restarting")
     probe = probe_ranks(replica.ranks, deadline)
-    row["pids"] = list(probe.pids)
-    stats = _probe(replica.leader.engine_stats.remote(), deadline) if probe.state == "serving" else probe.state
-    if isinstance(stats, str):
-        return {**row, "state": stats}
-    return {
-        **row,
-        "state": "serving",
-        "pages_used": stats["total"] - stats["free"] - stats["cached"],
-        "pages_cached": stats["cached"],
-        "pages_total": stats["total"],
-        **{field: stats[field] for field in _ENGINE_FIELDS},
-    }
+    pids = list(probe.pids)
+    if probe.state != "serving":
+        return status(state=probe.state, pids=pids)
+    stats = _probe(replica.leader.engine_stats.remote(), deadline)
+    if isinstance(stats, Unanswered):
+        return status(state=stats.state, pids=pids)
+    return status(
+        state="serving",
+        pids=pids,
+        pages_used=stats.total - stats.free - stats.cached,
+        pages_cached=stats.cached,
+        pages_total=stats.total,
+        queued=stats.queued,
+        batches=stats.batches,
+        requests=stats.requests,
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        contexts=stats.contexts,
+        suspended=stats.suspended,
+        price=stats.price,
+    )
 
 
 def _probe(ref, deadline: float) -> object:
-    """The reply to a status call, or "dead" / "unresponsive" in its place."""
+    """The reply to a status call, or ``Unanswered`` in its place."""
     try:
         return ray.get(ref, timeout=deadline)
     except ray.exceptions.GetTimeoutError:
-        return "unresponsive"
+        return Unanswered("unresponsive")
     except ray.exceptions.RayError:
-        return "dead"
+        return Unanswered("dead")
 
 
-def _host_row(described: object) -> dict:
-    """A node's host as ``pie status`` shows it: serving with its sandbox mode and workers, or dead / no answer."""
-    if isinstance(described, dict):
-        return {"host": "serving", **described}
-    return {"host": described}
+def _node_status(node: str, alive: bool, described: object) -> NodeStatus:
+    if isinstance(described, Unanswered):
+        return NodeStatus(node, alive, described.state)
+    return NodeStatus(node, alive, "serving", described)

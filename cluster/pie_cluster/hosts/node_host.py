@@ -21,6 +21,7 @@ from pie_workers.wire import capability
 
 from pie_cluster.config import ChannelLimits, SandboxConfig
 from pie_cluster.hosts import stdio
+from pie_cluster.hosts.description import HostDescription
 from pie_cluster.hosts.events import Channels, Ending, EventBatch
 from pie_cluster.hosts.model_files import local_endpoints
 from pie_cluster.hosts.replica_relay import ReplicaRelays, failing_over
@@ -106,11 +107,11 @@ class InferletHost:
         """Answers as soon as the host is up (``pie status`` asks it)."""
         return True
 
-    async def describe(self) -> dict:
-        """How this host runs uploaded programs (``pie status``, ``/healthz``)."""
+    async def describe(self) -> HostDescription:
+        """How this host runs uploaded programs (``pie status``)."""
         if self._sandbox is None:
-            return {"sandbox": "off"}
-        return {"sandbox": "bubblewrap", **self._sandbox.pool.stats()}
+            return HostDescription("off")
+        return HostDescription("bubblewrap", self._sandbox.pool.stats())
 
     async def set_services(self, services: NodeServices) -> None:
         """What new instances reach from now on (a replica was replaced or a bus shard moved: addresses changed)."""

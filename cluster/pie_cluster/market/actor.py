@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import ray
 
@@ -22,6 +23,16 @@ from pie_cluster.market.wire import Account, DeviceDecision, DeviceReport
 
 MARKET_NAME = "pie-market"
 SAVE_EVERY_S = 0.25
+
+
+@dataclass(frozen=True)
+class MarketSummary:
+    """The market as ``pie status`` shows it under ``market``."""
+
+    wallets: int  # open ones: a process's from its join to its leave
+    held: float  # credits in them
+    balanced: bool  # the books' conservation invariant (``Ledger.balanced``)
+    restored: bool  # this actor came back from a saved state after a restart
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -103,15 +114,10 @@ class MarketActor:
     async def ledger(self) -> Ledger:
         return self._market.ledger()
 
-    async def summary(self) -> dict:
+    async def summary(self) -> MarketSummary:
         """Open wallets and the credits they hold (for ``pie status``)."""
         ledger = self._market.ledger()
-        return {
-            "wallets": self._market.wallets.live,
-            "held": ledger.held / MICRO,
-            "balanced": ledger.balanced,
-            "restored": self.restored,
-        }
+        return MarketSummary(self._market.wallets.live, ledger.held / MICRO, ledger.balanced, self.restored)
 
 
 def get_or_create_market(

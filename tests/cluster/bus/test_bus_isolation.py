@@ -141,7 +141,7 @@ def test_a_killed_host_is_dropped_at_the_next_delivery(bus, user):
     async def prober(input: dict) -> str:
         await wait_for_stats(bus, user, subscriptions=1, waiters=1)
         ray.kill(host)
-        while bus.stats(user)["sessions"]:
+        while bus.stats(user).sessions:
             messaging.broadcast("feed", "anyone there?")
             await asyncio.sleep(0.01)
         messaging.push("jobs", "job")

@@ -78,7 +78,7 @@ def test_a_128_mib_push_is_refused_and_bobs_queued_message_still_arrives(default
         f"the message bus refused a message: a message of {128 * MIB} bytes is over this cluster's limit: [limits] "
         f"bus_message_bytes = {16 * MIB}"
     ]
-    assert default_bus.stats(alice)["queued"] == 0  # nothing of it (and the push after it raised, unsent)
+    assert default_bus.stats(alice).queued == 0  # nothing of it (and the push after it raised, unsent)
 
     async def big_then_end(input):
         messaging.push("jobs", "y" * (128 * MIB))  # and nothing after: the refusal ends the inferlet
@@ -93,7 +93,7 @@ def test_bytes_queued_past_the_users_bound_are_refused_not_bobs(tight_bus):
     quarter = 256 * KIB
     [refused] = run(tight_bus, (push_then_confirm, {"topic": "t", "sizes": [quarter] * 5}), user=alice)
     assert len(refused) == 1 and f"[limits] bus_queued_bytes_per_user = {MIB}" in refused[0]
-    assert tight_bus.stats(alice)["queued"] == 4  # the four that fit (the last push, "after", was refused too)
+    assert tight_bus.stats(alice).queued == 4  # the four that fit (the last push, "after", was refused too)
 
     [bobs] = run(tight_bus, (push_then_confirm, {"topic": "t", "sizes": [quarter - 8] * 4}), user=bob)
     assert bobs == []  # alice's queue counts against alice alone
@@ -125,7 +125,7 @@ def test_the_journal_stays_within_its_bound_and_full_queues_refuse_pushes(small_
     assert sum(not r for r in refusals) == 1 and all("bus_journal_bytes" in r[0] for r in refusals[1:])
     assert os.path.getsize(journal) <= 2 * MIB
     for user in others:  # what was queued is all there
-        queued = small_journal.stats(user)["queued"]
+        queued = small_journal.stats(user).queued
         if queued:
             assert run(small_journal, (pull_n, {"topic": "t", "n": queued}), user=user)[0][:1] == [250 * KIB]
 

@@ -53,7 +53,7 @@ async def pulls(input):
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_nobody_but_bob_pulls_bobs_queue(bus, transport):
     asyncio.run(run_inferlet(pushes, {}, {}, "bob", **TRUST.instance("bob"), bus=bus.addresses()))
-    assert bus.stats("bob")["queued"] == 1
+    assert bus.stats("bob").queued == 1
     address = getattr(bus.infos[0], transport)
     bob, alice = TRUST.instance("bob"), TRUST.instance("alice")
     pull = msgpack.packb([["pull", "inbox", 1]])
@@ -74,7 +74,7 @@ def test_nobody_but_bob_pulls_bobs_queue(bus, transport):
     sock = dealer(address, f"{alice['instance_id']}/s".encode())  # alice as herself: her own, empty, inbox
     sock.send_multipart([alice["capability"].encode(), pull])
     assert events(sock, 0.5) == []
-    assert bus.stats("alice")["waiters"] == 1 and bus.stats("bob")["queued"] == 1
+    assert bus.stats("alice").waiters == 1 and bus.stats("bob").queued == 1
     sock.send_multipart([alice["capability"].encode(), msgpack.packb([["close", 2]])])
     assert events(sock) == [["ok", 2]]
     sock.close()

@@ -18,6 +18,7 @@ import pytest
 import ray
 from inferlet import Context, Model, runtime
 from pie_cluster.hosts.run import endpoints_for, run_inferlet
+from pie_workers.engine.engine_stats import EngineStats
 from pie_workers.wire.capability import mint
 from pie_workers.wire.messages import PassRequest, encode
 from support.engine_harness import SAMPLER
@@ -112,7 +113,7 @@ def session(capability: str, key: str = "s") -> str:
     return f"{capability}/{key}"
 
 
-def stats(replica) -> dict:
+def stats(replica) -> EngineStats:
     return ray.get(replica.leader.engine_stats.remote())
 
 
@@ -200,7 +201,7 @@ def test_an_inferlet_with_a_forged_capability_fails_clearly_and_its_neighbours_r
 
 
 def test_a_refused_request_ends_the_frame_and_the_connection(replica):
-    before = stats(replica)["contexts"]
+    before = stats(replica).contexts
     alice = TRUST.instance("alice")["capability"]
     raw = Raw(replica.addresses["ipc"])
     forgery = forged(alice, instance="someone-else")
@@ -209,27 +210,27 @@ def test_a_refused_request_ends_the_frame_and_the_connection(replica):
     assert [r[:2] for r in replies] == [[rids[1], "PermissionError"], [None, "PermissionError"]], replies
     raw.close()
     for _ in range(200):  # the context made before the refusal is released with the connection
-        if stats(replica)["contexts"] == before:
+        if stats(replica).contexts == before:
             break
         time.sleep(0.05)
-    assert stats(replica)["contexts"] == before
+    assert stats(replica).contexts == before
 
 
 def test_a_session_whose_capability_expires_is_refused_from_then_on(replica):
-    before = stats(replica)["contexts"]
+    before = stats(replica).contexts
     short = mint(SECRET, "alice", "brief", 1.0)
     raw = Raw(replica.addresses["tcp"])
     error, ctx = raw.call(session(short), "create")
-    assert error is None and stats(replica)["contexts"] == before + 1
+    assert error is None and stats(replica).contexts == before + 1
     time.sleep(max(0.0, claims(short)[2] - time.time()) + 0.05)
     error, message = raw.call(session(short), "destroy", ctx)
     assert error == "PermissionError" and "expired capability" in message and raw.hung_up()
     raw.close()
     for _ in range(200):
-        if stats(replica)["contexts"] == before:
+        if stats(replica).contexts == before:
             break
         time.sleep(0.05)
-    assert stats(replica)["contexts"] == before
+    assert stats(replica).contexts == before
 
 
 # -- the market ---------------------------------------------------------------------------------------------------

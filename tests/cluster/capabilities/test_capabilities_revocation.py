@@ -81,7 +81,7 @@ def test_an_ended_instances_capability_is_refused_and_its_connections_dropped(re
     endpoints = endpoints_for("default", replica)
     unloaded = asyncio.run(run_inferlet(bobs_story, {"pause_s": 0}, endpoints, "bob", **TRUST.instance("bob"),
                                         bus=bus.addresses()))  # fmt: skip
-    before = stats(replica)["contexts"]
+    before = stats(replica).contexts
 
     # alice's instance holds a context on the replica and a pull on the bus, and a raw connection it never closes
     lingering = Raw(replica.addresses["ipc"], alice["capability"])
@@ -90,10 +90,10 @@ def test_an_ended_instances_capability_is_refused_and_its_connections_dropped(re
     pulling = dealer(shard, f"{alice['instance_id']}/s".encode())
     pulling.send_multipart([alice["capability"].encode(), msgpack.packb([["pull", "inbox", 1]])])
     for _ in range(200):
-        if bus.stats("alice")["waiters"] == 1:
+        if bus.stats("alice").waiters == 1:
             break
         time.sleep(0.05)
-    assert stats(replica)["contexts"] == before + 1 and bus.stats("alice")["waiters"] == 1
+    assert stats(replica).contexts == before + 1 and bus.stats("alice").waiters == 1
 
     async def alice_ends_while_bob_runs():
         bobs = asyncio.ensure_future(
@@ -119,11 +119,11 @@ def test_an_ended_instances_capability_is_refused_and_its_connections_dropped(re
     assert error == "PermissionError" and message == revoked and again.hung_up()
     again.close()
     for _ in range(200):  # her context is released as if her connection had dropped
-        if stats(replica)["contexts"] == before:
+        if stats(replica).contexts == before:
             break
         time.sleep(0.05)
-    assert stats(replica)["contexts"] == before
-    assert bus.stats("alice")["waiters"] == 0 and bus.stats("bob")["queued"] == 2
+    assert stats(replica).contexts == before
+    assert bus.stats("alice").waiters == 0 and bus.stats("bob").queued == 2
 
 
 def test_bus_peers_past_the_per_instance_bound_are_refused_naming_the_limit(bus):
@@ -153,7 +153,7 @@ def test_bus_peers_past_the_per_instance_bound_are_refused_naming_the_limit(bus)
         assert events(sock) == [["ok", 0]]
         sock.close()
     peers[0].close()
-    assert bus.stats("alice")["subscriptions"] == bus.stats("bob")["subscriptions"] == 0
+    assert bus.stats("alice").subscriptions == bus.stats("bob").subscriptions == 0
 
 
 def test_a_bus_shard_started_after_an_instance_ended_refuses_it_from_its_minters_next_standing(ray_session):
@@ -180,13 +180,13 @@ def test_a_bus_shard_started_after_an_instance_ended_refuses_it_from_its_minters
             for user, sock in pulling.items():
                 sock.send_multipart([capability[user].encode(), msgpack.packb([["pull", "inbox", 1]])])
             for _ in range(100):
-                if late.stats("alice")["waiters"] == late.stats("bob")["waiters"] == 1:
+                if late.stats("alice").waiters == late.stats("bob").waiters == 1:
                     break
                 await asyncio.sleep(0.05)
-            assert late.stats("alice")["waiters"] == 1  # not yet known to have ended
+            assert late.stats("alice").waiters == 1  # not yet known to have ended
             revoked = "revoked capability: instance 'alice-late' has ended"
             assert await asyncio.to_thread(events, pulling["alice"], STANDING_S + 5) == [["refused", revoked]]
-            assert late.stats("alice")["waiters"] == 0 and late.stats("bob")["waiters"] == 1
+            assert late.stats("alice").waiters == 0 and late.stats("bob").waiters == 1
             pulling["alice"].send_multipart([capability["alice"].encode(), msgpack.packb([["pull", "inbox", 2]])])
             assert await asyncio.to_thread(events, pulling["alice"]) == [["refused", revoked]]
             for sock in pulling.values():

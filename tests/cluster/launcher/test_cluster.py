@@ -60,14 +60,14 @@ def test_replicas_on_two_nodes_each_load_their_own_copy_and_serve_their_nodes_in
     second = ray.get(
         ray.remote(lambda: ray.get_runtime_context().get_node_id()).options(resources={"second_node": 0.01}).remote()
     )
-    replicas = {r["node"]: r for r in engine_stats(cluster)}
+    replicas = {r.node: r for r in engine_stats(cluster)}
     assert sorted(replicas) == sorted(ray.get(cluster.nodes.remote()))  # one replica on each node
     (head,) = set(replicas) - {second}
     # The embedded model was built on each node, in that node's cache, byte for byte the same.
-    assert Path(replicas[second]["model_dir"]).is_relative_to(second_node_cache)
-    assert not Path(replicas[head]["model_dir"]).is_relative_to(second_node_cache)
+    assert Path(replicas[second].model_dir).is_relative_to(second_node_cache)
+    assert not Path(replicas[head].model_dir).is_relative_to(second_node_cache)
     weights = [
-        hashlib.sha256((Path(replicas[n]["model_dir"]) / "model.safetensors").read_bytes()).digest() for n in replicas
+        hashlib.sha256((Path(replicas[n].model_dir) / "model.safetensors").read_bytes()).digest() for n in replicas
     ]
     assert weights[0] == weights[1]
 
@@ -75,10 +75,10 @@ def test_replicas_on_two_nodes_each_load_their_own_copy_and_serve_their_nodes_in
     main = Program.from_upload("prog.py", textwrap.dedent(GREEDY).encode()).load_main()
     expected = served.run(main, {"prompt": "two nodes", "n": 10})
     for node in (head, second):
-        before = {r["node"]: r["batches"] for r in engine_stats(cluster)}
+        before = {r.node: r.batches for r in engine_stats(cluster)}
         instance = launch(launcher, program, {"prompt": "two nodes", "n": 10}, node_id=node)
         assert json.loads(run_to_end(launcher, instance)[-1][2]) == expected
-        after = {r["node"]: r["batches"] for r in engine_stats(cluster)}
+        after = {r.node: r.batches for r in engine_stats(cluster)}
         assert after[node] > before[node]  # served by its own node's replica...
         assert all(after[n] == before[n] for n in after if n != node)  # ...and by no other
 
@@ -174,7 +174,7 @@ def test_the_market_restarts_with_its_wallets_and_running_instances_finish(clust
     import signal
 
     from pie_cluster.hosts.driver_events import poll
-    from pie_cluster.market import MARKET_NAME
+    from pie_cluster.market import MARKET_NAME, MarketSummary
     from ray.util.state import list_actors
 
     def holding(instance: str) -> None:
@@ -188,28 +188,28 @@ def test_the_market_restarts_with_its_wallets_and_running_instances_finish(clust
         ray.get(host.send.remote("alice", instance, "message", "finish"))
         return run_to_end(launcher, instance)[-1]
 
-    def market() -> dict:
-        return ray.get(cluster.status.remote())["market"]
+    def market() -> MarketSummary:
+        return ray.get(cluster.status.remote()).market
 
     program = upload(launcher, WAITS_WITH_A_WALLET)
     first = launch(launcher, program)
     holding(first)
-    assert market()["wallets"] == 1
+    assert market().wallets == 1
     time.sleep(0.5)  # past the market's save interval
     (actor,) = list_actors(ray_cluster.address, filters=[("name", "=", MARKET_NAME), ("state", "=", "ALIVE")])
     os.kill(actor["pid"], signal.SIGKILL)
     killed = time.monotonic()
     restored = ray.get(ray.get_actor(MARKET_NAME).summary.remote(), timeout=60)  # sent again once it restarted
     print(f"the market answered again {time.monotonic() - killed:.1f} s after its SIGKILL")
-    assert restored["restored"] and restored["wallets"] == 1 and restored["balanced"], restored
+    assert restored.restored and restored.wallets == 1 and restored.balanced, restored
 
     assert finish(first)[1] == "return"
     second = launch(launcher, program)
     holding(second)
-    assert market()["wallets"] == 1  # the first one's closed, the second one's opened, on the restarted market
+    assert market().wallets == 1  # the first one's closed, the second one's opened, on the restarted market
     assert finish(second)[1] == "return"
     after = market()
-    assert after["wallets"] == 0 and after["balanced"], after
+    assert after.wallets == 0 and after.balanced, after
 
 
 def test_the_launcher_restarts_knowing_its_programs_and_the_instances_running(
@@ -371,7 +371,7 @@ def test_a_snapshot_saved_on_one_node_opens_takes_and_deletes_from_the_other(clu
     assert took == saved and opened in (saved, None)
     assert run("open", head) is None and run("open", second) is None
     for replica in engine_stats(cluster):
-        assert replica["contexts"] == 0 and replica["pages_used"] == 0, replica
+        assert replica.contexts == 0 and replica.pages_used == 0, replica
 
 
 ADAPTERS = """
@@ -549,7 +549,7 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
 
     head, second = node_pair(cluster)
     program, bounded = upload(launcher, SUBSCRIBED_GREEDY), upload(launcher, GREEDY)
-    bus_before = ray.get(cluster.status.remote())["bus"]
+    bus_before = ray.get(cluster.status.remote()).bus
     doomed = launch(launcher, program, {"prompt": "keep going", "n": 200}, node_id=head)
     survivor = launch(launcher, program, {"prompt": "keep going", "n": 200}, node_id=second)
     for instance in (doomed, survivor):  # both half way, waiting
@@ -578,18 +578,18 @@ def test_a_replica_killed_mid_generation_is_replaced_and_its_inferlets_move_to_a
     assert moved["tokens"] == finished["tokens"] and len(moved["tokens"]) == 200
     for _ in range(240):
         status = ray.get(cluster.status.remote())
-        if status["replica_restarts"] >= 1 and all(r["state"] == "serving" for r in status["replicas"]):
+        if status.replica_restarts >= 1 and all(r.state == "serving" for r in status.replicas):
             break
         time.sleep(0.5)
-    assert all(r["state"] == "serving" for r in status["replicas"]), status["replicas"]
+    assert all(r.state == "serving" for r in status.replicas), status.replicas
     again = run_to_end(launcher, launch(launcher, bounded, {"prompt": "back again", "n": 4}, node_id=head))[-1]
     assert again[1] == "return", again
 
     status = ray.get(cluster.status.remote())
-    for replica in status["replicas"]:
-        assert replica["contexts"] == 0 and replica["pages_used"] == 0, replica
-    assert status["bus"]["subscriptions"] == bus_before["subscriptions"]
-    assert status["market"]["wallets"] == 0 and status["market"]["balanced"]
+    for replica in status.replicas:
+        assert replica.contexts == 0 and replica.pages_used == 0, replica
+    assert status.bus.subscriptions == bus_before.subscriptions
+    assert status.market.wallets == 0 and status.market.balanced
 
 
 @ray.remote(num_cpus=0)

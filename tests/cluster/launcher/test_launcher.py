@@ -55,7 +55,7 @@ def test_session_messages_files_and_output_stream_in_order(launcher):
 
 @pytest.mark.parametrize("how", ["abort", "deadline", "raise"])
 def test_an_inferlet_that_is_aborted_times_out_or_raises_leaves_nothing_behind(cluster, launcher, how):
-    bus_before = ray.get(cluster.status.remote())["bus"]
+    bus_before = ray.get(cluster.status.remote()).bus
     program = upload(launcher, LONG)
     deadline = 3.0 if how == "deadline" else None
     instance = launch(launcher, program, {"how": how}, deadline_s=deadline)
@@ -70,12 +70,12 @@ def test_an_inferlet_that_is_aborted_times_out_or_raises_leaves_nothing_behind(c
     if how == "raise":
         assert "line 11" in value  # where in the program it was raised
     status = ray.get(cluster.status.remote())
-    for replica in status["replicas"]:
-        assert replica["contexts"] == 0 and replica["pages_used"] == 0
-    assert status["bus"]["subscriptions"] == bus_before["subscriptions"]
+    for replica in status.replicas:
+        assert replica.contexts == 0 and replica.pages_used == 0
+    assert status.bus.subscriptions == bus_before.subscriptions
     market = ray.get_actor("pie-market")
     assert ray.get(market.accounts.remote([instance])) == {}, "its wallet is still open"
-    assert status["market"]["wallets"] == 0 and status["market"]["balanced"]
+    assert status.market.wallets == 0 and status.market.balanced
     assert ray.get(launcher.abort.remote("alice", instance)) is False  # already ended
 
 
@@ -136,7 +136,7 @@ def test_an_instance_past_its_token_budget_fails_and_frees_its_pages(cluster, la
     caught = run_to_end(launcher, launch(launcher, program, {"catch": True}, token_budget=20))[-1]
     assert caught[1] == "return" and "token budget exhausted" in caught[2]  # an inferlet may handle it itself
     for replica in engine_stats(cluster):
-        assert replica["contexts"] == 0 and replica["pages_used"] == 0
+        assert replica.contexts == 0 and replica.pages_used == 0
     enough = run_to_end(launcher, launch(launcher, program, token_budget=64))
     assert enough[-1][1] == "return" and len(json.loads(enough[-1][2])) == 64
 

@@ -328,7 +328,7 @@ def test_a_burst_of_wallets_through_wallet_calls_opens_and_closes_each_once(ray_
         assert joined == expected and again == 11.0
         assert left == expected  # nobody held pages: every wallet closes with what it opened with
         ledger = ray.get(market.ledger.remote())
-        assert ledger.balanced and ray.get(market.summary.remote())["wallets"] == 0
+        assert ledger.balanced and ray.get(market.summary.remote()).wallets == 0
         assert ray.get(market.leave_many.remote(["w0", "never"])) == [0.0, 0.0]  # closing twice is harmless
 
         async def one_bad() -> tuple[list, float]:

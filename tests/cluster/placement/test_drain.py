@@ -10,6 +10,7 @@ import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.lifecycle import start_controller
+from pie_cluster.control.status_records import DrainedNode
 from pie_cluster.hosts.driver_events import poll
 from support.launching import launch, run_to_end, upload
 
@@ -70,7 +71,7 @@ def test_draining_a_node_lets_its_instances_finish_ends_the_rest_and_stops_its_h
     tell(launcher, finishes)
     report = ray.get(draining)
 
-    assert (report["node"], report["finished"], report["ended"]) == (node, 1, 1), report
+    assert (report.node, report.finished, report.ended) == (node, 1, 1), report
     assert run_to_end(launcher, finishes)[-1][1] == "return"
     ending = run_to_end(launcher, stays)[-1]
     assert ending[1] == "error" and f"node {node} was drained" in ending[2], ending
@@ -81,9 +82,9 @@ def test_draining_a_node_lets_its_instances_finish_ends_the_rest_and_stops_its_h
 
     time.sleep(2.0)  # several node-watch rounds: the drained node gets no host again
     status = ray.get(cluster.status.remote())
-    assert [n["node"] for n in status["nodes"]] == [other]
-    assert status["drained"] == [{"node": node, "alive": True}]
-    replica_nodes = [r["node"] for r in status["replicas"]]
-    assert report["replicas"] == (["default #0"] if replica_nodes == [node] else [])
+    assert [n.node for n in status.nodes] == [other]
+    assert status.drained == [DrainedNode(node, alive=True)]
+    replica_nodes = [r.node for r in status.replicas]
+    assert report.replicas == (["default #0"] if replica_nodes == [node] else [])
     with pytest.raises(ValueError, match="the last with an inferlet host"):
         ray.get(cluster.drain.remote(other, 1.0))

@@ -11,6 +11,7 @@ import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.lifecycle import start_controller
+from pie_cluster.control.status_records import NodeStatus
 from support.launching import launch, run_to_end, upload
 from support.pie_procs import own_node
 
@@ -24,8 +25,8 @@ async def main(input):
 """
 
 
-def host_of(controller, node: str) -> dict | None:
-    return {n["node"]: n for n in ray.get(controller.status.remote())["nodes"]}.get(node)
+def host_of(controller, node: str) -> NodeStatus | None:
+    return {n.node: n for n in ray.get(controller.status.remote()).nodes}.get(node)
 
 
 @pytest.mark.slow
@@ -46,11 +47,11 @@ def test_a_node_that_joins_later_gets_a_host_and_runs_launches(ray_cluster, ray_
         began = time.monotonic()
         for _ in range(240):
             row = host_of(controller, node)
-            if row is not None and row["host"] == "serving":
+            if row is not None and row.host == "serving":
                 break
             time.sleep(0.5)
         print(f"node joined -> its host serving in {time.monotonic() - began:.1f} s")
-        assert row is not None and row["host"] == "serving", row
+        assert row is not None and row.host == "serving", row
         last = run_to_end(launcher, launch(launcher, upload(launcher, GREEDY), node_id=node))[-1]
         assert last[1] == "return" and len(json.loads(last[2])) == 3, last
     finally:

@@ -14,6 +14,7 @@ import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.lifecycle import start_controller
+from pie_cluster.control.status_records import ClusterStatus, ReplicaStatus
 from support.launching import launch, run_to_end, upload
 
 GREEDY = """
@@ -26,9 +27,9 @@ async def main(input):
 """
 
 
-def rows(controller) -> tuple[dict, dict[str, dict]]:
+def rows(controller) -> tuple[ClusterStatus, dict[str, ReplicaStatus]]:
     status = ray.get(controller.status.remote())
-    return status, {r["model"]: r for r in status["replicas"]}
+    return status, {r.model: r for r in status.replicas}
 
 
 @pytest.mark.slow
@@ -49,26 +50,26 @@ def test_a_replacement_that_cannot_be_placed_does_not_stop_another_models_replac
         launcher = ray.get_actor("pie-launcher")
         program = upload(launcher, GREEDY)
         status, by_model = rows(controller)
-        assert by_model["pinned"]["node"] == pinned_node and by_model["default"]["node"] != pinned_node, by_model
+        assert by_model["pinned"].node == pinned_node and by_model["default"].node != pinned_node, by_model
 
         ray_cluster.remove_node(third)  # "pinned"'s bundle now fits no node: its replacement waits and times out
         for _ in range(120):
             status, by_model = rows(controller)
-            if by_model["pinned"]["state"] == "restarting":
+            if by_model["pinned"].state == "restarting":
                 break
             time.sleep(0.5)
-        assert by_model["pinned"]["state"] == "restarting", by_model
+        assert by_model["pinned"].state == "restarting", by_model
 
         killed = time.monotonic()
-        os.kill(by_model["default"]["pids"][0], signal.SIGKILL)
+        os.kill(by_model["default"].pids[0], signal.SIGKILL)
         for _ in range(480):
             status, by_model = rows(controller)
-            if status["replica_restarts"] >= 1 and by_model["default"]["state"] == "serving":
+            if status.replica_restarts >= 1 and by_model["default"].state == "serving":
                 break
             time.sleep(0.25)
         print(f"leader SIGKILL beside a stuck placement -> serving again in {time.monotonic() - killed:.1f} s")
-        assert by_model["default"]["state"] == "serving" and status["replica_restarts"] == 1, status
-        assert by_model["pinned"]["state"] == "restarting", by_model  # still waiting for a node with its resource
+        assert by_model["default"].state == "serving" and status.replica_restarts == 1, status
+        assert by_model["pinned"].state == "restarting", by_model  # still waiting for a node with its resource
         last = run_to_end(launcher, launch(launcher, program))[-1]
         assert last[1] == "return" and len(json.loads(last[2])) == 4, last
     finally:

@@ -18,11 +18,12 @@ import zlib
 
 import pytest
 import ray
-from pie_cluster.bus import find_bus
+from pie_cluster.bus import BusStats, find_bus
 from pie_cluster.bus.queued_topics import SHRINK_S
 from pie_cluster.config import AuthConfig, BusConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.controller import LAUNCHER
 from pie_cluster.control.lifecycle import CONTROLLER, start_controller
+from pie_cluster.control.status_records import Unanswered
 from pie_cluster.market.actor import MARKET_NAME
 from pie_cluster.stores.directory import DIRECTORY
 from pie_cluster.stores.responses import RESPONSES
@@ -121,7 +122,7 @@ def test_the_control_plane_s_machine_is_lost_and_the_cluster_serves_on(ray_clust
         parts = (CONTROLLER, LAUNCHER, MARKET_NAME, DIRECTORY, RESPONSES)
         assert {name: node_of(ray_cluster.address, name) for name in parts} == dict.fromkeys(parts, doomed)
         controller, launcher = ray.get_actor(CONTROLLER), ray.get_actor(LAUNCHER)
-        (shard,) = [i for i, node in enumerate(ray.get(controller.status.remote())["bus_shards"]) if node == doomed]
+        (shard,) = [i for i, node in enumerate(ray.get(controller.status.remote()).bus_shards) if node == doomed]
         topics = {"lost": topic_on(shard, "lost"), "live": topic_on(shard, "live")}
         near, far = sorted(survivors)
 
@@ -133,8 +134,8 @@ def test_the_control_plane_s_machine_is_lost_and_the_cluster_serves_on(ray_clust
         wait_for_message(launcher, waiting)
         wait_for_message(launcher, connected)
         time.sleep(2 * SHRINK_S)  # "live" held a message a moment ago: past this, only "lost" is recorded so
-        market = ray.get(controller.status.remote())["market"]
-        assert market["wallets"] == 2, market
+        market = ray.get(controller.status.remote()).market
+        assert market.wallets == 2, market
 
         lost_at = time.monotonic()
         ray_cluster.remove_node(doomed_node)  # the raylet and every process on it
@@ -142,7 +143,7 @@ def test_the_control_plane_s_machine_is_lost_and_the_cluster_serves_on(ray_clust
         while True:
             try:
                 status = ray.get(controller.status.remote(), timeout=5)
-                if doomed not in status["bus_shards"] and status["launcher"].get("state") is None:
+                if doomed not in status.bus_shards and not isinstance(status.launcher, Unanswered):
                     break
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
                 pass
@@ -165,8 +166,8 @@ def test_the_control_plane_s_machine_is_lost_and_the_cluster_serves_on(ray_clust
             assert returned(launcher, launch(launcher, fresh, topics, node_id=node)) == "fresh"
         assert {n.id for n in ray.get(launcher.list.remote(USER))} >= {waiting, connected}
         status = ray.get(controller.status.remote())
-        assert status["market"]["wallets"] == 0 and status["market"]["balanced"], status["market"]
-        assert find_bus().stats(USER) == {"sessions": 0, "topics": 0, "queued": 0, "waiters": 0, "subscriptions": 0}
+        assert status.market.wallets == 0 and status.market.balanced, status.market
+        assert find_bus().stats(USER) == BusStats()
     finally:  # the session's later tests expect its two nodes and no controller
         with contextlib.suppress(ValueError):
             controller = ray.get_actor(CONTROLLER)

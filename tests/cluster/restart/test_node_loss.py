@@ -49,7 +49,7 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
     try:
         launcher = ray.get_actor("pie-launcher")
         status = ray.get(controller.status.remote())
-        assert sorted(r["node"] for r in status["replicas"]) == sorted(before | {doomed})
+        assert sorted(r.node for r in status.replicas) == sorted(before | {doomed})
         program = ray.get(launcher.upload.remote("ann", "greedy.py", GREEDY)).program
         parked = ray.get(launcher.upload.remote("ann", "parked.py", PARKED)).program
         stranded = ray.get(launcher.launch.remote("ann", LaunchRequest(program=parked, node_id=doomed)))
@@ -58,14 +58,14 @@ def test_a_lost_node_is_reported_and_the_rest_of_the_cluster_keeps_serving(ray_c
         ray_cluster.remove_node(doomed_node)  # the raylet and every process on the node are killed
         for _ in range(120):
             status = ray.get(controller.status.remote())
-            lost = {n["node"]: n for n in status["nodes"]}[doomed]
-            if not lost["alive"] and lost["host"] != "serving":
+            lost = {n.node: n for n in status.nodes}[doomed]
+            if not lost.alive and lost.host != "serving":
                 break
             time.sleep(0.5)
-        assert not lost["alive"] and lost["host"] != "serving", lost
+        assert not lost.alive and lost.host != "serving", lost
         last = poll(launcher, "ann", stranded, 0, 60.0).events[-1]
         assert last[1] == "error" and "died" in last[2], last  # its instance is reported failed
-        states = {r["node"]: r["state"] for r in status["replicas"]}
+        states = {r.node: r.state for r in status.replicas}
         assert states[doomed] != "serving" and all(states[n] == "serving" for n in before), states
 
         for node in (*sorted(before), None, None, None):  # pinned to a live node, or placed by the launcher

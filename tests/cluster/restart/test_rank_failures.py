@@ -17,6 +17,7 @@ import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig, SupervisionConfig
 from pie_cluster.control.lifecycle import start_controller
+from pie_cluster.control.status_records import ReplicaStatus
 from support.halves import HALVES, run_halves, wait_for_message
 from support.launching import launch, run_to_end, upload
 
@@ -45,8 +46,8 @@ def tp_cluster(ray_session):
     ray.kill(controller)
 
 
-def replica_row(controller) -> dict:
-    (row,) = ray.get(controller.status.remote())["replicas"]
+def replica_row(controller) -> ReplicaStatus:
+    (row,) = ray.get(controller.status.remote()).replicas
     return row
 
 
@@ -56,14 +57,14 @@ def greedy(launcher, program: str) -> list[int]:
     return json.loads(last[2])
 
 
-def recovered(controller, restarts: int, bound_s: float = 240) -> tuple[dict, list[str], float]:
+def recovered(controller, restarts: int, bound_s: float = 240) -> tuple[ReplicaStatus, list[str], float]:
     """Poll ``pie status`` until the replica serves again after ``restarts``: its row, the states seen, the time."""
     started, seen = time.monotonic(), []
     while time.monotonic() - started < bound_s:
         status = ray.get(controller.status.remote())
-        (row,) = status["replicas"]
-        seen.append(row["state"])
-        if status["replica_restarts"] >= restarts and row["state"] == "serving":
+        (row,) = status.replicas
+        seen.append(row.state)
+        if status.replica_restarts >= restarts and row.state == "serving":
             return row, seen, time.monotonic() - started
         time.sleep(0.2)
     raise AssertionError(f"the replica did not serve again within {bound_s} s; states seen: {seen}")
@@ -73,14 +74,14 @@ def test_a_killed_follower_rank_replaces_its_tensor_parallel_group(tp_cluster):
     launcher = ray.get_actor("pie-launcher")
     program = upload(launcher, GREEDY)
     before = replica_row(tp_cluster)
-    assert before["state"] == "serving" and before["tensor_parallel"] == 2 and None not in before["pids"], before
+    assert before.state == "serving" and before.tensor_parallel == 2 and None not in before.pids, before
     tokens = greedy(launcher, program)
 
-    os.kill(before["pids"][1], signal.SIGKILL)  # the follower, not the leader the controller used to probe alone
+    os.kill(before.pids[1], signal.SIGKILL)  # the follower, not the leader the controller used to probe alone
     after, seen, took = recovered(tp_cluster, restarts=1)
     print(f"follower SIGKILL -> serving again in {took:.1f} s")
     assert "restarting" in seen, seen
-    assert not set(after["pids"]) & set(before["pids"]), (before, after)  # a new group, leader included
+    assert not set(after.pids) & set(before.pids), (before, after)  # a new group, leader included
     assert greedy(launcher, program) == tokens
 
 
@@ -88,14 +89,14 @@ def test_a_hung_follower_rank_is_detected_by_its_probe_deadline_and_replaced(tp_
     launcher = ray.get_actor("pie-launcher")
     program = upload(launcher, GREEDY)
     tokens = greedy(launcher, program)
-    restarts = ray.get(tp_cluster.status.remote())["replica_restarts"]
-    hung = replica_row(tp_cluster)["pids"][1]
+    restarts = ray.get(tp_cluster.status.remote()).replica_restarts
+    hung = replica_row(tp_cluster).pids[1]
     os.kill(hung, signal.SIGSTOP)  # alive, but answers nothing
     try:
         after, seen, took = recovered(tp_cluster, restarts=restarts + 1)
         print(f"follower SIGSTOP -> serving again in {took:.1f} s")
         assert {"unresponsive", "restarting"} & set(seen), seen
-        assert hung not in after["pids"]
+        assert hung not in after.pids
     finally:
         with contextlib.suppress(ProcessLookupError):  # Ray killed it; if not, it must not stay stopped
             os.kill(hung, signal.SIGCONT)
@@ -105,11 +106,11 @@ def test_a_hung_follower_rank_is_detected_by_its_probe_deadline_and_replaced(tp_
 def test_inferlets_running_when_a_follower_dies_finish_on_the_replacement_with_the_same_tokens(tp_cluster):
     launcher = ray.get_actor("pie-launcher")
     program = upload(launcher, HALVES)
-    node = replica_row(tp_cluster)["node"]
+    node = replica_row(tp_cluster).node
     expected = run_halves(launcher, program, "default", node, count=16)
 
     def kill_follower():
-        os.kill(replica_row(tp_cluster)["pids"][1], signal.SIGKILL)
+        os.kill(replica_row(tp_cluster).pids[1], signal.SIGKILL)
 
     got = run_halves(launcher, program, "default", node, kill=kill_follower, count=16)
 
@@ -147,13 +148,13 @@ def test_a_blocking_call_that_waits_for_the_replacement_is_not_a_stall(tp_cluste
         return json.loads(last[2])
 
     def kill_leader():
-        os.kill(replica_row(tp_cluster)["pids"][0], signal.SIGKILL)
+        os.kill(replica_row(tp_cluster).pids[0], signal.SIGKILL)
         killed.append(time.monotonic())
 
     expected = run()
-    restarts, killed = ray.get(tp_cluster.status.remote())["replica_restarts"], []
+    restarts, killed = ray.get(tp_cluster.status.remote()).replica_restarts, []
     got = run(kill=kill_leader)
     took = time.monotonic() - killed[0]
     print(f"the blocked inferlet finished {took:.1f} s after the kill (stall limit {STALL_S:g} s)")
     assert got == expected
-    assert ray.get(tp_cluster.status.remote())["replica_restarts"] > restarts and took > STALL_S
+    assert ray.get(tp_cluster.status.remote()).replica_restarts > restarts and took > STALL_S

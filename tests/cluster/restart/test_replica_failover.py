@@ -11,8 +11,10 @@ import time
 
 import pytest
 import ray
+from pie_cluster.bus import BusStats
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.lifecycle import start_controller
+from pie_cluster.control.status_records import ReplicaStatus
 from support.halves import HALVES, run_halves
 from support.launching import upload
 
@@ -33,14 +35,14 @@ def cluster(ray_session):
     ray.kill(controller)
 
 
-def replica(controller, model: str, index: int = 0) -> dict:
-    rows = ray.get(controller.status.remote())["replicas"]
-    return next(r for r in rows if (r["model"], r["replica"]) == (model, index))
+def replica(controller, model: str, index: int = 0) -> ReplicaStatus:
+    rows = ray.get(controller.status.remote()).replicas
+    return next(r for r in rows if (r.model, r.replica) == (model, index))
 
 
 def killer(controller, model: str):
     def kill():
-        os.kill(replica(controller, model)["pids"][0], signal.SIGKILL)
+        os.kill(replica(controller, model).pids[0], signal.SIGKILL)
 
     return kill
 
@@ -49,10 +51,10 @@ def test_inferlets_finish_on_the_other_replica_with_the_same_tokens(cluster):
     launcher = ray.get_actor("pie-launcher")
     program = upload(launcher, HALVES)
     doomed = replica(cluster, "default")
-    expected = run_halves(launcher, program, "default", doomed["node"])
+    expected = run_halves(launcher, program, "default", doomed.node)
     assert all(r["moves"] == 0 and len(r["tokens"]) == 24 for r in expected)
 
-    got = run_halves(launcher, program, "default", doomed["node"], kill=killer(cluster, "default"))
+    got = run_halves(launcher, program, "default", doomed.node, kill=killer(cluster, "default"))
 
     assert [r["moves"] for r in got] == [1] * INSTANCES
     assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
@@ -62,14 +64,14 @@ def test_a_model_of_one_replica_continues_on_its_replacement(cluster):
     launcher = ray.get_actor("pie-launcher")
     program = upload(launcher, HALVES)
     before = replica(cluster, "solo")
-    expected = run_halves(launcher, program, "solo", before["node"])
+    expected = run_halves(launcher, program, "solo", before.node)
 
-    got = run_halves(launcher, program, "solo", before["node"], kill=killer(cluster, "solo"))
+    got = run_halves(launcher, program, "solo", before.node, kill=killer(cluster, "solo"))
 
     assert [r["moves"] for r in got] == [1] * INSTANCES
     assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
     after = replica(cluster, "solo")
-    assert after["state"] == "serving" and not set(after["pids"]) & set(before["pids"]), (before, after)
+    assert after.state == "serving" and not set(after.pids) & set(before.pids), (before, after)
 
 
 def test_a_killed_controller_is_restarted_and_adopts_its_cluster(cluster):
@@ -79,7 +81,7 @@ def test_a_killed_controller_is_restarted_and_adopts_its_cluster(cluster):
     launcher = ray.get_actor("pie-launcher")
     program = upload(launcher, HALVES)
     before = ray.get(cluster.status.remote())
-    node = replica(cluster, "default")["node"]
+    node = replica(cluster, "default").node
     expected = run_halves(launcher, program, "default", node, count=8)
 
     def kill_controller():
@@ -87,19 +89,19 @@ def test_a_killed_controller_is_restarted_and_adopts_its_cluster(cluster):
         killed = time.monotonic()
         status = ray.get(cluster.status.remote(), timeout=120)  # retried on the restarted controller
         print(f"controller answering {time.monotonic() - killed:.1f} s after its kill")
-        assert status["controller_restarts"] == 1
-        assert [r["pids"] for r in status["replicas"]] == [r["pids"] for r in before["replicas"]]
-        assert [n["node"] for n in status["nodes"]] == [n["node"] for n in before["nodes"]]
-        assert all(n["host"] == "serving" for n in status["nodes"]) and "state" not in status["bus"]
+        assert status.controller_restarts == 1
+        assert [r.pids for r in status.replicas] == [r.pids for r in before.replicas]
+        assert [n.node for n in status.nodes] == [n.node for n in before.nodes]
+        assert all(n.host == "serving" for n in status.nodes) and isinstance(status.bus, BusStats)
 
     got = run_halves(launcher, program, "default", node, kill=kill_controller, count=8)
     assert [r["moves"] for r in got] == [0] * 8
     assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
 
     doomed = replica(cluster, "solo")
-    os.kill(doomed["pids"][0], signal.SIGKILL)
+    os.kill(doomed.pids[0], signal.SIGKILL)
     deadline = time.monotonic() + 120
-    while (now := replica(cluster, "solo"))["state"] != "serving" or now["pids"] == doomed["pids"]:
+    while (now := replica(cluster, "solo")).state != "serving" or now.pids == doomed.pids:
         assert time.monotonic() < deadline, now
         time.sleep(0.5)
-    assert ray.get(cluster.status.remote())["replica_restarts"] >= 1
+    assert ray.get(cluster.status.remote()).replica_restarts >= 1

@@ -119,7 +119,7 @@ def test_isolated_launches_past_the_users_bound_wait_for_one_of_her_workers_to_e
             await launch(pool, "alice", f"alice-{n}", HELD, release(n), isolated=True)
         third = asyncio.ensure_future(launch(pool, "alice", "alice-3", HELD, release(3), isolated=True))
         await asyncio.sleep(1.0)  # time enough for a worker to be taken, were it allowed
-        assert not third.done() and pool.stats()["workers"] == 2
+        assert not third.done() and pool.stats().workers == 2
         host.inbox.setdefault("bob-1", asyncio.Queue()).put_nowait("his reply")
         await launch(pool, "bob", "bob-1", WAITS, isolated=True)  # another user's launch is not held up
         assert await host.outcome("bob-1") == ("return", "bob got his reply")
@@ -233,7 +233,7 @@ def test_each_worker_is_a_cgroup_of_its_own_whose_memory_cpus_and_tasks_the_kern
     config = SandboxConfig(stall_s=5, worker_memory_mib=512, worker_cpus=0.25, max_processes=48)
 
     async def test(pool, host, view):
-        assert pool.stats()["limits"] == "cgroup"
+        assert pool.stats().limits == "cgroup"
         await launch(pool, "bob", "bob-1", WAITS)
         await launch(pool, "alice", "alice-1", BUSY, {"seconds": 2.0})
         kind, share = await host.outcome("alice-1")

@@ -51,7 +51,7 @@ def test_a_runtime_env_goes_to_ray_and_a_host_that_cannot_start_ends_the_instanc
     (event,) = run_to_end(launcher, instance)  # ...and the instance ends saying why it never ran
     assert event[1] == "error" and "could not start the instance" in event[2] and "runtime env" in event[2]
     assert ray.get(launcher.abort.remote("alice", instance)) is False
-    assert ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0
+    assert ray.get(ray.get_actor("pie-market").summary.remote()).wallets == 0
 
 
 def test_a_killed_dedicated_host_ends_its_instance_with_an_error(launcher):
@@ -79,10 +79,10 @@ def test_a_killed_dedicated_host_ends_its_instance_with_an_error(launcher):
     print(f"the instance ended with its dedicated host's death {time.monotonic() - killed:.1f} s after the SIGKILL")
     assert last[1] == "error" and "dedicated inferlet host" in last[2] and "died" in last[2], last
     for _ in range(100):
-        if ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0:
+        if ray.get(ray.get_actor("pie-market").summary.remote()).wallets == 0:
             break
         time.sleep(0.1)
-    assert ray.get(ray.get_actor("pie-market").summary.remote())["wallets"] == 0
+    assert ray.get(ray.get_actor("pie-market").summary.remote()).wallets == 0
 
 
 OVER_LIMITS = b"""

@@ -27,6 +27,7 @@ from pie_workers.engine.adapter_registry import AdapterRegistry
 from pie_workers.engine.channel import Answer, ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
 from pie_workers.engine.directory_link import DirectoryLink
+from pie_workers.engine.engine_stats import EngineStats
 from pie_workers.engine.holding import lineage_text
 from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.page_store import OutOfPages, PageStore
@@ -348,38 +349,10 @@ class ReplicaEngine(SnapshotOperations):
 
     # -- stats ---------------------------------------------------------------------------------------------------
 
-    async def op_stats(self, session: Session | None) -> dict:
-        """The replica's numbers for the trusted side (``session`` None: ``pie status``, benchmarks); an inferlet's
-        session reads only its own user's, so no counter tells one user anything of another's work."""
-        if session is not None:
-            return self._own_stats(session.username)
-        s, table = self.store.stats(), self.contexts.stats()
-        steps = self.passes.steps
-        return {
-            "free": s.free,
-            "working": s.working,
-            "committed": s.committed,
-            "cached": s.cached,
-            "total": s.total,
-            "contexts": table.contexts,
-            "snapshots": table.snapshots,  # held here (others may be named in the directory)
-            "queued": self.scheduler.queued,
-            "suspended": sum(state.suspended is not None for state in self.records),
-            "suspensions": self.residency.suspensions,
-            "offloaded": self.residency.offloaded,
-            "waiting": self.residency.waiting,
-            "batches": self.scheduler.batches_fired,
-            "requests": self.scheduler.requests_served,
-            "prefix_hit_tokens": self.passes.prefix_hit_tokens,
-            "chained": steps.chained_passes,
-            "ahead": steps.steps_ahead,
-            "ahead_taken": steps.steps_ahead_taken,
-            "market_rounds": self.market.rounds if self.market else 0,
-            "price": self.market.price if self.market else 0.0,
-        }
-
-    def _own_stats(self, user: str) -> dict:
-        """What ``stats`` tells a session of ``user``: its user's contexts, snapshots and prefix hits here."""
+    async def op_stats(self, session: Session) -> dict:
+        """What ``stats`` tells a session over the wire: its own user's contexts, snapshots and prefix hits here, so
+        no counter tells one user anything of another's work (the trusted side reads ``stats``)."""
+        user = session.username
         own = [state for state in self.records if state.session.username == user]
         return {
             "contexts": len(own),
@@ -387,3 +360,31 @@ class ReplicaEngine(SnapshotOperations):
             "suspended": sum(state.suspended is not None for state in own),
             "prefix_hit_tokens": self.passes.prefix_hits[user],
         }
+
+    async def stats(self) -> EngineStats:
+        """The replica's numbers for the trusted side (``pie status``, benchmarks); a coroutine, so that a caller
+        on another thread reads them on the engine's loop."""
+        s, table = self.store.stats(), self.contexts.stats()
+        steps = self.passes.steps
+        return EngineStats(
+            free=s.free,
+            working=s.working,
+            committed=s.committed,
+            cached=s.cached,
+            total=s.total,
+            contexts=table.contexts,
+            snapshots=table.snapshots,
+            queued=self.scheduler.queued,
+            suspended=sum(state.suspended is not None for state in self.records),
+            suspensions=self.residency.suspensions,
+            offloaded=self.residency.offloaded,
+            waiting=self.residency.waiting,
+            batches=self.scheduler.batches_fired,
+            requests=self.scheduler.requests_served,
+            prefix_hit_tokens=self.passes.prefix_hit_tokens,
+            chained=steps.chained_passes,
+            ahead=steps.steps_ahead,
+            ahead_taken=steps.steps_ahead_taken,
+            market_rounds=self.market.rounds if self.market else 0,
+            price=self.market.price if self.market else 0.0,
+        )

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pie_cluster.config import SandboxConfig
+from pie_cluster.hosts.description import PoolStats
 from pie_cluster.hosts.sandbox import bwrap, seccomp
 from pie_cluster.hosts.sandbox.limits import WorkerLimits
 from pie_cluster.hosts.sandbox.process import WorkerProcess, describe_exit
@@ -362,15 +363,15 @@ class WorkerPool:
 
     # -- reporting and shutdown ------------------------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> PoolStats:
         workers = [w for ws in self._workers.values() for w in ws]
-        return {
-            "workers": len(workers),
-            "users": len(self._workers),
-            "instances": len(self._by_instance),
-            "spare": self._spare is not None,
-            "limits": self._limits.mode,  # "cgroup": the kernel bounds each worker as a whole; "rlimit": see limits.py
-        }
+        return PoolStats(
+            workers=len(workers),
+            users=len(self._workers),
+            instances=len(self._by_instance),
+            spare=self._spare is not None,
+            limits=self._limits.mode,
+        )
 
     async def close(self) -> None:
         """End every worker, the spare too, and wait until they are gone."""
