@@ -19,6 +19,7 @@ from pie_workers.adapters import AdapterStore, LoraAdapter, LoraConfig
 from pie_workers.backends import check_backend, resolve_backend
 from pie_workers.batch_checks import BatchError
 from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, plan_batch
+from pie_workers.compiled_step import DEFAULT_SIZES, CompiledDecode, check_compile, supported
 from pie_workers.config import ModelConfig
 from pie_workers.kv_pool import KVPool, PoolShape, page_bytes, pages_for_memory_fraction
 from pie_workers.layers import vllm_ops
@@ -51,9 +52,12 @@ class RunnerSettings:
     adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
     host_pages: int | None = None  # host-memory pages for suspended contexts' KV; default: as many as the pool
     backend: str = "auto"  # "torch": plain torch; "vllm": vLLM's kernels; "auto": resolve_backend() picks one
+    compile: str = "off"  # decode steps through torch.compile: "on", "auto" (where supported), "off"
+    compile_sizes: tuple[int, ...] = DEFAULT_SIZES  # the batch sizes decode steps are padded to, one graph each
 
     def __post_init__(self) -> None:
         check_backend(self.backend, self.page_size)
+        check_compile(self.compile, self.compile_sizes)
 
 
 def resolve_device(settings: RunnerSettings) -> torch.device:
@@ -112,6 +116,22 @@ class ModelRunner:
         shape = PoolShape(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
         self.kv = _pool_class(settings.backend, self.device)(shape)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
+        self.compiled = self._compiled_decode()
+
+    def _compiled_decode(self) -> CompiledDecode | None:
+        """The compiled decode step, its graphs compiled here; None when off (or "auto" where unsupported)."""
+        if self.settings.compile == "off":
+            return None
+        if not supported(self.kv, self.tp.world_size):
+            if self.settings.compile == "on":
+                raise ValueError(
+                    f"compiled decode steps need a single rank on a CPU pool whose kernels take the model "
+                    f"(backend {self.settings.backend}, {self.device}, tensor-parallel {self.tp.world_size})"
+                )
+            return None
+        compiled = CompiledDecode(self.model, self.kv, self.settings.compile_sizes)
+        compiled.warm_up()
+        return compiled
 
     def _pack_linear_weights(self) -> None:
         """On a CPU the matmuls run over weights packed once for oneDNN: vLLM's op for the vllm backend (every
@@ -136,9 +156,11 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
         """Leader only. Malformed requests come back with ``error`` set; the others run normally."""
         kv = self.kv
+        compiled = self.compiled if self.compiled is not None and self.compiled.accepts(batch) else None
         planned = plan_batch(
             batch, kv.page_size, kv.num_pages, self.cfg.vocab_size, self.adapters.ids(), kv.host_pages,
-            paged_requests=kv.needs_paged_requests, kernel_attends_all=kv.kernel_attends_all,
+            paged_requests=kv.needs_paged_requests or compiled is not None,
+            kernel_attends_all=kv.kernel_attends_all or compiled is not None,
         )  # fmt: skip
         outputs = [RequestOutput() for _ in batch.requests]
         for i, msg in planned.errors.items():
@@ -151,7 +173,10 @@ class ModelRunner:
         plan = planned.plan.to(self.device)
         try:
             self.tp.broadcast_object(planned.plan)
-            logits = self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
+            if compiled is not None:
+                logits = compiled(plan)
+            else:
+                logits = self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
         except Exception as e:
             if self.tp.world_size > 1:  # the ranks are out of step for good (one died, or stopped in a collective)
                 raise GroupBroken(f"the tensor-parallel group failed in a forward pass: {e}") from e
