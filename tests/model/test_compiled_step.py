@@ -1,7 +1,8 @@
 """Compiled decode steps (``RunnerSettings.compile``) against the eager runner: same greedy tokens, logits within 1e-4
 (float32), on both backends and both tiny models; batches a graph must not take still run eager, and right.
 
-Two sizes only (1 and 4): compiling a graph takes seconds on a 2-core CPU. Three sequences pad to 4."""
+Two sizes only (1 and 4): compiling a graph takes seconds on a 2-core CPU. Three sequences pad to 4. Steps run under
+the "fail_on_recompile" stance: the runner's start-up must have compiled every graph they need."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from pie_workers.runner import ModelRunner, RunnerSettings
 from pie_workers.wire.batch import ForwardBatch, Slot
 from support.paged import LOGITS, PageAllocator, Seq, request_for
@@ -61,7 +63,8 @@ def decode(runner: ModelRunner, prompts: list[list[int]], steps: int, hidden: in
             reqs.append(
                 request_for(seq, alloc, 16, slots=[(last, Slot.argmax()), (last, LOGITS)], attention_masks=masks)
             )
-        outs = runner.execute(ForwardBatch(reqs))
+        with torch.compiler.set_stance("fail_on_recompile"):  # start-up compiled every graph a step needs
+            outs = runner.execute(ForwardBatch(reqs))
         for seq, req, out in zip(seqs, reqs, outs, strict=True):
             assert out.error is None, out.error
             seq.kv_len += len(req.token_ids)

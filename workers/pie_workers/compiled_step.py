@@ -23,6 +23,8 @@ from pie_workers.wire.batch import ForwardBatch
 
 MODES = ("off", "on", "auto")
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# the graphs' shapes are checked where they are made: a step's ~40 size asserts cost ~30 µs on the tiny model
+OPTIONS = {"size_asserts": False}
 
 
 def check_compile(mode: str, sizes: tuple[int, ...]) -> None:
@@ -104,7 +106,7 @@ class CompiledDecode:
         self.dtype = model.embed_tokens.weight.dtype
         # every size of every runner in the process is a recompile of the same code: make room for this one's
         torch._dynamo.config.recompile_limit += 2 * len(self.sizes)
-        self._graph = torch.compile(self._forward, dynamic=False, fullgraph=True)
+        self._graph = torch.compile(self._forward, dynamic=False, fullgraph=True, options=OPTIONS)
 
     def accepts(self, batch: ForwardBatch) -> bool:
         """Whether the step is a plain decode step of at most the largest size (checked before planning)."""
@@ -121,6 +123,7 @@ class CompiledDecode:
             )
         )
 
+    @torch.inference_mode()  # as ``ModelRunner.execute`` runs: grad mode is part of what a graph is compiled for
     def warm_up(self) -> None:
         """Compile every size now (all rows padding) rather than on the first step of each."""
         self.model.rotary.reserve(self.model.cfg.max_position_embeddings, self.dtype)
