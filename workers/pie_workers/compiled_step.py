@@ -34,7 +34,25 @@ def check_compile(mode: str, sizes: tuple[int, ...]) -> None:
         raise ValueError(f"compile sizes must be positive batch sizes, got {sizes}")
 
 
-def supported(kv: object, world_size: int) -> bool:
+def compiled_decode(
+    mode: str, sizes: tuple[int, ...], model: LlamaModel, kv: object, world_size: int
+) -> CompiledDecode | None:
+    """A runner's compiled decode step, its graphs compiled now; None when off, or "auto" where unsupported."""
+    if mode == "off":
+        return None
+    if not _supported(kv, world_size):
+        if mode == "on":
+            raise ValueError(
+                f"compiled decode steps need a single rank on a CPU pool whose kernels take the model "
+                f"(got {type(kv).__name__} on tensor-parallel size {world_size})"
+            )
+        return None
+    compiled = CompiledDecode(model, kv, sizes)
+    compiled.warm_up()
+    return compiled
+
+
+def _supported(kv: object, world_size: int) -> bool:
     """A single rank on a CPU pool whose kernels take the model (collectives and GPU pools are not compiled)."""
     if world_size != 1:
         return False
@@ -127,16 +145,9 @@ class CompiledDecode:
     def warm_up(self) -> None:
         """Compile every size now (all rows padding) rather than on the first step of each."""
         self.model.rotary.reserve(self.model.cfg.max_position_embeddings, self.dtype)
+        none = torch.zeros(0, dtype=torch.long)
         for size in self.sizes:
-            self._run(
-                *self._padded(
-                    torch.zeros(0, dtype=torch.long),
-                    *[torch.zeros(0, dtype=torch.long)] * 2,
-                    torch.zeros(0, 2, dtype=torch.int32),
-                    torch.zeros(0, dtype=torch.int32),
-                    size,
-                )
-            )
+            self._run(*self._padded(none, none, none, torch.zeros(0, 2, dtype=torch.int32), none.int(), size))
 
     def __call__(self, plan: BatchPlan) -> torch.Tensor:
         """Logits of ``plan.logit_rows``, for a plan of an accepted batch (made with ``paged_requests``)."""

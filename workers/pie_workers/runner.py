@@ -19,7 +19,7 @@ from pie_workers.adapters import AdapterStore, LoraAdapter, LoraConfig
 from pie_workers.backends import check_backend, resolve_backend
 from pie_workers.batch_checks import BatchError
 from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, plan_batch
-from pie_workers.compiled_step import DEFAULT_SIZES, CompiledDecode, check_compile, supported
+from pie_workers.compiled_step import DEFAULT_SIZES, check_compile, compiled_decode
 from pie_workers.config import ModelConfig
 from pie_workers.kv_pool import KVPool, PoolShape, page_bytes, pages_for_memory_fraction
 from pie_workers.layers import vllm_ops
@@ -52,7 +52,7 @@ class RunnerSettings:
     adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
     host_pages: int | None = None  # host-memory pages for suspended contexts' KV; default: as many as the pool
     backend: str = "auto"  # "torch": plain torch; "vllm": vLLM's kernels; "auto": resolve_backend() picks one
-    compile: str = "off"  # decode steps through torch.compile: "on", "auto" (where supported), "off"
+    compile: str = "off"  # decode steps through torch.compile (compiled_step): "on", "auto" (where supported), "off"
     compile_sizes: tuple[int, ...] = DEFAULT_SIZES  # the batch sizes decode steps are padded to, one graph each
 
     def __post_init__(self) -> None:
@@ -116,22 +116,7 @@ class ModelRunner:
         shape = PoolShape(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
         self.kv = _pool_class(settings.backend, self.device)(shape)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
-        self.compiled = self._compiled_decode()
-
-    def _compiled_decode(self) -> CompiledDecode | None:
-        """The compiled decode step, its graphs compiled here; None when off (or "auto" where unsupported)."""
-        if self.settings.compile == "off":
-            return None
-        if not supported(self.kv, self.tp.world_size):
-            if self.settings.compile == "on":
-                raise ValueError(
-                    f"compiled decode steps need a single rank on a CPU pool whose kernels take the model "
-                    f"(backend {self.settings.backend}, {self.device}, tensor-parallel {self.tp.world_size})"
-                )
-            return None
-        compiled = CompiledDecode(self.model, self.kv, self.settings.compile_sizes)
-        compiled.warm_up()
-        return compiled
+        self.compiled = compiled_decode(settings.compile, settings.compile_sizes, self.model, self.kv, tp.world_size)
 
     def _pack_linear_weights(self) -> None:
         """On a CPU the matmuls run over weights packed once for oneDNN: vLLM's op for the vllm backend (every
