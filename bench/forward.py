@@ -8,10 +8,11 @@ after an untimed prefill: the paged runner with the ``torch`` backend (SDPA over
 matmuls on packed weights) and with the ``vllm`` backend (vLLM's paged attention over its own cache layout, its fused
 RMSNorm and rotary, its oneDNN matmuls on packed weights), transformers' batched forward with
 its ``DynamicCache``, and vLLM's own engine (``LLM.generate`` offline, in its virtualenv from ``make vllm-peer``;
-its decode time is a generate of ``steps + 1`` tokens minus a generate of one). Rows: short prompts at several batch
-sizes, and long prompts at one batch size where avoiding the page gather should show. Models: the embedded tiny
-Llama (overhead-bound) and a bigger random-weight Llama (hidden 1,024, 8 layers). Best of ``repeats``, the sides
-interleaved. Writes ``OUT/forward.md`` and ``OUT/forward.png``.
+its decode time is a generate of ``steps + 1`` tokens minus a generate of one); each backend also with its decode
+steps compiled (``RunnerSettings.compile``, one graph per row's batch size, compiled before timing). Rows: short
+prompts at several batch sizes, and long prompts at one batch size where avoiding the page gather should show.
+Models: the embedded tiny Llama (overhead-bound) and a bigger random-weight Llama (hidden 1,024, 8 layers). Best of
+``repeats``, the sides interleaved. Writes ``OUT/forward.md`` and ``OUT/forward.png``.
 """
 
 from __future__ import annotations
@@ -91,11 +92,19 @@ def measure_model(label: str, model_dir, rows: list[Row], args, console: Console
 
     pages = max(r.batch * pages_for(r.prompt + r.steps + 1, 16) for r in rows)
     gpu = torch.cuda.is_available()  # the runner then defaults to the GPU in bf16; so does transformers here
-    runners = {"torch": ModelRunner(model_dir, RunnerSettings(num_pages=pages))}
+    runners = {"torch": ModelRunner(model_dir, RunnerSettings(num_pages=pages, backend="torch"))}
     try:  # on a GPU host the vllm backend needs vLLM's CUDA build (make gpu-check installs it)
         runners["vllm"] = ModelRunner(model_dir, RunnerSettings(num_pages=pages, backend="vllm"))
     except (ImportError, RuntimeError, ValueError) as e:
         console.log(f"vllm backend skipped: {e}")
+    sizes = tuple(sorted({r.batch for r in rows}))
+    for backend in list(runners):
+        start = time.perf_counter()
+        settings = RunnerSettings(num_pages=pages, backend=backend, compile="auto", compile_sizes=sizes)
+        runner = ModelRunner(model_dir, settings)
+        if runner.compiled is not None:  # a GPU is not compiled for
+            runners[f"{backend} compiled"] = runner
+            console.log(f"{backend} compiled: {len(sizes)} graphs in {time.perf_counter() - start:.1f} s")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if gpu else torch.float32).eval()
     hf = hf.to("cuda" if gpu else "cpu")
     rng = random.Random(0)
@@ -106,7 +115,8 @@ def measure_model(label: str, model_dir, rows: list[Row], args, console: Console
             speeds = {name: paged_decode(runner, row.prompts, row.steps) for name, runner in runners.items()}
             speeds["transformers"] = hf_decode(hf, row.prompts, row.steps)
             row.speeds = {name: max(row.speeds.get(name, 0.0), speed) for name, speed in speeds.items()}
-            row.speeds.setdefault("vllm", float("nan"))
+            for name in ("vllm", "torch compiled", "vllm compiled"):
+                row.speeds.setdefault(name, float("nan"))
         console.log(
             f"{label} batch {row.batch} x {row.prompt}: " + ", ".join(f"{k} {v:,.0f}" for k, v in row.speeds.items())
         )
@@ -149,7 +159,9 @@ def report(rows: list[Row], args, console: Console) -> None:
     vllm = not all(math.isnan(r.speeds["vllm"]) for r in rows)  # a GPU host without vLLM's CUDA build has none
     title = f"greedy decode tokens/s, {torch.get_num_threads()} threads, best of {args.repeats}"
     table = Table(title=title)
+    compiled = [b for b in ("torch", "vllm") if not all(math.isnan(r.speeds[f"{b} compiled"]) for r in rows)]
     columns = ["model", "batch x prompt", "torch backend"] + (["vllm backend", "vllm / torch"] if vllm else [])
+    columns += [c for b in compiled for c in (f"{b} compiled", f"{b} compiled / eager")]
     columns += ["transformers", "torch / HF"] + (["vllm / HF"] if vllm else [])
     columns += ["vLLM engine", "vllm backend / engine"] if engine else []
     for col in columns:
@@ -158,6 +170,7 @@ def report(rows: list[Row], args, console: Console) -> None:
         s = r.speeds
         cells = [r.model, f"{r.batch} x {r.prompt}", f"{s['torch']:,.0f}"]
         cells += [f"{s['vllm']:,.0f}", f"{s['vllm'] / s['torch']:.2f}x"] if vllm else []
+        cells += [c for b in compiled for c in (f"{s[f'{b} compiled']:,.0f}", f"{s[f'{b} compiled'] / s[b]:.2f}x")]
         cells += [f"{s['transformers']:,.0f}", f"{s['torch'] / s['transformers']:.2f}x"]
         cells += [f"{s['vllm'] / s['transformers']:.2f}x"] if vllm else []
         if engine:
@@ -173,10 +186,11 @@ def plot(rows: list[Row], args) -> None:
     """Every column relative to the torch backend, so the tiny and the bigger model share one scale."""
     columns = [
         c
-        for c in ("vllm", "transformers", "vllm engine")
+        for c in ("vllm", "torch compiled", "vllm compiled", "transformers", "vllm engine")
         if any(not math.isnan(r.speeds.get(c, math.nan)) for r in rows)
     ]
     labels = {"vllm": "vllm backend", "transformers": "transformers", "vllm engine": "vLLM engine"}
+    labels |= {f"{b} compiled": f"{b} backend, compiled" for b in ("torch", "vllm")}
     bar_plot(
         args.out,
         "forward",

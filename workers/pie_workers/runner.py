@@ -19,6 +19,7 @@ from pie_workers.adapters import AdapterStore, LoraAdapter, LoraConfig
 from pie_workers.backends import resolve_backend
 from pie_workers.batch_checks import BatchError
 from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, plan_batch
+from pie_workers.compiled_step import compiled_decode
 from pie_workers.config import ModelConfig
 from pie_workers.kv_pool import KVPool, PoolShape, page_bytes, pages_for_memory_fraction
 from pie_workers.layers import vllm_ops
@@ -98,6 +99,7 @@ class ModelRunner:
         shape = PoolShape(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
         self.kv = _pool_class(settings.backend, self.device)(shape)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
+        self.compiled = compiled_decode(settings.compile, settings.compile_sizes, self.model, self.kv, tp.world_size)
 
     def _pack_linear_weights(self) -> None:
         """On a CPU the matmuls run over weights packed once for oneDNN: vLLM's op for the vllm backend (every
@@ -122,9 +124,11 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> list[RequestOutput]:
         """Leader only. Malformed requests come back with ``error`` set; the others run normally."""
         kv = self.kv
+        compiled = self.compiled if self.compiled is not None and self.compiled.accepts(batch) else None
         planned = plan_batch(
             batch, kv.page_size, kv.num_pages, self.cfg.vocab_size, self.adapters.ids(), kv.host_pages,
-            paged_requests=kv.needs_paged_requests, kernel_attends_all=kv.kernel_attends_all,
+            paged_requests=kv.needs_paged_requests or compiled is not None,
+            kernel_attends_all=kv.kernel_attends_all or compiled is not None,
         )  # fmt: skip
         outputs = [RequestOutput() for _ in batch.requests]
         for i, msg in planned.errors.items():
@@ -137,7 +141,10 @@ class ModelRunner:
         plan = planned.plan.to(self.device)
         try:
             self.tp.broadcast_object(planned.plan)
-            logits = self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
+            if compiled is not None:
+                logits = compiled(plan)
+            else:
+                logits = self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
         except Exception as e:
             if self.tp.world_size > 1:  # the ranks are out of step for good (one died, or stopped in a collective)
                 raise GroupBroken(f"the tensor-parallel group failed in a forward pass: {e}") from e

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from pie_workers.backends import check_backend
 
+COMPILE_MODES = ("off", "on", "auto")
+DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
 
 @dataclass(frozen=True)
 class RunnerSettings:
@@ -18,6 +21,16 @@ class RunnerSettings:
     adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
     host_pages: int | None = None  # host-memory pages for suspended contexts' KV; default: as many as the pool
     backend: str = "auto"  # "torch": plain torch; "vllm": vLLM's kernels; "auto": resolve_backend() picks one
+    compile: str = "off"  # decode steps through torch.compile (compiled_step): "on", "auto" (where supported), "off"
+    compile_sizes: tuple[int, ...] = DEFAULT_COMPILE_SIZES  # the batch sizes decode steps are padded to, one graph each
 
     def __post_init__(self) -> None:
         check_backend(self.backend, self.page_size)
+        check_compile(self.compile, self.compile_sizes)
+
+
+def check_compile(mode: str, sizes: tuple[int, ...]) -> None:
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(COMPILE_MODES)}")
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"compile sizes must be positive batch sizes, got {sizes}")

@@ -308,7 +308,9 @@ class Controller:
         return Replica(
             _model_source(entry),
             entry.tensor_parallel,
-            RunnerSettings(num_pages=entry.pages, page_size=entry.page_size, backend=entry.backend),
+            RunnerSettings(
+                num_pages=entry.pages, page_size=entry.page_size, backend=entry.backend, compile=entry.compile
+            ),
             model.cpus_per_rank,
             model.use_gpu,
             BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests),

@@ -48,6 +48,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def for_batch(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> Rotation:
         """The rotation of a batch's tokens at ``positions`` (computed in fp32, as HF does, then cast)."""
+        self.reserve(max_position, dtype)
+        if self.use_vllm_ops:
+            return Rotation(positions, self.head_dim, cos_sin=self.table)
+        rows = self.table.index_select(0, positions)
+        return Rotation(positions, self.head_dim, cos=rows[:, :1], signed_sin=rows[:, 1:])
+
+    def reserve(self, max_position: int, dtype: torch.dtype) -> None:
+        """Grow the table to hold ``max_position`` (a compiled step reserves it outside its graph)."""
         if self.table is None or self.table.shape[0] <= max_position or self.table.dtype != dtype:
             size = max(1024, 1 << max_position.bit_length())
             freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
@@ -56,10 +64,6 @@ class RotaryEmbedding(torch.nn.Module):
                 self.table = torch.cat((cos, sin), -1).to(dtype)
             else:  # the sin's first half negated, so that apply_rotary can swap halves without a negation
                 self.table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1).to(dtype)
-        if self.use_vllm_ops:
-            return Rotation(positions, self.head_dim, cos_sin=self.table)
-        rows = self.table.index_select(0, positions)
-        return Rotation(positions, self.head_dim, cos=rows[:, :1], signed_sin=rows[:, 1:])
 
 
 @dataclass
