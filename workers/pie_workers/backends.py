@@ -28,7 +28,7 @@ def check_backend(backend: str, page_size: int) -> None:
 
 def resolve_backend(backend: str, page_size: int, device_type: str) -> str:
     """The backend ``auto`` stands for on this process's device: on a CPU, vLLM's kernels where vLLM is installed
-    and take the page size (``bench/forward.py``: 1.3-2x the torch backend's decode on this project's models, and the
+    and take the page size (``bench/forward.py``: 1.2-3.6x the torch backend's decode on this project's models, and the
     served stack's swarm agents 1.4x at K = 32), else torch; on a GPU, torch, the backend tested there (the vllm
     backend's CUDA pool has not run on a GPU yet). A named backend is kept as it is."""
     if backend != "auto":
