@@ -15,12 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _vllm():
-    import vllm._custom_ops as ops  # imported on first use: the torch backend never needs vLLM
-
-    return ops
-
+from pie_workers import vllm_kv_pool
 
 _lib = torch.library.Library("pie", "DEF")
 
@@ -78,8 +73,7 @@ def torch_paged_decode(q, k_cache, v_cache, layer: int, block_table, mask, scale
 @_op("vllm_kv_write(Tensor(a!) cache, int layer, Tensor slots, Tensor k, Tensor v, str isa) -> ()", _no_output)
 def vllm_kv_write(cache, layer: int, slots, k, v, isa: str) -> None:
     """``VllmCpuKVPool.write`` by the kernel, which skips negative slots."""
-    keys, values = cache[layer].chunk(2, dim=2)
-    _vllm().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), keys, values, slots, isa)
+    vllm_kv_pool.kernel_write(cache[layer], slots, k, v, isa)
 
 
 @_op(
@@ -89,13 +83,7 @@ def vllm_kv_write(cache, layer: int, slots, k, v, isa: str) -> None:
 )
 def vllm_paged_decode(q, cache, layer: int, query_start, seq_lens, block_table, metadata, scale: float, window: int):
     """``VllmCpuKVPool.attend``'s kernel call; ``metadata``: its work split, computed once per step and window."""
-    keys, values = cache[layer].chunk(2, dim=2)
-    out = torch.empty_like(q)
-    _vllm().cpu_attention_with_kv_cache(
-        q.contiguous(), keys, values, out, query_start, seq_lens, scale, True, None, window, block_table, 0.0,
-        metadata, None,
-    )  # fmt: skip
-    return out.view(q.shape[0], -1)
+    return vllm_kv_pool.kernel_attend(q, cache[layer], query_start, seq_lens, block_table, metadata, scale, window)
 
 
 @_op(
