@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from pie_workers import vllm_kv_pool
-from pie_workers.layers.attention import gather_pages
 
 _lib = torch.library.Library("pie", "DEF")
 
@@ -63,7 +62,10 @@ def torch_paged_decode(q, k_cache, v_cache, layer: int, block_table, mask, scale
     """One query row per request ``[B, Hq, D]`` over its pages ``block_table`` ``[B, P]``, under the additive
     ``mask`` ``[B, 1, 1, P * page_size]``: the torch path's decode bucket (whole pages gathered, SDPA's own GQA)."""
     batch, heads, dim = q.shape
-    keys, values = gather_pages(k_cache[layer], block_table), gather_pages(v_cache[layer], block_table)
+    kv_heads = k_cache.shape[3]
+    pages = block_table.flatten()
+    keys = k_cache[layer].index_select(0, pages).view(batch, -1, kv_heads, dim).transpose(1, 2)
+    values = v_cache[layer].index_select(0, pages).view(batch, -1, kv_heads, dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.reshape(batch, heads * dim)
 
