@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pie_workers import vllm_kv_pool
 from pie_workers.batch_plan import BatchPlan
 from pie_workers.kv_pool import KVPool
 from pie_workers.layers import graph_ops  # noqa: F401  (registers the torch.ops.pie ops)
@@ -169,13 +168,19 @@ class CompiledDecode:
         torch._dynamo.mark_dynamic(block_table, 1)
         if isinstance(self.kv, VllmCpuKVPool):
             query_start = torch.arange(token_ids.shape[0] + 1, dtype=torch.int32)
-            heads = self.model.cfg.num_heads  # one rank: every head
-            split = vllm_kv_pool.scheduler_metadata
-            metadata = {w: split(seq_lens, query_start, heads, self.kv.cache, w, self.kv.isa) for w in self.windows}
+            metadata = {w: self._kernel_metadata(seq_lens, query_start, w) for w in self.windows}
             kv = (block_table, seq_lens, query_start, metadata)
         else:
             kv = (block_table, seq_lens, rows)
         return self._graph(token_ids, positions, slots, kv)
+
+    def _kernel_metadata(self, seq_lens: torch.Tensor, query_start: torch.Tensor, window: int) -> torch.Tensor:
+        cfg = self.model.cfg
+        heads, kv_heads = cfg.num_heads, self.kv.cache.shape[2]
+        return graph_ops._vllm().cpu_attn_get_scheduler_metadata(
+            seq_lens.numel(), heads, kv_heads, cfg.head_dim, seq_lens, self.dtype, query_start, True, window,
+            self.kv.isa, False,
+        )  # fmt: skip
 
     def _forward(self, token_ids, positions, slots, kv_inputs) -> torch.Tensor:
         """The graph: the model's own forward over a plan of the padded batch and the pool seen through the ops."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from pie_workers.backends import kernel_variant
-from pie_workers.batch_plan import BatchPlan
+from pie_workers.batch_plan import BatchPlan, PagedRequests
 from pie_workers.kv_pool import PoolShape
 from pie_workers.layers.attention import overwrite_masked_rows, paged_attention
 
@@ -28,31 +28,6 @@ def _ops():
     import vllm._custom_ops as ops  # imported on first use: the torch backend never needs vLLM
 
     return ops
-
-
-def kernel_write(cache_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, isa: str) -> None:
-    """vLLM's CPU write of tokens' K/V into one layer's cache (a negative slot is skipped)."""
-    keys, values = cache_layer.chunk(2, dim=2)
-    _ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), keys, values, slots, isa)
-
-
-def kernel_attend(q, cache_layer, query_start, seq_lens, block_table, metadata, scale: float, window: int):
-    """``[T, Hq * D]``: vLLM's CPU paged attention of a batch laid out as ``PagedRequests`` (window -1: none)."""
-    keys, values = cache_layer.chunk(2, dim=2)
-    out = torch.empty_like(q)
-    _ops().cpu_attention_with_kv_cache(
-        q.contiguous(), keys, values, out, query_start, seq_lens, scale, True, None, window, block_table, 0.0,
-        metadata, None,
-    )  # fmt: skip
-    return out.view(q.shape[0], -1)
-
-
-def scheduler_metadata(seq_lens, query_start, heads_q: int, cache: torch.Tensor, window: int, isa: str):
-    """How the attention kernel splits a batch over threads (the same for every layer with this window)."""
-    heads_kv, dim = cache.shape[2], cache.shape[-1]
-    return _ops().cpu_attn_get_scheduler_metadata(
-        seq_lens.numel(), heads_q, heads_kv, dim, seq_lens, cache.dtype, query_start, True, window, isa, False
-    )
 
 
 class VllmCpuKVPool:
@@ -77,7 +52,8 @@ class VllmCpuKVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.kernel_writes:
-            kernel_write(self.cache[layer], slots, k, v, self.isa)
+            keys, values = self.cache[layer].chunk(2, dim=2)
+            _ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), keys, values, slots, self.isa)
             return
         keys, values = self.torch_pages(layer)  # the same layout, written through the views
         page, offset = slots // self.page_size, slots % self.page_size
@@ -95,17 +71,40 @@ class VllmCpuKVPool:
         if not self.kernel_attends or paged is None or paged.has_empty_request:
             k_pages, v_pages = self.torch_pages(layer)
             return paged_attention(q, k_pages, v_pages, plan, window, scale)
-        key = -1 if window is None else window
-        if key not in paged.kernel_metadata:  # computed on the first layer with this window, kept with the batch
-            split = scheduler_metadata(paged.seq_lens, paged.query_start, q.shape[1], self.cache, key, self.isa)
-            paged.kernel_metadata[key] = split
-        metadata = paged.kernel_metadata[key]
-        out = kernel_attend(
-            q, self.cache[layer], paged.query_start, paged.seq_lens, paged.block_table, metadata, scale, key
+        keys, values = self.cache[layer].chunk(2, dim=2)
+        out = torch.empty_like(q)
+        _ops().cpu_attention_with_kv_cache(
+            q.contiguous(),
+            keys,
+            values,
+            out,
+            paged.query_start,
+            paged.seq_lens,
+            scale,
+            True,
+            None,
+            -1 if window is None else window,
+            paged.block_table,
+            0.0,
+            self._scheduler_metadata(paged, q, window),
+            None,
         )
+        out = out.view(q.shape[0], -1)
         if paged.masked_rows is not None:
             overwrite_masked_rows(out, q, *self.torch_pages(layer), plan, window, scale)
         return out
+
+    def _scheduler_metadata(self, paged: PagedRequests, q: torch.Tensor, window: int | None) -> torch.Tensor:
+        """How the kernel splits this batch over threads: computed on the first layer with this sliding window (or
+        none), kept with the batch."""
+        key = -1 if window is None else window
+        if key not in paged.kernel_metadata:
+            heads_q, heads_kv, dim = q.shape[1], self.cache.shape[2], q.shape[2]
+            paged.kernel_metadata[key] = _ops().cpu_attn_get_scheduler_metadata(
+                paged.seq_lens.numel(), heads_q, heads_kv, dim, paged.seq_lens, q.dtype, paged.query_start, True,
+                key, self.isa, False,
+            )  # fmt: skip
+        return paged.kernel_metadata[key]
 
     def move_to_host(self, pages: torch.Tensor, slots: torch.Tensor) -> None:  # whole pages, as their bytes lie
         if pages.numel():

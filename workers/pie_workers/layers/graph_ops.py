@@ -15,7 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pie_workers import vllm_kv_pool
+
+def _vllm():
+    import vllm._custom_ops as ops  # imported on first use: the torch backend never needs vLLM
+
+    return ops
+
 
 _lib = torch.library.Library("pie", "DEF")
 
@@ -73,7 +78,8 @@ def torch_paged_decode(q, k_cache, v_cache, layer: int, block_table, mask, scale
 @_op("vllm_kv_write(Tensor(a!) cache, int layer, Tensor slots, Tensor k, Tensor v, str isa) -> ()", _no_output)
 def vllm_kv_write(cache, layer: int, slots, k, v, isa: str) -> None:
     """``VllmCpuKVPool.write`` by the kernel, which skips negative slots."""
-    vllm_kv_pool.kernel_write(cache[layer], slots, k, v, isa)
+    keys, values = cache[layer].chunk(2, dim=2)
+    _vllm().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), keys, values, slots, isa)
 
 
 @_op(
@@ -83,7 +89,13 @@ def vllm_kv_write(cache, layer: int, slots, k, v, isa: str) -> None:
 )
 def vllm_paged_decode(q, cache, layer: int, query_start, seq_lens, block_table, metadata, scale: float, window: int):
     """``VllmCpuKVPool.attend``'s kernel call; ``metadata``: its work split, computed once per step and window."""
-    return vllm_kv_pool.kernel_attend(q, cache[layer], query_start, seq_lens, block_table, metadata, scale, window)
+    keys, values = cache[layer].chunk(2, dim=2)
+    out = torch.empty_like(q)
+    _vllm().cpu_attention_with_kv_cache(
+        q.contiguous(), keys, values, out, query_start, seq_lens, scale, True, None, window, block_table, 0.0,
+        metadata, None,
+    )  # fmt: skip
+    return out.view(q.shape[0], -1)
 
 
 @_op(
