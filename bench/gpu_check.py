@@ -13,9 +13,10 @@ run and why:
 2. a model big enough to matter: a random-weight Llama of ~0.44B parameters (hidden 1,536, 16 layers) with the tiny
    model's tokenizer, built offline (``bench/random_model.py``);
 3. the GPU-marked tests (``pytest -m gpu`` in ``tests/model/test_gpu.py``, ``tests/model/test_vllm_kernels.py`` and
-   ``tests/model/test_triton_attention.py``; the rest of the suite needs Ray): bf16 parity with transformers on both
-   backends, the vllm pool and the torch backend's Triton kernel against the torch path with custom masks, pinned
-   host buffers, NCCL tensor parallelism when there are two GPUs;
+   ``tests/model/test_triton_attention.py``, ``tests/model/test_compiled_step.py``; the rest of the suite needs
+   Ray): bf16 parity with transformers on both backends, the vllm pool and the torch backend's Triton kernel against
+   the torch path with custom masks, decode steps replayed from CUDA graphs against eager ones, pinned host buffers,
+   NCCL tensor parallelism when there are two GPUs;
 4. the forward bench on that model and the tiny one, with vLLM's engine as the peer when ``make vllm-peer`` has
    installed it (on a GPU host, its CUDA build: ``make vllm-peer VLLM_PEER_PACKAGE=vllm==0.32.0``), and the tax
    bench (it needs Ray); their tables go to ``OUT/gpu/``.
@@ -40,7 +41,12 @@ import vllm_peer
 from report import add_out_option, out_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/model/test_gpu.py", "tests/model/test_vllm_kernels.py", "tests/model/test_triton_attention.py"]
+TESTS = [
+    "tests/model/test_gpu.py",
+    "tests/model/test_vllm_kernels.py",
+    "tests/model/test_triton_attention.py",
+    "tests/model/test_compiled_step.py",
+]
 
 
 def use_source_tree() -> None:

@@ -95,7 +95,7 @@ class ModelConfigEntry(_Strict):
     max_batch_tokens: int = Field(2048, ge=1)
     max_batch_requests: int = Field(256, ge=1)
     backend: Literal["auto", "torch", "vllm"] = "auto"  # vLLM's kernels where installed on a CPU, else torch
-    compile: Literal["off", "on", "auto"] = "off"  # decode steps through torch.compile (RunnerSettings.compile)
+    compile: Literal["off", "on", "auto"] = "auto"  # decode steps through graphs (RunnerSettings.compile)
 
     @model_validator(mode="after")
     def _backend_takes_the_page_size(self) -> ModelConfigEntry:

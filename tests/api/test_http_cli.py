@@ -111,11 +111,14 @@ def test_launch_streams_events_and_round_trips_a_session_message(pie, tmp_path, 
 
 
 def test_status_shows_each_replicas_cpus_and_the_threads_its_rank_runs(pie):
+    """... and how its decode steps run: on a CPU, by default, eager (graphs are made by default on a GPU only)."""
     (replica,) = engine_status(pie)["replicas"]
     assert (replica["cpus_per_rank"], replica["threads"]) == (1, 1)  # the config sets cpus_per_rank = 1
+    assert replica["decode_graphs"] == "eager"
     shown = subprocess.run([*PIE, "status"], env={**pie["env"], "COLUMNS": "300"}, capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert "CPUs/rank" in shown.stdout and "threads" in shown.stdout, shown.stdout
+    assert "eager)" in shown.stdout, shown.stdout
 
 
 LONG = """

@@ -1,82 +1,38 @@
-"""Compiled decode steps (``RunnerSettings.compile``) against the eager runner: same greedy tokens, logits within 1e-4
-(float32), on both backends and both tiny models; batches a graph must not take still run eager, and right.
+"""Decode steps through graphs (``RunnerSettings.compile``) against the eager runner: same greedy tokens, logits
+within 1e-4 (float32). On this CPU, ``torch.compile``d steps on both backends and both tiny models; where CUDA is
+(``gpu``), CUDA graphs of the torch backend (``cuda_graph_step``; their padding without a GPU:
+``test_cuda_graph_step``). Batches a graph must not take still run eager, and right.
 
 Two sizes only (1 and 4): compiling a graph takes seconds on a 2-core CPU. Three sequences pad to 4. Steps run under
 the "fail_on_recompile" stance: the runner's start-up must have compiled every graph they need."""
 
 from __future__ import annotations
 
-import random
+import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from pie_workers.runner import ModelRunner, RunnerSettings
-from pie_workers.wire.batch import ForwardBatch, Slot
-from support.paged import LOGITS, PageAllocator, Seq, request_for
+from support.decode_steps import Spy, assert_same, decode, prompts
 
 PAGES, SIZES = 96, (1, 4)
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: no CUDA graphs")]
+CASES = [
+    "llama-torch", "qwen3-torch", "llama-vllm", "qwen3-vllm",
+    pytest.param("llama-torch-cuda", marks=ON_GPU), pytest.param("qwen3-torch-cuda", marks=ON_GPU),
+]  # fmt: skip
 
 
-class Spy:
-    """Counts the steps the compiled path took."""
-
-    def __init__(self, compiled):
-        self.compiled, self.steps = compiled, 0
-
-    def accepts(self, batch: ForwardBatch) -> bool:
-        return self.compiled.accepts(batch)
-
-    def __call__(self, plan):
-        self.steps += 1
-        return self.compiled(plan)
-
-
-@pytest.fixture(scope="module", params=["llama-torch", "qwen3-torch", "llama-vllm", "qwen3-vllm"])
+@pytest.fixture(scope="module", params=CASES)
 def runners(request) -> tuple[ModelRunner, ModelRunner]:
-    """(compiled, eager) runners of one model on one backend."""
-    arch, backend = request.param.split("-")
+    """(graphs, eager) runners of one model on one backend (on a GPU: in float32, which the tolerances are for)."""
+    arch, backend, *cuda = request.param.split("-")
     model = request.getfixturevalue(f"tiny_{arch}")
-    compiled = ModelRunner(model, RunnerSettings(num_pages=PAGES, backend=backend, compile="on", compile_sizes=SIZES))
-    compiled.compiled = Spy(compiled.compiled)
-    return compiled, ModelRunner(model, RunnerSettings(num_pages=PAGES, backend=backend))
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 4096) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
-
-
-def decode(runner: ModelRunner, prompts: list[list[int]], steps: int, hidden: int = 0) -> tuple[list, list]:
-    """Prefill (eager: several rows per request), then ``steps`` greedy decode steps; every sequence's tokens and every
-    step's logits. ``hidden``: the first sequence's first tokens are hidden from it by a custom attention mask."""
-    seqs, alloc = [Seq(list(p)) for p in prompts], PageAllocator(PAGES, 1)
-    logits = []
-    for _ in range(steps + 1):
-        reqs = []
-        for k, seq in enumerate(seqs):
-            last = len(seq.pending()) - 1
-            masks = None
-            if hidden and k == 0:
-                seen = [seq.kv_len + i + 1 for i in range(last + 1)]  # slots each row attends causally
-                masks = [[hidden, n - hidden] if n > hidden else [0, n] for n in seen]
-            reqs.append(
-                request_for(seq, alloc, 16, slots=[(last, Slot.argmax()), (last, LOGITS)], attention_masks=masks)
-            )
-        with torch.compiler.set_stance("fail_on_recompile"):  # start-up compiled every graph a step needs
-            outs = runner.execute(ForwardBatch(reqs))
-        for seq, req, out in zip(seqs, reqs, outs, strict=True):
-            assert out.error is None, out.error
-            seq.kv_len += len(req.token_ids)
-            seq.tokens.append(out.slots[0].token)
-        logits.append(np.stack([np.frombuffer(o.slots[1].logits, np.float32) for o in outs]))
-    return [s.tokens for s in seqs], logits
-
-
-def assert_same(compiled: tuple[list, list], eager: tuple[list, list]) -> None:
-    assert compiled[0] == eager[0]
-    for a, b in zip(compiled[1], eager[1], strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    device = dict(device="cuda", dtype="float32") if cuda else dict(device="cpu")
+    settings = RunnerSettings(num_pages=PAGES, backend=backend, compile_sizes=SIZES, **device)
+    graphs = ModelRunner(model, dataclasses.replace(settings, compile="on"))
+    graphs.compiled = Spy(graphs.compiled)
+    return graphs, ModelRunner(model, dataclasses.replace(settings, compile="off"))
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4])

@@ -1,5 +1,6 @@
 """The common decode step — one query row per request, no custom mask, no adapter, no page moves — run as a graph
-compiled by ``torch.compile``; every other pass stays eager in the same runner.
+compiled by ``torch.compile`` on a CPU (and, from ``compiled_decode``, as CUDA graphs on a GPU: ``cuda_graph_step``);
+every other pass stays eager in the same runner.
 
 Batches are padded to a few sizes, each one static-shape graph compiled at start-up; padded rows write no KV and
 attend one slot of page 0, and their outputs are dropped. The block table's width (pages of the longest request) is
@@ -10,6 +11,7 @@ the graphs' one dynamic dimension: only the attention op reads it. The KV write 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,30 +23,47 @@ from pie_workers.models.llama import LlamaModel
 from pie_workers.vllm_kv_pool import VllmCpuKVPool
 from pie_workers.wire.batch import ForwardBatch
 
+if TYPE_CHECKING:
+    from pie_workers.cuda_graph_step import CudaGraphDecode
+
 # the graphs' shapes are checked where they are made: a step's ~40 size asserts cost ~30 µs on the tiny model
 OPTIONS = {"size_asserts": False}
 
 
 def compiled_decode(
     mode: str, sizes: tuple[int, ...], model: LlamaModel, kv: object, world_size: int
-) -> CompiledDecode | None:
-    """A runner's compiled decode step, its graphs compiled now; None when off, or "auto" where unsupported."""
+) -> CompiledDecode | CudaGraphDecode | None:
+    """A runner's decode step through graphs made now, or None. On one GPU rank of the torch backend, CUDA graphs
+    (``cuda_graph_step``): "on" and "auto". On a CPU, ``torch.compile``: "on" only, since it is no faster on the
+    default backend there and takes tens of seconds to start. "on" where neither is supported is an error."""
     if mode == "off":
         return None
-    if not _supported(kv, world_size):
-        if mode == "on":
-            raise ValueError(
-                f"compiled decode steps need a single rank on a CPU pool whose kernels take the model "
-                f"(got {type(kv).__name__} on tensor-parallel size {world_size})"
-            )
-        return None
-    compiled = CompiledDecode(model, kv, sizes)
-    compiled.warm_up()
-    return compiled
+    if world_size == 1 and _device(kv) == "cuda":
+        from pie_workers.cuda_graph_step import CudaGraphDecode  # imports triton, which a CPU-only host may lack
+        from pie_workers.triton_kv_pool import TritonKVPool
+
+        if isinstance(kv, TritonKVPool):
+            graphs = CudaGraphDecode(model, kv, sizes)
+            graphs.capture()
+            return graphs
+    elif mode == "on" and _compiles_on_cpu(kv, world_size):
+        compiled = CompiledDecode(model, kv, sizes)
+        compiled.warm_up()
+        return compiled
+    if mode == "on":
+        raise ValueError(
+            f"decode graphs need a single rank: on a GPU the torch backend's pool, on a CPU a pool whose kernels "
+            f"take the model (got {type(kv).__name__} on {_device(kv)}, tensor-parallel size {world_size})"
+        )
+    return None
 
 
-def _supported(kv: object, world_size: int) -> bool:
-    """A single rank on a CPU pool whose kernels take the model (collectives and GPU pools are not compiled)."""
+def _device(kv: object) -> str:
+    return kv.k.device.type if isinstance(kv, KVPool) else "cpu"  # (the vllm backend's CPU pool is no KVPool)
+
+
+def _compiles_on_cpu(kv: object, world_size: int) -> bool:
+    """A single rank on a CPU pool whose kernels take the model (collectives are not compiled)."""
     if world_size != 1:
         return False
     if isinstance(kv, VllmCpuKVPool):
@@ -109,6 +128,8 @@ class _VllmDecodeKV:
 class CompiledDecode:
     """Decode steps of ``model`` over ``kv`` through one compiled graph per batch size of ``sizes``."""
 
+    kind = "torch.compile"
+
     def __init__(self, model: LlamaModel, kv: KVPool | VllmCpuKVPool, sizes: tuple[int, ...]):
         self.model, self.kv, self.sizes = model, kv, tuple(sorted(sizes))
         self.windows = sorted({-1 if w is None else w for w in model.cfg.layer_windows})
@@ -118,19 +139,7 @@ class CompiledDecode:
         self._graph = torch.compile(self._forward, dynamic=False, fullgraph=True, options=OPTIONS)
 
     def accepts(self, batch: ForwardBatch) -> bool:
-        """Whether the step is a plain decode step of at most the largest size (checked before planning)."""
-        return (
-            0 < len(batch.requests) <= self.sizes[-1]
-            and not (batch.page_copies or batch.offloads or batch.restores)
-            and all(
-                len(r.token_ids) == 1
-                and r.attention_masks is None
-                and not r.draft_tokens
-                and r.adapter is None
-                and r.zo_seed is None
-                for r in batch.requests
-            )
-        )
+        return plain_decode(batch, self.sizes[-1])
 
     @torch.inference_mode()  # as ``ModelRunner.execute`` runs: grad mode is part of what a graph is compiled for
     def warm_up(self) -> None:
@@ -191,3 +200,20 @@ class CompiledDecode:
         block_table, seq_lens, rows = kv_inputs
         masks = _decode_masks(block_table, seq_lens, self.kv.page_size, self.windows, self.dtype)
         return self.model(plan, _TorchDecodeKV(self.kv, block_table, masks, rows), None)
+
+
+def plain_decode(batch: ForwardBatch, largest: int) -> bool:
+    """Whether a step is a plain decode step of at most ``largest`` requests: one new row each, no custom mask,
+    adapter, draft or zo seed, no page moves (checked before planning)."""
+    return (
+        0 < len(batch.requests) <= largest
+        and not (batch.page_copies or batch.offloads or batch.restores)
+        and all(
+            len(r.token_ids) == 1
+            and r.attention_masks is None
+            and not r.draft_tokens
+            and r.adapter is None
+            and r.zo_seed is None
+            for r in batch.requests
+        )
+    )

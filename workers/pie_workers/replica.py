@@ -54,6 +54,7 @@ class ReplicaInfo:
     node_id: str
     backend: str  # the kernels it runs ("auto" resolved on its device)
     threads: int  # the leader's torch threads
+    decode_graphs: str  # how its decode steps run: "eager", or the graphs made at start and how long that took
 
 
 class RankWorker:
@@ -110,6 +111,7 @@ class RankWorker:
             node_id=ray.get_runtime_context().get_node_id(),
             backend=r.settings.backend,
             threads=self.threads,
+            decode_graphs=r.decode_graphs,
         )
 
     async def start_engine(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -99,7 +100,9 @@ class ModelRunner:
         shape = PoolShape(self.cfg, num_pages, settings.page_size, local_kv_heads, self.dtype, self.device, host_pages)
         self.kv = _pool_class(settings.backend, self.device)(shape)
         self.adapters = AdapterStore(self.cfg, tp, self.device, self.dtype)
+        start = time.perf_counter()
         self.compiled = compiled_decode(settings.compile, settings.compile_sizes, self.model, self.kv, tp.world_size)
+        self.graphs_seconds = time.perf_counter() - start
 
     def _pack_linear_weights(self) -> None:
         """On a CPU the matmuls run over weights packed once for oneDNN: vLLM's op for the vllm backend (every
@@ -111,6 +114,15 @@ class ModelRunner:
             self.model.pack_linear_weights(vllm_ops.PackedLinear)
         elif self.settings.backend == "torch" and torch.backends.mkldnn.is_available():
             self.model.pack_linear_weights(TorchPackedLinear, min_elements=1 << 18)
+
+    @property
+    def decode_graphs(self) -> str:
+        """How decode steps run, for ``pie status``: "eager", or which graphs, for which batch sizes, made in how
+        long (a replica's start pays it)."""
+        if self.compiled is None:
+            return "eager"
+        sizes = self.compiled.sizes
+        return f"{self.compiled.kind} {sizes[0]}-{sizes[-1]} ({len(sizes)} sizes, {self.graphs_seconds:.1f} s)"
 
     @property
     def num_pages(self) -> int:
@@ -138,12 +150,12 @@ class ModelRunner:
             self.kv.copy_pages(planned.plan.copy_src.to(self.device), planned.plan.copy_dst.to(self.device))
             self.tp.broadcast_object(planned.plan)
             return outputs
-        plan = planned.plan.to(self.device)
         try:
             self.tp.broadcast_object(planned.plan)
-            if compiled is not None:
-                logits = compiled(plan)
+            if compiled is not None:  # it moves what it needs to the device itself
+                logits = compiled(planned.plan)
             else:
+                plan = planned.plan.to(self.device)
                 logits = self.model(plan, self.kv, self.adapters.batch_lora(plan.lora_groups))
         except Exception as e:
             if self.tp.world_size > 1:  # the ranks are out of step for good (one died, or stopped in a collective)

@@ -193,7 +193,7 @@ def status(
         table.add_column(column)
     for r in report.replicas:
         head = [r.model, str(r.replica), r.node[:8], str(r.tensor_parallel)]
-        head += [str(r.cpus_per_rank), str(r.threads), f"{r.device} ({r.backend})", r.state]
+        head += [str(r.cpus_per_rank), str(r.threads), f"{r.device} ({r.backend}, {r.decode_graphs})", r.state]
         if r.state != "serving":
             table.add_row(*head, *["-"] * 6)
             continue

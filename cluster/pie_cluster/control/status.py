@@ -59,6 +59,7 @@ def _replica_status(controller: Controller, name: str, index: int, replica, dead
         threads=info.threads,
         device=info.device,
         backend=info.backend,
+        decode_graphs=info.decode_graphs,
     )
     if (name, index) in controller.supervisor.restarting:
         return status(state="restarting")

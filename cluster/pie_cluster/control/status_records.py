@@ -36,6 +36,7 @@ class ReplicaStatus:
     threads: int
     device: str
     backend: str
+    decode_graphs: str  # "eager", or the graphs its decode steps run through and their start-up time
     state: str  # "serving", "restarting", "dead" or "unresponsive"
     pids: list[int | None] | None = None  # each rank's (None for one that gave none); not probed while restarting
     pages_used: int | None = None  # held by contexts and snapshots: neither free nor reclaimable cache

@@ -20,6 +20,7 @@ from pie_workers.batch_plan import PagedRequests
 BLOCK_N = 64  # keys per step of the walk
 PREFILL_BLOCK_M = 64  # tile rows (query rows x heads of a group) when some request has several query rows
 DECODE_BLOCK_M = 16  # the smallest tile tl.dot takes: one decode row holds only a group's heads
+NO_WINDOW = 1 << 30  # wider than any sequence; a constant, so that a captured launch holds for every length
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def triton_paged_attention(
     _paged_attention_kernel[grid](
         q, k_pages, v_pages, out, paged.query_start, paged.seq_lens, paged.block_table,
         scale * 1.4426950408889634,  # log2(e): the kernel exponentiates in base 2
-        window or paged.max_seq_len,  # no window: one wider than every sequence
+        window or NO_WINDOW,
         k_pages.shape[1],
         *q.stride(), out.stride(0), D,
         *k_pages.stride(), *v_pages.stride(), paged.block_table.stride(0),
