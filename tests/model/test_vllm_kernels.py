@@ -198,9 +198,12 @@ def test_the_vllm_pool_attends_as_the_torch_pool_with_custom_masks_in_the_same_b
     assert (got - causal).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, (1e-5, 0)), (torch.bfloat16, (1e-3, 2**-7))])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, (1e-5, 0)), (torch.bfloat16, (1e-3, 2**-6))])
 def test_vllm_rms_norm_and_fused_residual_add_equal_torchs(dtype, tolerance):
-    """bf16: the two may round an output differently, by one unit in its last place (2^-7 of it)."""
+    """bf16: the two may round an output differently, by one unit in its last place (2^-7 of it) on an AVX-512 CPU,
+    by two on an AVX2 one, where vLLM's kernel converts through float32 by another path."""
+    from pie_workers.runner import onednn_bf16
+
     atol, rtol = tolerance
     gen = torch.Generator().manual_seed(3)
     x, residual = (torch.randn(37, 256, generator=gen).to(dtype) for _ in range(2))
@@ -212,7 +215,9 @@ def test_vllm_rms_norm_and_fused_residual_add_equal_torchs(dtype, tolerance):
     torch.testing.assert_close(fused64(heads), norm64(heads), atol=atol, rtol=rtol)
     expected_normed, expected_sum = ours.add_forward(x, residual)
     normed, summed = fused.add_forward(x.clone(), residual.clone())
-    torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0)
+    # the residual sum: exact on an AVX-512 CPU; on an AVX2 one vLLM's kernel rounds it to bf16 by another path
+    exact = dtype == torch.float32 or onednn_bf16()
+    torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0 if exact else 2**-7)
     torch.testing.assert_close(normed, expected_normed, atol=atol, rtol=rtol)
 
 
@@ -236,7 +241,12 @@ def test_vllm_rotary_equals_ours_in_place_on_a_slice_of_the_fused_projection(rop
 @pytest.mark.parametrize("packer", ["vllm", "torch"])
 def test_packed_onednn_linear_equals_f_linear_and_drops_the_unpacked_weight(dtype, tolerance, rows, packer):
     """vLLM's oneDNN matmul (the vllm backend) and torch's (the torch backend), each over a weight packed once.
-    fp32: sums of 1,024 products in another order differ by ~1e-5 of the outputs' size (~30)."""
+    fp32: sums of 1,024 products in another order differ by ~1e-5 of the outputs' size (~30). bf16 needs oneDNN's
+    bf16 instructions (the runner packs nothing in bf16 without them: ``test_bfloat16_runner_tracks_float32``)."""
+    from pie_workers.runner import onednn_bf16
+
+    if dtype == torch.bfloat16 and not onednn_bf16():
+        pytest.skip("this CPU lacks oneDNN's bf16 instructions (AVX-512 or AVX-NE-CONVERT)")
     from pie_workers.layers.linear import ColumnParallelLinear, TorchPackedLinear
     from pie_workers.layers.vllm_ops import PackedLinear
     from pie_workers.parallel import TensorParallel

@@ -56,6 +56,11 @@ def _resolve_device_dtype(settings: RunnerSettings) -> tuple[torch.device, torch
     return device, DTYPES[name]
 
 
+def onednn_bf16() -> bool:
+    """Whether this CPU has the instructions oneDNN's bf16 matmuls need."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _pool_class(backend: str, device: torch.device) -> type:
     """Each backend's pool for the device: on a GPU the torch backend attends with its Triton kernel."""
     if backend == "vllm":
@@ -107,8 +112,9 @@ class ModelRunner:
     def _pack_linear_weights(self) -> None:
         """On a CPU the matmuls run over weights packed once for oneDNN: vLLM's op for the vllm backend (every
         projection), torch's own for the torch backend (projections of 2^18 weights or more: on the tiny model's
-        128 x 256 ones F.linear is faster). On a GPU, cuBLAS needs no packing."""
-        if self.device.type != "cpu":
+        128 x 256 ones F.linear is faster). On a GPU, cuBLAS needs no packing; in bf16 on a CPU without oneDNN's
+        bf16 instructions (AVX-512 or AVX-NE-CONVERT; e.g. an AVX2-only one) neither packer works, so none packs."""
+        if self.device.type != "cpu" or (self.dtype == torch.bfloat16 and not onednn_bf16()):
             return
         if self.settings.backend == "vllm" and vllm_ops.onednn_available():
             self.model.pack_linear_weights(vllm_ops.PackedLinear)
