@@ -332,6 +332,17 @@ class PieConfig(_Strict):
             raise ValueError(f"[[model]] names must be unique, got {names}")
         return models
 
+    def serving(self, model_dir: Path, name: str | None = None, **keys: int | None) -> PieConfig:
+        """This config serving one Hugging Face directory in place of its ``[[model]]`` entries (``pie start
+        --model``, as ``vllm serve`` does): the first entry's settings, the directory as its ``path``, ``name``
+        (default: the directory's name) and the other ``[[model]]`` ``keys`` given (None: the entry's)."""
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"--model {model_dir}: not a Hugging Face model directory (it has no config.json)")
+        update = {"name": name or model_dir.resolve().name, "path": str(model_dir.resolve())}
+        update |= {key: value for key, value in keys.items() if value is not None}
+        entry = ModelConfigEntry.model_validate(self.model[0].model_dump() | update)
+        return self.model_copy(update={"model": [entry]})
+
     @classmethod
     def load(cls, path: str | Path | None) -> PieConfig:
         """Read a config file (None: all defaults); errors name the file and the offending key."""

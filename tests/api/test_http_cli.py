@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -24,9 +25,12 @@ from support.pie_procs import PIE, engine_status, started_pie
 
 
 @pytest.fixture(scope="module")
-def pie(ray_cluster, tmp_path_factory):
-    """`pie start` as a user would run it, joining the session's cluster; `pie stop` afterwards."""
-    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-home"), INBOX_LIMITS)
+def pie(ray_cluster, tmp_path_factory, tiny_llama):
+    """`pie start` as a user would run it, joining the session's cluster, serving a Hugging Face directory (a copy of
+    the tiny Llama's) named with ``--model``; `pie stop` afterwards."""
+    served = shutil.copytree(tiny_llama, tmp_path_factory.mktemp("models") / "served-llama")
+    args = ("--model", str(served), "--model-name", "default")
+    yield from started_pie(ray_cluster, tmp_path_factory.mktemp("pie-home"), INBOX_LIMITS, args=args)
 
 
 KIB = 1 << 10
@@ -113,6 +117,7 @@ def test_launch_streams_events_and_round_trips_a_session_message(pie, tmp_path, 
 def test_status_shows_each_replicas_cpus_and_the_threads_its_rank_runs(pie):
     """... and how its decode steps run: on a CPU, by default, eager (graphs are made by default on a GPU only)."""
     (replica,) = engine_status(pie)["replicas"]
+    assert replica["model_dir"].endswith("/served-llama")  # `pie start --model`'s directory, under its --model-name
     assert (replica["cpus_per_rank"], replica["threads"]) == (1, 1)  # the config sets cpus_per_rank = 1
     assert replica["decode_graphs"] == "eager"
     shown = subprocess.run([*PIE, "status"], env={**pie["env"], "COLUMNS": "300"}, capture_output=True, text=True)
@@ -451,3 +456,11 @@ def test_the_cluster_serves_normally_after_the_fuzzing(pie, tmp_path, served):
     program = c.upload(write_program(tmp_path, "async def main(input):\n    return 'still here'\n"))["program"]
     assert list(c.launch_and_follow(LaunchRequest(program=program)))[-1][1:] == ("return", "still here")
     assert all(r["state"] == "serving" for r in engine_status(pie)["replicas"])
+
+
+def test_pie_start_refuses_a_model_option_it_cannot_serve_before_joining_ray(tmp_path):
+    """A directory without a model, or ``--replicas`` without ``--model``: one line naming it, exit 2."""
+    env = {**os.environ, "PIE_HOME": str(tmp_path), "RAY_ADDRESS": ""}
+    for args, says in ((["--model", str(tmp_path)], "has no config.json"), (["--replicas", "2"], "with --model")):
+        got = subprocess.run([*PIE, "start", *args], env=env, capture_output=True, text=True, timeout=120)
+        assert got.returncode == 2 and says in got.stderr and "Traceback" not in got.stderr, got.stderr

@@ -44,10 +44,13 @@ def own_node() -> dict:
     return {"dashboard_agent_listen_port": free_port(), "temp_dir": RAY_TEMP}
 
 
-def started_pie(ray_cluster, home: Path, extra_config: str = "", server: str = "", model: str = "") -> Iterator[dict]:
+def started_pie(
+    ray_cluster, home: Path, extra_config: str = "", server: str = "", model: str = "", args: tuple[str, ...] = ()
+) -> Iterator[dict]:
     """Start the services with two users (tokens ``tok-alice``, ``tok-bob``) and the tiny model as "default";
     yields the base URL, the environment, the home directory and what `pie start` printed on stderr, and stops them
-    afterwards. ``server`` and ``model``: more lines for the ``[server]`` and ``[[model]]`` tables."""
+    afterwards. ``server`` and ``model``: more lines for the ``[server]`` and ``[[model]]`` tables; ``args``: more
+    of `pie start`'s options."""
     port = free_port()
     config = home / "config.toml"
     config.write_text(
@@ -68,7 +71,7 @@ def started_pie(ray_cluster, home: Path, extra_config: str = "", server: str = "
     config.chmod(0o644)  # as an editor leaves it: `pie start` warns that other local users can read the tokens
     env = {**os.environ, "PIE_HOME": str(home), "RAY_ADDRESS": ray_cluster.address}
     started = subprocess.run(
-        [*PIE, "start", "--config", str(config), "--address", ray_cluster.address],
+        [*PIE, "start", "--config", str(config), "--address", ray_cluster.address, *args],
         env=env,
         capture_output=True,
         text=True,

@@ -102,6 +102,12 @@ def start(
     host: Annotated[str | None, typer.Option(help="HTTP bind address (overrides [server].host)")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port (overrides [server].port)")] = None,
     no_auth: Annotated[bool, typer.Option("--no-auth", help="accept every caller as user `local`")] = False,
+    model: Annotated[
+        Path | None, typer.Option(help="serve this Hugging Face directory (in place of the config's [[model]])")
+    ] = None,
+    model_name: Annotated[str | None, typer.Option(help="--model's name in requests (default: its directory's)")] = None,
+    tp: Annotated[int | None, typer.Option(min=1, help="--model's tensor-parallel size (default: 1)")] = None,
+    replicas: Annotated[int | None, typer.Option(min=1, help="--model's replicas (default: 1)")] = None,
 ) -> None:
     """Start Pie's services on the Ray cluster (or join the ones already running there)."""
     import ray
@@ -112,6 +118,10 @@ def start(
 
     try:
         cfg = PieConfig.load(config)
+        if model is not None:
+            cfg = cfg.serving(model, model_name, tensor_parallel=tp, replicas=replicas)
+        elif (model_name, tp, replicas) != (None, None, None):
+            raise ValueError("--model-name, --tp and --replicas describe --model: name the directory with --model")
         if no_auth:
             cfg.auth.enabled = False
         cfg.check_auth()
