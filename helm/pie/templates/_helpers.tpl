@@ -119,16 +119,34 @@ enabled = {{ .Values.auth.enabled }}
 {{- end }}
 {{- end -}}
 
-{{/* One KubeRay worker group of fixed size; `gpus` adds nvidia.com/gpu to its limits. */}}
+{{/* A worker group's bounds: minReplicas and maxReplicas, `replicas` where unset (0 is a bound, not unset). */}}
+{{- define "pie.groupMin" -}}
+{{- if kindIs "invalid" .minReplicas }}{{ .replicas }}{{ else }}{{ .minReplicas }}{{ end -}}
+{{- end -}}
+{{- define "pie.groupMax" -}}
+{{- if kindIs "invalid" .maxReplicas }}{{ .replicas }}{{ else }}{{ .maxReplicas }}{{ end -}}
+{{- end -}}
+
+{{/* Whether a worker group is rendered: it has pods, or the autoscaler may give it some. */}}
+{{- define "pie.groupUsed" -}}
+{{- if or (gt (int .group.replicas) 0) (and .root.Values.autoscaling.enabled (gt (int (include "pie.groupMax" .group)) 0)) }}yes{{ end -}}
+{{- end -}}
+
+{{/* One KubeRay worker group, between its bounds; `gpus` adds nvidia.com/gpu to its limits. */}}
 {{- define "pie.workerGroup" -}}
+{{- $min := int (include "pie.groupMin" .group) -}}
+{{- $max := int (include "pie.groupMax" .group) -}}
+{{- if not (and (le $min (int .group.replicas)) (le (int .group.replicas) $max)) -}}
+{{- fail (printf "%sWorkers: minReplicas (%d) <= replicas (%d) <= maxReplicas (%d) does not hold" .name $min (int .group.replicas) $max) -}}
+{{- end -}}
 {{- $resources := deepCopy .group.resources -}}
 {{- if .gpus -}}
 {{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" (int .gpus)) ($resources.limits | default dict)) -}}
 {{- end -}}
 - groupName: {{ .name }}
   replicas: {{ .group.replicas }}
-  minReplicas: {{ .group.replicas }}
-  maxReplicas: {{ .group.replicas }}
+  minReplicas: {{ $min }}
+  maxReplicas: {{ $max }}
   rayStartParams: {}
   template:
     metadata:

@@ -64,7 +64,12 @@ RENDERS = {
     "tokens": ["--set", "auth.tokens.s3cret=alice"],  # the defaults plus the one thing they lack
     "no-auth": ["--set", "auth.enabled=false", "--set", "cpuWorkers.replicas=0"],  # no Secret, no worker group
     "override": ["-f", "-", "--set", "gpuWorkers.replicas=2"],
-}
+    "autoscaled": [  # CPU workers from 0 to 3, GPU workers (none at first) up to 4, by Ray's autoscaler
+        "--set", "auth.tokens.s3cret=alice", "--set", "autoscaling.enabled=true",
+        "--set", "autoscaling.upscalingMode=Conservative", "--set", "cpuWorkers.minReplicas=0",
+        "--set", "cpuWorkers.maxReplicas=3", "--set", "gpuWorkers.maxReplicas=4",
+    ],
+}  # fmt: skip
 
 
 # --- configs/config.toml --------------------------------------------------------------------------------------------
@@ -315,6 +320,21 @@ def test_chart_turns_ray_token_auth_on_and_keeps_the_dashboard_local(case):
     assert re.search(r"\(umask 077; cat [^)]*> /run/pie/config.toml\)", script)
 
 
+def test_chart_turns_kuberays_autoscaler_on_with_each_groups_bounds():
+    """Off by default: every group at its fixed size. On: the autoscaler sidecar with its options, and each group
+    between its bounds, a group of no pods yet included when it may grow."""
+    fixed = _render("tokens")["RayCluster"]["spec"]
+    assert "enableInTreeAutoscaling" not in fixed and "autoscalerOptions" not in fixed
+    assert [(g["groupName"], g["minReplicas"], g["replicas"], g["maxReplicas"]) for g in fixed["workerGroupSpecs"]] == [
+        ("cpu", 1, 1, 1)
+    ]
+    scaled = _render("autoscaled")["RayCluster"]["spec"]
+    assert scaled["enableInTreeAutoscaling"] is True
+    assert scaled["autoscalerOptions"] == {"upscalingMode": "Conservative", "idleTimeoutSeconds": 60}
+    groups = [(g["groupName"], g["minReplicas"], g["replicas"], g["maxReplicas"]) for g in scaled["workerGroupSpecs"]]
+    assert groups == [("cpu", 0, 1, 3), ("gpu", 0, 0, 4)]
+
+
 def test_chart_values_reach_the_cluster_and_config():
     objects = _render("override")
     config = _pie_config(objects)
@@ -348,6 +368,8 @@ def test_chart_values_reach_the_cluster_and_config():
         (["--set", "auth.tokens.t=u", "--set", "service.port=8080"], "/service/port"),
         (["--set", "auth.tokens.t=u", "--set", "pie.server.host=127.0.0.1"], "propertyName 'host'"),
         (["--set", "auth.tokens.t=u", "--set", "rayAuth.mode=none"], "/rayAuth/mode"),
+        (["--set", "auth.tokens.t=u", "--set", "cpuWorkers.maxReplicas=0"], "maxReplicas (0) does not hold"),
+        (["--set", "auth.tokens.t=u", "--set", "autoscaling.upscalingMode=Fast"], "/autoscaling/upscalingMode"),
     ],
 )
 def test_chart_refuses_values_pie_could_not_start_with(args, error):
