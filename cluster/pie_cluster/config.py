@@ -85,7 +85,12 @@ class ModelConfigEntry(_Strict):
     path: str | None = None  # HF model directory; None: the embedded tiny model
     arch: Literal["llama", "qwen3"] = "llama"  # which embedded model, when path is None
     tensor_parallel: int = Field(1, ge=1)
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1)  # the count, fixed; with min/max_replicas, the count it starts with
+    min_replicas: int | None = Field(None, ge=1)  # the autoscaler's bounds (None: replicas); control/autoscaler.py
+    max_replicas: int | None = Field(None, ge=1)
+    target_load: float = Field(32.0, gt=0)  # contexts and queued requests per replica the autoscaler aims at
+    upscale_delay_s: float = Field(10.0, ge=0)  # how long more replicas must be wanted before one is added
+    downscale_delay_s: float = Field(60.0, ge=0)  # ... fewer, before one is removed
     placement: Literal["spread", "strict_spread", "pack"] = "spread"  # how replicas share nodes (Ray's strategies)
     pages: int = Field(4096, ge=1)
     page_size: int = Field(16, ge=1)
@@ -101,6 +106,25 @@ class ModelConfigEntry(_Strict):
     def _backend_takes_the_page_size(self) -> ModelConfigEntry:
         check_backend(self.backend, self.page_size)  # a ValueError naming the page sizes its kernels take
         return self
+
+    @model_validator(mode="after")
+    def _replicas_within_bounds(self) -> ModelConfigEntry:
+        if "replicas" not in self.model_fields_set and self.min_replicas is not None:
+            self.replicas = self.min_replicas  # the count it starts with: the least it may have
+        if not self.fewest <= self.replicas <= self.most:
+            raise ValueError(
+                f"[[model]] {self.name!r}: min_replicas ({self.fewest}) <= replicas ({self.replicas}) <= "
+                f"max_replicas ({self.most}) does not hold"
+            )
+        return self
+
+    @property
+    def fewest(self) -> int:
+        return self.replicas if self.min_replicas is None else self.min_replicas
+
+    @property
+    def most(self) -> int:
+        return self.replicas if self.max_replicas is None else self.max_replicas
 
 
 EVENT_BYTES_CEILING = 16 << 20  # no event value may be larger, whatever [limits] says: the worker protocol's bound
@@ -340,7 +364,7 @@ class PieConfig(_Strict):
             raise ValueError(f"--model {model_dir}: not a Hugging Face model directory (it has no config.json)")
         update = {"name": name or model_dir.resolve().name, "path": str(model_dir.resolve())}
         update |= {key: value for key, value in keys.items() if value is not None}
-        entry = ModelConfigEntry.model_validate(self.model[0].model_dump() | update)
+        entry = ModelConfigEntry.model_validate(self.model[0].model_dump(exclude_unset=True) | update)
         return self.model_copy(update={"model": [entry]})
 
     @classmethod

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 NAMESPACE = "pie"
+CONTROLLER = "pie-controller"  # the controller's actor name in its namespace (control/lifecycle.py makes it)
 
 
 class RayUnreachable(ConnectionError):

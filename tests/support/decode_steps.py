@@ -9,7 +9,6 @@ import numpy as np
 import torch
 from pie_workers.runner import ModelRunner
 from pie_workers.wire.batch import ForwardBatch, Slot
-
 from support.paged import LOGITS, PageAllocator, Seq, request_for
 
 

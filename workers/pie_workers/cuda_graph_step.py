@@ -41,8 +41,9 @@ class _Inputs:
         """The plan a graph of ``size`` rows is captured with: views of the buffers, every row with logits."""
         empty = self.token_ids[:0]
         paged = PagedRequests(
-            query_start=self.query_start[: size + 1], seq_lens=self.seq_lens[:size], block_table=self.block_table[:size],
-            masked_rows=None, masked_buckets=[], has_empty_request=False, max_query_len=1, max_seq_len=max_position + 1,
+            query_start=self.query_start[: size + 1], seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size], masked_rows=None, masked_buckets=[], has_empty_request=False,
+            max_query_len=1, max_seq_len=max_position + 1,
         )  # fmt: skip
         return BatchPlan(
             self.token_ids[:size], self.positions[:size], self.slots[:size], [], empty, empty, empty,
@@ -123,4 +124,3 @@ class CudaGraphDecode:
         inputs.seq_lens[:size].copy_(F.pad(plan.paged.seq_lens, (0, pad), value=fill["seq_len"]), non_blocking=True)
         table = F.pad(plan.paged.block_table, (0, 0, 0, pad), value=fill["page"])
         inputs.block_table[:size, : table.shape[1]].copy_(table, non_blocking=True)
-

@@ -20,8 +20,8 @@ from pie_workers.adapters import AdapterStore, LoraAdapter, LoraConfig
 from pie_workers.backends import resolve_backend
 from pie_workers.batch_checks import BatchError
 from pie_workers.batch_plan import BatchPlan, PlannedBatch, RequestSampling, plan_batch
-from pie_workers.compiled_step import compiled_decode
 from pie_workers.config import ModelConfig
+from pie_workers.decode_graphs import compiled_decode
 from pie_workers.kv_pool import KVPool, PoolShape, page_bytes, pages_for_memory_fraction
 from pie_workers.layers import vllm_ops
 from pie_workers.layers.linear import TorchPackedLinear

@@ -105,9 +105,13 @@ def start(
     model: Annotated[
         Path | None, typer.Option(help="serve this Hugging Face directory (in place of the config's [[model]])")
     ] = None,
-    model_name: Annotated[str | None, typer.Option(help="--model's name in requests (default: its directory's)")] = None,
+    model_name: Annotated[
+        str | None, typer.Option(help="--model's name in requests (default: its directory's)")
+    ] = None,
     tp: Annotated[int | None, typer.Option(min=1, help="--model's tensor-parallel size (default: 1)")] = None,
     replicas: Annotated[int | None, typer.Option(min=1, help="--model's replicas (default: 1)")] = None,
+    min_replicas: Annotated[int | None, typer.Option(min=1, help="--model autoscaled from this many replicas")] = None,
+    max_replicas: Annotated[int | None, typer.Option(min=1, help="... up to this many")] = None,
 ) -> None:
     """Start Pie's services on the Ray cluster (or join the ones already running there)."""
     import ray
@@ -118,10 +122,14 @@ def start(
 
     try:
         cfg = PieConfig.load(config)
+        scaled = {"replicas": replicas, "min_replicas": min_replicas, "max_replicas": max_replicas}
         if model is not None:
-            cfg = cfg.serving(model, model_name, tensor_parallel=tp, replicas=replicas)
-        elif (model_name, tp, replicas) != (None, None, None):
-            raise ValueError("--model-name, --tp and --replicas describe --model: name the directory with --model")
+            cfg = cfg.serving(model, model_name, tensor_parallel=tp, **scaled)
+        elif any(v is not None for v in (model_name, tp, *scaled.values())):
+            raise ValueError(
+                "--model-name, --tp, --replicas, --min-replicas and --max-replicas describe --model: name the "
+                "directory with --model"
+            )
         if no_auth:
             cfg.auth.enabled = False
         cfg.check_auth()
@@ -217,6 +225,10 @@ def status(
             str(r.batches),
         )
     console.print(table)
+    for scale in report.scaling:
+        bounds = f"{scale.min_replicas}-{scale.max_replicas}"
+        replicas = f"{scale.current} replicas, target {scale.target} ({bounds})"
+        console.print(f"model {scale.model}: {replicas}: {scale.reason}")
     for node in report.nodes:
         if not node.alive or node.host != "serving":
             console.print(f"node {node.node[:8]}: {'alive' if node.alive else 'lost'}, host {node.host}")

@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus import replace_shards, start_bus
 from pie_cluster.config import ModelConfigEntry, PieConfig
+from pie_cluster.control.autoscaler import ModelScale
 from pie_cluster.control.cpu_share import automatic_cpus_for
 from pie_cluster.control.drain import DrainReport, drain_node
 from pie_cluster.control.preferred_node import preferring
@@ -46,7 +47,9 @@ from pie_cluster.control.recovery import (
     ControllerState,
     ModelPlacement,
     kill_orphans,
+    trim_placements,
 )
+from pie_cluster.control.scaling import ReplicaScaler
 from pie_cluster.control.services import model_endpoints, node_services, replica_endpoints
 from pie_cluster.control.status import cluster_status
 from pie_cluster.control.status_records import ClusterStatus
@@ -82,13 +85,15 @@ class Controller:
 
     def __init__(self, config: PieConfig, restartable: bool = False):
         self.config = config
-        self._detached = restartable  # what it starts outlives it, so that its restart finds it all running
+        self.detached = restartable  # what it starts outlives it, so that its restart finds it all running
         self._namespace = ray.get_runtime_context().namespace
         self._memory = ControllerMemory(self._namespace, _reconstructed()) if restartable else None
         self.secret = self._memory.secret(_new_secret) if restartable else _new_secret()
         saved = self._memory.load() if restartable else None
+        self.scaler: ReplicaScaler | None = None  # made once the replicas are (below)
+        self._saved_scales = saved.scales if saved is not None else {}
         self.hosting = threading.Lock()  # hosts added and services published one at a time
-        self._stopping = threading.Event()
+        self.stopping = threading.Event()
         if saved is None:
             try:
                 self._build()
@@ -98,13 +103,14 @@ class Controller:
         else:
             self._adopt(saved)
         self._bus_published = True  # False: the hosts are yet to be given the bus shards' new addresses
-        self.supervisor = Supervisor(config.supervision, self.replicas, self._new_replica, self._publish)
+        self.supervisor = Supervisor(config.supervision, self.replicas, self.new_replica, self.publish)
+        self.scaler = ReplicaScaler(self, self._saved_scales)
         threading.Thread(target=self._watch_nodes, name="node-watcher", daemon=True).start()
 
     def _build(self) -> None:
         config = self.config
         self.replicas: dict[str, list[Replica]] = {}
-        self._models: dict[str, ModelPlacement] = {}
+        self.models: dict[str, ModelPlacement] = {}
         self.drained: set[str] = set()  # nodes `pie drain` released: no host is started there again
         self.restarts = 0
         self.launcher = self.market = self.directory = self.responses = self.bus = None  # set as each starts
@@ -115,7 +121,7 @@ class Controller:
         # The market, the directory, the response store and the launcher keep their state in the GCS, so where
         # their node is lost Ray restarts them on another
         here = preferring(ray.get_runtime_context().get_node_id())
-        lifetime = "detached" if self._detached else None
+        lifetime = "detached" if self.detached else None
         limits, placed = config.limits, {"lifetime": lifetime, "placement": here}
         endowments = {"default_endowment": config.market.default_endowment, "max_endowment": limits.max_endowment}
         self.market = get_or_create_market(self._namespace, **endowments, **placed)
@@ -142,7 +148,7 @@ class Controller:
         self.launcher = launcher_cls.remote(config.launcher, config.sandbox.enabled, config.supervision, channels)
         bounds = {"limits": limits.bus_limits(), "connections": limits.connection_limits()}
         with ThreadPoolExecutor(thread_name_prefix="start") as starting:
-            bus = starting.submit(start_bus, config.bus.shards, detached=self._detached, secret=self.secret, **bounds)
+            bus = starting.submit(start_bus, config.bus.shards, detached=self.detached, secret=self.secret, **bounds)
             models = {entry.name: starting.submit(self._start_replicas, entry) for entry in config.model}
         # every start has ended here; what did start is kept, so that a failed build can take it down (_discard)
         if bus.exception() is None:
@@ -176,15 +182,16 @@ class Controller:
             for replica in group:
                 for rank in replica.ranks:
                     ray.kill(rank, no_restart=True)
-        for model in self._models.values():
+        for model in self.models.values():
             remove_placement_group(model.group)
 
     def _adopt(self, saved: ControllerState) -> None:
         """Take over what the previous process built; what it left half-made is killed."""
-        self._models, self.replicas, self.drained = saved.models, saved.replicas, saved.drained
+        self.models, self.replicas, self.drained = saved.models, saved.replicas, saved.drained
         self.market, self.directory, self.responses = saved.market, saved.directory, saved.responses
         self.launcher, self.bus, self.hosts = saved.launcher, saved.bus, saved.hosts
         self.restarts = saved.restarts + 1
+        trim_placements(self.models, self.replicas)
         killed = kill_orphans(saved)
         log.warning("controller restarted: adopted its cluster (restart %d; killed %s)", self.restarts, killed or "-")
         self.save()
@@ -194,7 +201,7 @@ class Controller:
         if self._memory is None:
             return
         state = ControllerState(
-            self._models,
+            self.models,
             self.replicas,
             self.market,
             self.directory,
@@ -204,11 +211,12 @@ class Controller:
             self.hosts,
             self.drained,
             self.restarts,
+            self.scaler.targets() if self.scaler is not None else self._saved_scales,
         )
         self._memory.save(state)
 
     def cpus_per_rank(self, model: str) -> int:
-        return self._models[model].cpus_per_rank
+        return self.models[model].cpus_per_rank
 
     def _start_host(self, node: str, services: NodeServices):
         """The pooled inferlet host of ``node``; Ray restarts it if it dies (the launcher fails what it ran)."""
@@ -217,7 +225,7 @@ class Controller:
             ray.remote(InferletHost)
             .options(
                 name=f"{HOST_PREFIX}{node}/{secrets.token_hex(4)}",
-                lifetime="detached" if self._detached else None,
+                lifetime="detached" if self.detached else None,
                 num_cpus=0,
                 max_restarts=-1,
                 max_concurrency=100_000,
@@ -229,7 +237,7 @@ class Controller:
     def _watch_nodes(self) -> None:
         """A node that joins after the start gets a pooled host, and the launcher places launches there; a bus
         shard whose node is lost is made again on another."""
-        while not self._stopping.wait(self.config.supervision.probe_every_s):
+        while not self.stopping.wait(self.config.supervision.probe_every_s):
             alive = _alive_nodes()
             for node in sorted(alive - set(self.hosts) - self.drained):
                 try:
@@ -249,7 +257,7 @@ class Controller:
             log.warning("bus shards %s replaced on other nodes (theirs were lost)", lost)
             self._bus_published = False
         if not self._bus_published:
-            self._publish()
+            self.publish()
             self._bus_published = True
 
     def _add_host(self, node: str) -> None:
@@ -268,7 +276,7 @@ class Controller:
     def _services(self, nodes) -> dict[str, NodeServices]:
         return node_services(self.replicas, self.bus, self.market, self.config.mcp_specs(), nodes)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """A replica was replaced or a bus shard moved: hosts and the launcher get the new addresses."""
         with self.hosting:
             services = self._services(list(self.hosts))
@@ -282,28 +290,28 @@ class Controller:
         return self.config.supervision.probe_deadline_s
 
     def _start_replicas(self, entry: ModelConfigEntry) -> list[Replica]:
-        """The model's replicas, one bundle each of one placement group (spread over nodes as configured)."""
+        """The model's replicas, one bundle each of one placement group (spread over nodes as configured); those
+        an autoscaled model starts with beyond its ``min_replicas`` in groups of their own (``control.scaling``)."""
         use_gpu = entry.use_gpu
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         cpus = entry.cpus_per_rank or self._auto_cpus
         log.info("model %r: %d CPU(s) per rank (%s)", entry.name, cpus, "set" if entry.cpus_per_rank else "automatic")
+        shape = (entry.tensor_parallel, cpus, use_gpu)
         group = replica_placement(
-            entry.replicas,
-            entry.tensor_parallel,
-            cpus,
-            use_gpu,
-            entry.placement.upper(),
-            entry.resources,
-            detached=self._detached,
+            entry.fewest, *shape, entry.placement.upper(), entry.resources, detached=self.detached
         )
-        self._models[entry.name] = ModelPlacement(entry, group, use_gpu, cpus)
+        added = tuple(
+            replica_placement(1, *shape, "PACK", entry.resources, detached=self.detached)
+            for _ in range(entry.replicas - entry.fewest)
+        )
+        self.models[entry.name] = ModelPlacement(entry, group, use_gpu, cpus, added)
         with ThreadPoolExecutor(thread_name_prefix=f"start-{entry.name}") as starting:
-            return list(starting.map(lambda index: self._new_replica(entry.name, index), range(entry.replicas)))
+            return list(starting.map(lambda index: self.new_replica(entry.name, index), range(entry.replicas)))
 
-    def _new_replica(self, name: str, index: int) -> Replica:
+    def new_replica(self, name: str, index: int) -> Replica:
         """Replica ``index`` of model ``name``, in its bundle of the model's placement group."""
-        model = self._models[name]
+        model = self.models[name]
         entry = model.entry
         return Replica(
             _model_source(entry),
@@ -315,12 +323,12 @@ class Controller:
             model.use_gpu,
             BatchLimits(max_tokens=entry.max_batch_tokens, max_requests=entry.max_batch_requests),
             market=self.market,
-            placement=(model.group, index),
+            placement=model.bundle(index),
             directory=(self.directory, name),
             secret=self.secret,
             start_s=self.config.supervision.start_s,
             name=f"{REPLICA_PREFIX}{name}/{index}/{secrets.token_hex(4)}",
-            detached=self._detached,
+            detached=self.detached,
             fit_threads=entry.cpus_per_rank is None,
             tenants=self.config.limits.tenant_limits(self.config.cache),
         )
@@ -336,6 +344,10 @@ class Controller:
         """Every replica of each model as reached from ``node_id`` (``control.services``)."""
         return replica_endpoints(self.replicas, node_id)
 
+    def scaling(self) -> list[ModelScale]:
+        """Each autoscaled model's replicas now, target and why (the ingress's ``/metrics``)."""
+        return list(self.scaler.scales().values())
+
     def status(self) -> ClusterStatus:
         """``pie status`` (``pie_cluster.control.status``)."""
         return cluster_status(self)
@@ -350,7 +362,7 @@ class Controller:
     def shutdown(self) -> None:
         """Stop everything, whatever has died already (a dead part is simply skipped)."""
         self.supervisor.stop()
-        self._stopping.set()
+        self.stopping.set()  # the scaler's thread too
         with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             ray.get(self.launcher.close.remote(), timeout=self._deadline)  # its program store leaves the disk
         for actor in [self.launcher, *self.hosts.values(), self.market, self.directory, self.responses]:
@@ -364,8 +376,9 @@ class Controller:
                 except ray.exceptions.RayError:
                     for rank in replica.ranks:
                         ray.kill(rank)
-        for model in self._models.values():
-            remove_placement_group(model.group)
+        for model in self.models.values():
+            for group in (model.group, *model.added):
+                remove_placement_group(group)
         if self._memory is not None:
             self._memory.clear()
 

@@ -11,8 +11,7 @@ from pie_cluster.config import PieConfig
 from pie_cluster.control.controller import Controller
 from pie_cluster.control.preferred_node import preferring
 from pie_cluster.control.recovery import kill_saved
-
-CONTROLLER = "pie-controller"
+from pie_cluster.ray_session import CONTROLLER
 
 
 def start_controller(config: PieConfig, detached: bool = True):

@@ -11,7 +11,7 @@ that joined gets its host on the first round.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -21,6 +21,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from pie_cluster.bus import Bus
 from pie_cluster.config import ModelConfigEntry
+from pie_cluster.control.autoscaler import ModelScale
 from pie_cluster.gcs_store import GcsStore
 
 REPLICA_PREFIX = "pie-replica/"  # + model/index/token: a replica's ranks are named "{that}/rank-{i}"
@@ -29,12 +30,19 @@ HOST_PREFIX = "pie-host/"  # + node/token
 
 @dataclass(frozen=True)
 class ModelPlacement:
-    """How a model's replicas are made: its config entry and the placement group their bundles are in."""
+    """How a model's replicas are made: its config entry, the placement group of its first ``min_replicas``
+    replicas' bundles and the one-bundle groups of those beyond (``control.scaling``), in replica order."""
 
     entry: ModelConfigEntry
     group: PlacementGroup
     use_gpu: bool
     cpus_per_rank: int  # the entry's, or the automatic share (cpu_share.py)
+    added: tuple[PlacementGroup, ...] = ()
+
+    def bundle(self, index: int) -> tuple[PlacementGroup, int]:
+        """Where replica ``index`` runs: a bundle of the model's group, or its own group's one."""
+        base = self.entry.fewest
+        return (self.group, index) if index < base else (self.added[index - base], 0)
 
 
 @dataclass
@@ -51,6 +59,7 @@ class ControllerState:
     hosts: dict[str, Any]
     drained: set[str] = field(default_factory=set)
     restarts: int = 0  # how often the controller was restarted and adopted this state
+    scales: dict[str, ModelScale] = field(default_factory=dict)  # autoscaled models' targets (control.autoscaler)
 
 
 class ControllerMemory:
@@ -81,6 +90,16 @@ class ControllerMemory:
 
     def clear(self) -> None:
         self._store.clear()
+
+
+def trim_placements(models: dict[str, ModelPlacement], replicas: dict[str, list[Replica]]) -> None:
+    """Remove the one-bundle groups that have no replica: an addition the old process did not finish, or a removal
+    it did not (``control.scaling``); the replicas those left half-made are ``kill_orphans``'."""
+    for name, model in models.items():
+        keep = max(0, len(replicas[name]) - model.entry.fewest)
+        for group in model.added[keep:]:
+            remove_placement_group(group)
+        models[name] = replace(model, added=model.added[:keep])
 
 
 def kill_orphans(state: ControllerState) -> list[str]:

@@ -43,6 +43,7 @@ def cluster_status(controller: Controller) -> ClusterStatus:
         bus=bus,
         bus_shards=[info.node_id for info in controller.bus.infos],
         market=market,
+        scaling=list(controller.scaler.scales().values()),
     )
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pie_cluster.bus.topics import BusStats
+    from pie_cluster.control.autoscaler import ModelScale
     from pie_cluster.hosts.description import HostDescription
     from pie_cluster.launcher.records import LauncherStats
     from pie_cluster.market.actor import MarketSummary
@@ -83,6 +84,7 @@ class ClusterStatus:
     bus: BusStats | Unanswered
     bus_shards: list[str]  # each shard's node, in shard order
     market: MarketSummary | Unanswered
+    scaling: list[ModelScale] = dataclasses.field(default_factory=list)  # autoscaled models: target, count, why
 
 
 def status_json(status: ClusterStatus) -> dict:

@@ -74,18 +74,27 @@ class Supervisor:
         self._make, self._publish = make, publish
         self._publishing = threading.Lock()
         self._stopping = threading.Event()
+        self._watchers: dict[tuple[str, int], object] = {}  # the one thread that watches each replica
         for name, group in replicas.items():
             for index in range(len(group)):
-                threading.Thread(
-                    target=self._watch, args=(name, index), name=f"supervise-{name}-{index}", daemon=True
-                ).start()
+                self.watch(name, index)
+
+    def watch(self, name: str, index: int) -> None:
+        """Watch replica ``index`` of ``name`` until it is no longer there (the autoscaler removed it), or another
+        thread watches it (it was removed and added again before this one noticed)."""
+        self._watchers[(name, index)] = token = object()
+        threading.Thread(
+            target=self._watch, args=(name, index, token), name=f"supervise-{name}-{index}", daemon=True
+        ).start()
 
     def stop(self) -> None:
         self._stopping.set()
 
-    def _watch(self, name: str, index: int) -> None:
+    def _watch(self, name: str, index: int, token: object) -> None:
         settings, misses = self.settings, 0
         while not self._stopping.wait(settings.probe_every_s):
+            if index >= len(self.replicas[name]) or self._watchers.get((name, index)) is not token:
+                return  # removed (control.scaling), or watched by a newer thread
             replica = self.replicas[name][index]
             probe = probe_ranks(replica.ranks, settings.probe_deadline_s)
             misses = misses + 1 if probe.silent and not probe.dead else 0
@@ -108,6 +117,10 @@ class Supervisor:
             ray.kill(rank)
         fresh = self._make(name, index)
         with self._publishing:
+            if index >= len(self.replicas[name]):  # removed meanwhile (control.scaling): not wanted any more
+                fresh.shutdown()
+                self.restarting.discard((name, index))
+                return
             self.replicas[name][index] = fresh
             self.restarts += 1
             self.restarting.discard((name, index))

@@ -43,6 +43,7 @@ from pie_cluster.launch_request import LaunchRequest, describe_errors
 from pie_cluster.launcher.records import ListedInstance, Uploaded
 from pie_cluster.programs import BUILTINS
 from pie_cluster.programs.program import MAX_PROGRAM_BYTES
+from pie_cluster.ray_session import CONTROLLER
 
 LOCAL_USER = "local"
 log = logging.getLogger("pie.http")
@@ -159,6 +160,11 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)
         self._running = Gauge("pie_instances_running", "instances running cluster-wide", registry=self._registry)
+        model = ["model"]
+        self._scaled = {  # each autoscaled model's replicas now and the autoscaler's target for it
+            "current": Gauge("pie_model_replicas", "an autoscaled model's replicas", model, registry=self._registry),
+            "target": Gauge("pie_model_target_replicas", "its autoscaler's target", model, registry=self._registry),
+        }
         self._request_metrics = RequestMetrics(self._registry)
 
     async def __del__(self) -> None:
@@ -198,6 +204,13 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
     @app.get("/metrics")
     async def metrics(self) -> Response:
         self._running.set((await self._call("metrics", self._launcher.stats)).running)
+        try:
+            controller = ray.get_actor(CONTROLLER, namespace=self._namespace)
+            for scale in await answer(controller.scaling.remote(), "the controller", LAUNCHER_S):
+                self._scaled["current"].labels(scale.model).set(scale.current)
+                self._scaled["target"].labels(scale.model).set(scale.target)
+        except (ValueError, NoAnswer, RayActorError):  # the controller restarting: the last values stand
+            pass
         return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/programs", response_model=Uploaded)

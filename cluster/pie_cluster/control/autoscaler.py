@@ -1,0 +1,75 @@
+"""How many replicas each model should have: a target per model, from what its replicas report, with hysteresis.
+
+The load of a model is what its replicas hold and wait on: live contexts (one per running generation, an idle
+inferlet's too) and queued requests; ``[[model]] target_load`` of it per replica is the aim, so the wanted count is
+``ceil(load / target_load)``, within ``min_replicas`` and ``max_replicas``. Memory is the other signal, the one only
+this cluster has: a replica that suspended contexts (the market gave their pages to higher bids) is short of KV
+pages, whatever its load, so one more replica is wanted while any is suspended. A wanted count must hold for
+``upscale_delay_s`` (more) or ``downscale_delay_s`` (fewer) before it becomes the target, as in Serve's autoscaler:
+a burst shorter than the delay moves nothing. The controller (``control.scaling``) then adds or removes replicas
+until the count meets the target.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pie_cluster.config import ModelConfigEntry
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What one serving replica reports (``EngineStats``)."""
+
+    contexts: int
+    queued: int
+    suspended: int
+
+
+@dataclass(frozen=True)
+class ModelScale:
+    """One model's target, and why it is what it is (``pie status``; saved with the controller's state)."""
+
+    model: str
+    min_replicas: int
+    max_replicas: int
+    target: int
+    current: int = 0  # replicas serving or being replaced now (filled in by the status)
+    reason: str = "started"
+
+
+class ScalePolicy:
+    """One model's target over time: ``decide`` with each round's loads."""
+
+    def __init__(self, entry: ModelConfigEntry, scale: ModelScale):
+        self.entry, self.scale = entry, scale
+        self._wanted_since: float | None = None  # when the wanted count first differed from the target
+        self._wanted_way = 0  # +1: more, -1: fewer
+
+    def decide(self, loads: list[ReplicaLoad], now: float) -> ModelScale:
+        """The target after this round (``now``: a monotonic clock, seconds)."""
+        entry, target = self.entry, self.scale.target
+        wanted, why = self._wanted(loads)
+        way = (wanted > target) - (wanted < target)
+        if way == 0 or way != self._wanted_way:
+            self._wanted_since, self._wanted_way = (None, 0) if way == 0 else (now, way)
+        delay = entry.upscale_delay_s if way > 0 else entry.downscale_delay_s
+        if way != 0 and now - self._wanted_since >= delay:
+            held = f" for {delay:g} s" if delay else ""
+            self.scale = ModelScale(entry.name, entry.fewest, entry.most, wanted, reason=f"{why}{held}")
+            self._wanted_since, self._wanted_way = None, 0
+        return self.scale
+
+    def _wanted(self, loads: list[ReplicaLoad]) -> tuple[int, str]:
+        entry = self.entry
+        load = sum(r.contexts + r.queued for r in loads)
+        wanted = math.ceil(load / entry.target_load)
+        why = f"load {load} (contexts and queued requests) at {entry.target_load:g} per replica"
+        suspended = sum(r.suspended for r in loads)
+        if suspended and len(loads) + 1 > wanted:
+            wanted, why = len(loads) + 1, f"KV memory short: {suspended} contexts suspended on {len(loads)} replicas"
+        bounded = min(max(wanted, entry.fewest), entry.most)
+        if bounded != wanted:
+            why += f"; {'min' if bounded > wanted else 'max'}_replicas {bounded}"
+        return bounded, why

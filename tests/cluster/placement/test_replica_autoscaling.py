@@ -1,0 +1,100 @@
+"""Replicas that follow the load: an autoscaled model (``min_replicas = 1``, ``max_replicas = 2``) gets a second
+replica while inferlets hold more contexts than one replica's ``target_load``, and gives it back once they are gone
+— its ranks stopped and its placement group removed, so Ray's autoscaler could take the node away — and the
+cluster serves on. ``pie status`` says each step's target and why."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import ray
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
+from pie_cluster.control.lifecycle import start_controller
+from ray.util.state import list_actors
+from support.launching import launch, run_to_end, upload
+
+HOLD = """
+import asyncio
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    with Context(Model.load("default")) as ctx:
+        ctx.user("hold a context")
+        await ctx.generate(Sampler.argmax(), max_tokens=2, stop=[]).collect_tokens()
+        await asyncio.sleep(600)
+"""
+
+GREEDY = """
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    with Context(Model.load("default")) as ctx:
+        ctx.user("after the scale-down")
+        return await ctx.generate(Sampler.argmax(), max_tokens=3, stop=[]).collect_tokens()
+"""
+
+
+def scaling(controller):
+    status = ray.get(controller.status.remote())
+    (scale,) = status.scaling
+    return scale, status.replicas
+
+
+def wait_for(controller, replicas: int, timeout_s: float = 240):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        scale, rows = scaling(controller)
+        if scale.current == replicas and all(r.state == "serving" for r in rows):
+            return scale, rows
+        time.sleep(0.3)
+    raise AssertionError(f"not {replicas} serving replicas within {timeout_s} s: {scaling(controller)}")
+
+
+def replica_groups() -> int:
+    return sum(1 for g in ray.util.placement_group_table().values() if g["state"] == "CREATED")
+
+
+@pytest.mark.slow
+def test_an_autoscaled_model_adds_a_replica_under_load_and_gives_it_back(ray_cluster, ray_session):
+    model = ModelConfigEntry(
+        pages=64, cpus_per_rank=1, min_replicas=1, max_replicas=2, target_load=2, upscale_delay_s=0,
+        downscale_delay_s=1,
+    )  # fmt: skip
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
+    groups_before = replica_groups()
+    controller = start_controller(config, detached=False)
+    try:
+        launcher = ray.get_actor("pie-launcher")
+        scale, _ = scaling(controller)
+        assert (scale.min_replicas, scale.max_replicas, scale.target, scale.current) == (1, 2, 1, 1)
+        assert replica_groups() == groups_before + 1
+
+        hold = upload(launcher, HOLD)
+        holders = [launch(launcher, hold) for _ in range(3)]  # 3 contexts at 2 per replica: 2 replicas wanted
+        began = time.monotonic()
+        scale, rows = wait_for(controller, 2)
+        print(f"second replica serving {time.monotonic() - began:.1f} s after the load came")
+        assert scale.target == 2 and "load 3" in scale.reason, scale
+        assert len(rows) == 2 and replica_groups() == groups_before + 2  # its own one-bundle group
+
+        for instance in holders:
+            ray.get(launcher.abort.remote("alice", instance))
+        began = time.monotonic()
+        scale, rows = wait_for(controller, 1)
+        print(f"back to one replica {time.monotonic() - began:.1f} s after the load went")
+        assert scale.target == 1 and "load 0" in scale.reason and "min_replicas 1" in scale.reason, scale
+        deadline = time.monotonic() + 60  # the removed replica's group goes once its ranks have stopped
+        while replica_groups() != groups_before + 1 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert replica_groups() == groups_before + 1
+        alive = {a["name"] or "" for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)}
+        assert not [name for name in alive if name.startswith("pie-replica/default/1/")], alive
+
+        last = run_to_end(launcher, launch(launcher, upload(launcher, GREEDY)))[-1]
+        assert last[1] == "return" and len(json.loads(last[2])) == 3, last
+    finally:
+        ray.get(controller.shutdown.remote())
+        ray.kill(controller)
+    assert replica_groups() == groups_before
