@@ -1,11 +1,14 @@
 """Replicas that follow the load: an autoscaled model (``min_replicas = 1``, ``max_replicas = 2``) gets a second
-replica while inferlets hold more contexts than one replica's ``target_load``, and gives it back once they are gone
-— its ranks stopped and its placement group removed, so Ray's autoscaler could take the node away — and the
-cluster serves on. ``pie status`` says each step's target and why."""
+replica while inferlets hold more contexts than one replica's ``target_load``; the controller, killed then, comes
+back with the target and both replicas; the model gives the second back once the load is gone — its ranks stopped
+and its placement group removed, so Ray's autoscaler could take the node away — and the cluster serves on.
+``pie status`` says each step's target and why."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -64,7 +67,7 @@ def test_an_autoscaled_model_adds_a_replica_under_load_and_gives_it_back(ray_clu
     )  # fmt: skip
     config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
     groups_before = replica_groups()
-    controller = start_controller(config, detached=False)
+    controller = start_controller(config)  # restartable, as `pie start` makes it
     try:
         launcher = ray.get_actor("pie-launcher")
         scale, _ = scaling(controller)
@@ -78,6 +81,12 @@ def test_an_autoscaled_model_adds_a_replica_under_load_and_gives_it_back(ray_clu
         print(f"second replica serving {time.monotonic() - began:.1f} s after the load came")
         assert scale.target == 2 and "load 3" in scale.reason, scale
         assert len(rows) == 2 and replica_groups() == groups_before + 2  # its own one-bundle group
+
+        os.kill(ray.get(controller.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+        status = ray.get(controller.status.remote(), timeout=120)  # answered by the restarted controller
+        (scale,) = status.scaling
+        assert status.controller_restarts == 1 and (scale.target, scale.current) == (2, 2), status
+        assert [r.state for r in status.replicas] == ["serving", "serving"] and replica_groups() == groups_before + 2
 
         for instance in holders:
             ray.get(launcher.abort.remote("alice", instance))
