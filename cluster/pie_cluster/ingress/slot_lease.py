@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from ray.exceptions import RayActorError
 
-from pie_cluster.coalesced_calls import CoalescedCalls
+from pie_cluster.coalesced_calls import CoalescedCalls, remote_outside_requests
 from pie_cluster.hosts.events import Ending, NotFound
 from pie_cluster.instance import Launch
 from pie_cluster.launcher.records import Granted, Queued, Refused, RunnerReport, RunOnHost, SlotAsk
@@ -96,19 +96,27 @@ class SlotLease:
     async def _waited(self, ask: SlotAsk) -> bool:
         """Wait in the launcher's queue until the slot of ``ask`` is granted (True). False when the launcher died
         meanwhile: its queue went with it, so the ask goes again, to the restarted one (after this replica's report,
-        so that it counts the slots held here first)."""
-        try:
-            while not await answer(
-                self._launcher.slot.remote(self._name, ask.id, LAUNCHER_S), "the launcher", 2 * LAUNCHER_S
-            ):
-                pass
-            return True
-        except (RayActorError, NotFound):  # it died, or it restarted and knows no such ask
-            self._soon()  # submitted before the ask goes again
-            return False
-        except BaseException:  # its place in the queue, or the slot granted meanwhile, goes back
-            self._launcher.withdraw.remote(self._name, ask.id)
-            raise
+        so that it counts the slots held here first). A request that goes away meanwhile withdraws its ask; the
+        launcher may have granted its slot just before, so the answer on its way is still heard (``_granted_late``)."""
+        while True:
+            slot = remote_outside_requests(self._launcher.slot, self._name, ask.id, LAUNCHER_S)
+            granting = asyncio.ensure_future(answer(slot, "the launcher", 2 * LAUNCHER_S))
+            try:
+                if await asyncio.shield(granting):
+                    return True
+            except (RayActorError, NotFound):  # it died, or it restarted and knows no such ask
+                self._soon()  # submitted before the ask goes again
+                return False
+            except BaseException:  # the request went away (or no answer came)
+                remote_outside_requests(self._launcher.withdraw, self._name, ask.id)
+                granting.add_done_callback(lambda done: self._granted_late(ask, done))
+                raise
+
+    def _granted_late(self, ask: SlotAsk, done: asyncio.Future) -> None:
+        """The launcher's last ``slot`` answer to an ask whose request went away: True when it granted the slot
+        before the withdrawal arrived, which then stays here, idle."""
+        if not done.cancelled() and done.exception() is None and done.result():
+            self._keep_idle(ask.user)
 
     def _answered_late(self, ask: SlotAsk, done: asyncio.Future) -> None:
         """An ask whose request went away before its answer: a slot granted anyway stays here, idle; a place in
@@ -116,10 +124,15 @@ class SlotLease:
         if done.cancelled() or done.exception() is not None:
             return
         if isinstance(done.result(), Granted):
-            self._users.setdefault(ask.user, _UserSlots()).held += 1
-            self.free(ask.user)
+            self._keep_idle(ask.user)
         elif isinstance(done.result(), Queued):
-            self._launcher.withdraw.remote(self._name, ask.id)
+            remote_outside_requests(self._launcher.withdraw, self._name, ask.id)
+
+    def _keep_idle(self, user: str) -> None:
+        """A slot granted to a request that went away: idle here, for the user's next request or to age out."""
+        self._users.setdefault(user, _UserSlots()).held += 1
+        self.free(user)
+        self._tick()
 
     def free(self, user: str) -> None:
         """An instance of ``user``'s that held a slot ended."""
@@ -167,7 +180,7 @@ class SlotLease:
             idle,
         )
         self._started, self._ended, self._returned = [], [], Counter()
-        self._launcher.report.remote(report)
+        remote_outside_requests(self._launcher.report, report)
         self._reported = time.monotonic()
 
     def _tick(self) -> None:

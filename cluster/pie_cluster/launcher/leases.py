@@ -6,7 +6,8 @@ launcher to admit each request, it holds a *lease* per user: slots the launcher 
 replica's lease starts with no call; one that finds none asks for one more (``Launcher.lease``, the asks of one
 event-loop turn as one call). Slots come from the same counts and FIFO queue as every other launch, so per-user and
 cluster-wide limits and the order of the queue hold across replicas; an ask that must wait keeps its place in that
-queue until a slot frees (``Launcher.slot``). Nothing starts before it has its slot, so nothing is ever undone.
+queue until a slot frees (``Launcher.slot``). Nothing starts before it has its slot, so nothing is ever undone. An
+ask whose request went away is withdrawn (``Launcher.withdraw``); a slot granted to it first stays in the lease, idle.
 
 A replica gives slots back once they have been idle a while (``ingress/slot_lease.py``), and at once when the
 launcher tells it launches are waiting (``RunnerOrders.reclaim``). The lease lasts as long as the replica: one whose
@@ -40,7 +41,8 @@ class WaitingAsk:
     """A slot ask in the admission queue, or granted and not yet heard of by its runner (``Launcher.slot``)."""
 
     user: str
-    granted: asyncio.Event = field(default_factory=asyncio.Event)
+    granted: bool = False
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # granted or withdrawn: ``slot`` answers at once
 
 
 @dataclass
@@ -98,18 +100,21 @@ class Leases:
         if waiting is None:
             raise NotFound(f"no waiting ask {ask_id!r}")
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(waiting.granted.wait(), min(max(wait, 0.0), 60.0))
-        if not waiting.granted.is_set():
+            await asyncio.wait_for(waiting.settled.wait(), min(max(wait, 0.0), 60.0))
+        if not waiting.granted or holder.asks.get(ask_id) is not waiting:  # still waiting, or withdrawn meanwhile
             return False
         del holder.asks[ask_id]
         return True
 
     def withdraw(self, runner: str, ask_id: str) -> None:
+        """An ask whose request went away leaves the queue, or gives back the slot granted to it; once ``slot`` has
+        answered True, the slot is the runner's (it keeps it idle) and nothing is left here to withdraw."""
         holder = self._runners.get(runner)
         waiting = holder.asks.pop(ask_id, None) if holder is not None else None
         if waiting is None:
             return
-        if waiting.granted.is_set():
+        waiting.settled.set()
+        if waiting.granted:
             self._give_back(holder, waiting.user, 1)
         else:
             self._admission.withdraw(waiting.user, ask_key(runner, ask_id))
@@ -140,7 +145,8 @@ class Leases:
             holder = self._runners[ask[0]]  # (a dead runner's asks left the queue with it)
             waiting = holder.asks[ask[1]]
             holder.held[waiting.user] += 1
-            waiting.granted.set()
+            waiting.granted = True
+            waiting.settled.set()
 
     def reclaim_if_waiting(self) -> None:
         """Launches wait for slots: every runner holding idle ones is told to give them back."""
@@ -195,7 +201,7 @@ class Leases:
         """A dead runner's queued asks leave the queue and its slots free."""
         del self._runners[name]
         for ask_id, waiting in runner.asks.items():
-            if not waiting.granted.is_set():
+            if not waiting.granted:
                 self._admission.withdraw(waiting.user, ask_key(name, ask_id))
         for user, held in runner.held.items():
             for _ in range(held):
