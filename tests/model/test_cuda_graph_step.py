@@ -11,11 +11,10 @@ over the same pool. The capture itself, and the steps a graph cannot take (which
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+from support.triton_child import interpreted_run
 
 SIZES, STEPS = (1, 4), 4
 PAGES = 16  # the pages handed out: page 0 among the first three, so that a padded row writing there would show
@@ -69,12 +68,7 @@ def decode_both_ways(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted(tiny_llama) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    child = subprocess.run(
-        [sys.executable, __file__, str(tiny_llama)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.splitlines()[-1])
+    return interpreted_run(__file__, str(tiny_llama))
 
 
 @pytest.mark.parametrize("batch", [1, 4, 3], ids=["size 1", "size 4", "3 padded to 4"])

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
-import subprocess
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,6 +27,7 @@ from pie_workers.kv_pool import KVPool, PoolShape
 from pie_workers.wire import brle
 from pie_workers.wire.batch import ForwardBatch, ForwardRequest
 from pie_workers.wire.pages import pages_for
+from support.triton_child import interpreted_run
 
 HEAD_DIM = 32
 DECODE = ((45, 1), (100, 1), (7, 1), (0, 1), (16, 1))  # (tokens already in the KV, new rows) per request
@@ -140,12 +139,7 @@ def greedy_through_both_pools(model_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def interpreted(tiny_llama) -> dict:
     """What the child process under Triton's interpreter measured: every case's error, and the tiny Llama's run."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    child = subprocess.run(
-        [sys.executable, __file__, str(tiny_llama)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.splitlines()[-1])
+    return interpreted_run(__file__, str(tiny_llama))
 
 
 @pytest.mark.parametrize("name", CASES)
