@@ -7,7 +7,8 @@ replicas spread over nodes; each reports to the market), the message bus shards,
 computes, per node, how an inferlet there reaches each model: over ipc to a replica on the same node when there is
 one, else over tcp. Models are named to replicas by path or as the embedded model, never by a path from the
 controller's node: each replica resolves its model where it runs, and hosts get a model's tokenizer files through
-Ray. Replicas that die or hang are replaced by the supervisor (``supervisor.py``).
+Ray. Replicas that die or hang are replaced by the supervisor (``supervisor.py``); an autoscaled model's replicas
+follow its load (``autoscaler.py``, ``scaling.py``).
 
 Beside it: what each node's inferlets reach (``control/services.py``), its recovery, status and drain
 (``control/recovery.py``, ``control/status.py``, ``control/drain.py``), and how a driver starts, finds and stops it
@@ -183,7 +184,8 @@ class Controller:
                 for rank in replica.ranks:
                     ray.kill(rank, no_restart=True)
         for model in self.models.values():
-            remove_placement_group(model.group)
+            for group in (model.group, *model.added):
+                remove_placement_group(group)
 
     def _adopt(self, saved: ControllerState) -> None:
         """Take over what the previous process built; what it left half-made is killed."""
