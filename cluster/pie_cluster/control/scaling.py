@@ -70,8 +70,11 @@ class ReplicaScaler:
         while not controller.stopping.wait(controller.config.supervision.probe_every_s):
             for name, policy in self.policies.items():
                 try:
+                    loads = self._loads(name)
+                    if not loads:  # none answered: no reading, no decision (an outage is not an idle model)
+                        continue
                     before = policy.scale
-                    scale = policy.decide(self._loads(name), time.monotonic())
+                    scale = policy.decide(loads, time.monotonic())
                     if scale != before:
                         log.info("model %r: target %d replicas (%s)", name, scale.target, scale.reason)
                         controller.save()
