@@ -288,9 +288,14 @@ class WorkerPool:
         ends it once it has idled ``idle_s``."""
         period = min(1.0, self._config.stall_s / 4)
         seq, answered_at = 0, time.monotonic()
+        woke = answered_at
         while worker.process.returncode is None:
             await asyncio.sleep(period)
             now = time.monotonic()
+            # time this loop itself did not run (a starved host) is not the worker's silence: its pong may be
+            # waiting unread in the socket
+            answered_at += max(0.0, now - woke - 2 * period)
+            woke = now
             if worker.pongs == seq or worker.waiting:  # (a worker could as well answer pings from a thread)
                 answered_at = now
             if not worker.instances:
