@@ -58,8 +58,9 @@ run: $(VENV)/.installed
 	$(VENV)/bin/pie run examples/text_completion.py -- --prompt "Tell me about paged attention." --max-tokens 32
 
 # The suite as two pytest sessions side by side (pytest-xdist), each with its own two-raylet Ray cluster, one test
-# file at a time: ~15.5 min on 2 cores instead of ~26-30 for one session, which leaves the cores ~40% idle while
-# its clusters start and its failure tests wait. `make test-serial` runs it as one session.
+# file at a time: ~15.5 min on the 2 cores of CI's machine (27 min on a slower 2-core AVX2 VM) instead of ~26-30 for
+# one session, which leaves the cores ~40% idle while its clusters start and its failure tests wait.
+# `make test-serial` runs it as one session.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
