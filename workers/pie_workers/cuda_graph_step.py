@@ -68,12 +68,12 @@ class CudaGraphDecode:
         model.rotary.reserve(model.cfg.max_position_embeddings, dtype)  # the table a graph reads must never move
         self.positions_held = model.rotary.table.shape[0]
         largest, width = self.sizes[-1], pages_for(self.positions_held, kv.page_size)
-        scratch_slot = kv.scratch_page * kv.page_size
-        self.padding = {"token": 0, "position": 0, "slot": scratch_slot, "seq_len": 1, "page": kv.scratch_page}
+        self.scratch_slot = kv.scratch_page * kv.page_size
+        # every row starts as padding: token 0 at position 0, writing the scratch slot, attending one slot of it
         self.inputs = _Inputs(
             token_ids=torch.zeros(largest, dtype=torch.long, device=device),
             positions=torch.zeros(largest, dtype=torch.long, device=device),
-            slots=torch.full((largest,), scratch_slot, dtype=torch.long, device=device),
+            slots=torch.full((largest,), self.scratch_slot, dtype=torch.long, device=device),
             seq_lens=torch.ones(largest, dtype=torch.int32, device=device),
             block_table=torch.full((largest, width), kv.scratch_page, dtype=torch.int32, device=device),
             query_start=torch.arange(largest + 1, dtype=torch.int32, device=device),
@@ -117,10 +117,10 @@ class CudaGraphDecode:
     def _load(self, plan: BatchPlan, size: int) -> None:
         """The step's rows into the buffers, padded to ``size``: every row of the graph is rewritten, since a
         padded row left from a larger step would write its old request's KV slot."""
-        pad, fill, inputs = size - plan.num_tokens, self.padding, self.inputs
-        inputs.token_ids[:size].copy_(F.pad(plan.token_ids, (0, pad), value=fill["token"]), non_blocking=True)
-        inputs.positions[:size].copy_(F.pad(plan.positions, (0, pad), value=fill["position"]), non_blocking=True)
-        inputs.slots[:size].copy_(F.pad(plan.write_slots, (0, pad), value=fill["slot"]), non_blocking=True)
-        inputs.seq_lens[:size].copy_(F.pad(plan.paged.seq_lens, (0, pad), value=fill["seq_len"]), non_blocking=True)
-        table = F.pad(plan.paged.block_table, (0, 0, 0, pad), value=fill["page"])
+        pad, inputs = size - plan.num_tokens, self.inputs
+        inputs.token_ids[:size].copy_(F.pad(plan.token_ids, (0, pad)), non_blocking=True)
+        inputs.positions[:size].copy_(F.pad(plan.positions, (0, pad)), non_blocking=True)
+        inputs.slots[:size].copy_(F.pad(plan.write_slots, (0, pad), value=self.scratch_slot), non_blocking=True)
+        inputs.seq_lens[:size].copy_(F.pad(plan.paged.seq_lens, (0, pad), value=1), non_blocking=True)
+        table = F.pad(plan.paged.block_table, (0, 0, 0, pad), value=self.kv.scratch_page)
         inputs.block_table[:size, : table.shape[1]].copy_(table, non_blocking=True)

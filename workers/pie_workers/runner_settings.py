@@ -21,7 +21,7 @@ class RunnerSettings:
     adapter_dir: str | None = None  # root of users' LoRA adapter files; default: peft_format.default_root()
     host_pages: int | None = None  # host-memory pages for suspended contexts' KV; default: as many as the pool
     backend: str = "auto"  # "torch": plain torch; "vllm": vLLM's kernels; "auto": resolve_backend() picks one
-    compile: str = "auto"  # decode steps through graphs (compiled_step): "auto" (CUDA graphs on one GPU), "on", "off"
+    compile: str = "auto"  # decode steps through graphs (decode_graphs): "auto" (CUDA graphs on one GPU), "on", "off"
     compile_sizes: tuple[int, ...] = DEFAULT_COMPILE_SIZES  # the batch sizes decode steps are padded to, one graph each
 
     def __post_init__(self) -> None:
