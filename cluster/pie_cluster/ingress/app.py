@@ -31,7 +31,7 @@ from pie_cluster.config import AuthConfig, CacheConfig, ResponsesConfig, ServerC
 from pie_cluster.hosts.events import TERMINAL, Location, follow
 from pie_cluster.ingress.body_limit import BodyLimit
 from pie_cluster.ingress.errors import launcher_error
-from pie_cluster.ingress.metrics import RequestClock, RequestMetrics
+from pie_cluster.ingress.metrics import RequestClock, RequestMetrics, ScalingGauges
 from pie_cluster.ingress.openai.checks import OpenAIError
 from pie_cluster.ingress.openai.routes import OPENAI_PATHS, OpenAIRoutes
 from pie_cluster.ingress.openai.routes import router as openai_router
@@ -160,11 +160,8 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         self._requests = Counter("pie_http_requests", "HTTP requests by route", ["route"], registry=self._registry)
         self._launches = Counter("pie_launches", "inferlet instances launched over HTTP", registry=self._registry)
         self._running = Gauge("pie_instances_running", "instances running cluster-wide", registry=self._registry)
-        model = ["model"]
-        self._scaled = {  # each autoscaled model's replicas now and the autoscaler's target for it
-            "current": Gauge("pie_model_replicas", "an autoscaled model's replicas", model, registry=self._registry),
-            "target": Gauge("pie_model_target_replicas", "its autoscaler's target", model, registry=self._registry),
-        }
+        self._scaling = ScalingGauges(self._registry)
+        self._controller = None  # found on the first /metrics (it starts after this app)
         self._request_metrics = RequestMetrics(self._registry)
 
     async def __del__(self) -> None:
@@ -205,10 +202,8 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
     async def metrics(self) -> Response:
         self._running.set((await self._call("metrics", self._launcher.stats)).running)
         try:
-            controller = ray.get_actor(CONTROLLER, namespace=self._namespace)
-            for scale in await answer(controller.scaling.remote(), "the controller", LAUNCHER_S):
-                self._scaled["current"].labels(scale.model).set(scale.current)
-                self._scaled["target"].labels(scale.model).set(scale.target)
+            self._controller = self._controller or ray.get_actor(CONTROLLER, namespace=self._namespace)
+            self._scaling.set(await answer(self._controller.scaling.remote(), "the controller", LAUNCHER_S))
         except (ValueError, NoAnswer, RayActorError):  # the controller restarting: the last values stand
             pass
         return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -78,3 +78,17 @@ class RequestMetrics:
                 self._stream.labels(*labels).observe(clock.ended - clock.first_token)
         if clock.ended is not None:
             self._total.labels(*labels).observe(clock.ended - clock.arrived)
+
+
+class ScalingGauges:
+    """Each autoscaled model's replicas now (``pie_model_replicas``) and its autoscaler's target
+    (``pie_model_target_replicas``), as the controller reports them (``ModelScale`` records)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._current = Gauge("pie_model_replicas", "an autoscaled model's replicas", ["model"], registry=registry)
+        self._target = Gauge("pie_model_target_replicas", "its autoscaler's target", ["model"], registry=registry)
+
+    def set(self, scales) -> None:
+        for scale in scales:
+            self._current.labels(scale.model).set(scale.current)
+            self._target.labels(scale.model).set(scale.target)

@@ -15,6 +15,8 @@ import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.lifecycle import start_controller
+from pie_cluster.ingress.metrics import ScalingGauges
+from prometheus_client import CollectorRegistry, generate_latest
 from ray.util.state import list_actors
 from support.launching import launch, run_to_end, upload
 
@@ -55,6 +57,13 @@ def wait_for(controller, replicas: int, timeout_s: float = 240):
     raise AssertionError(f"not {replicas} serving replicas within {timeout_s} s: {scaling(controller)}")
 
 
+def metrics_text(controller) -> str:
+    """The scaling gauges as the ingress's ``/metrics`` sets them from the controller's ``scaling`` answer."""
+    registry = CollectorRegistry()
+    ScalingGauges(registry).set(ray.get(controller.scaling.remote()))
+    return generate_latest(registry).decode()
+
+
 def replica_groups() -> int:
     return sum(1 for g in ray.util.placement_group_table().values() if g["state"] == "CREATED")
 
@@ -81,6 +90,9 @@ def test_an_autoscaled_model_adds_a_replica_under_load_and_gives_it_back(ray_clu
         print(f"second replica serving {time.monotonic() - began:.1f} s after the load came")
         assert scale.target == 2 and "load 3" in scale.reason, scale
         assert len(rows) == 2 and replica_groups() == groups_before + 2  # its own one-bundle group
+        exposed = metrics_text(controller)  # what the ingress's /metrics shows of it
+        assert 'pie_model_replicas{model="default"} 2.0' in exposed
+        assert 'pie_model_target_replicas{model="default"} 2.0' in exposed
 
         os.kill(ray.get(controller.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
         status = ray.get(controller.status.remote(), timeout=120)  # answered by the restarted controller
