@@ -40,6 +40,7 @@ from pie_cluster.config import ModelConfigEntry, PieConfig
 from pie_cluster.control.autoscaler import ModelScale
 from pie_cluster.control.cpu_share import automatic_cpus_for
 from pie_cluster.control.drain import DrainReport, drain_node
+from pie_cluster.control.node_release import NodeRelease
 from pie_cluster.control.preferred_node import preferring
 from pie_cluster.control.recovery import (
     HOST_PREFIX,
@@ -93,6 +94,7 @@ class Controller:
         saved = self._memory.load() if restartable else None
         self.scaler: ReplicaScaler | None = None  # made once the replicas are (below)
         self._saved_scales = saved.scales if saved is not None else {}
+        self.release = NodeRelease(self, *((saved.elastic, saved.released) if saved is not None else (set(), set())))
         self.hosting = threading.Lock()  # hosts added and services published one at a time
         self.stopping = threading.Event()
         if saved is None:
@@ -202,19 +204,12 @@ class Controller:
         """Write what this controller holds where its restart finds it (nothing, when it is not restartable)."""
         if self._memory is None:
             return
+        scales = self.scaler.targets() if self.scaler is not None else self._saved_scales
         state = ControllerState(
-            self.models,
-            self.replicas,
-            self.market,
-            self.directory,
-            self.responses,
-            self.launcher,
-            self.bus,
-            self.hosts,
-            self.drained,
-            self.restarts,
-            self.scaler.targets() if self.scaler is not None else self._saved_scales,
-        )
+            models=self.models, replicas=self.replicas, market=self.market, directory=self.directory,
+            responses=self.responses, launcher=self.launcher, bus=self.bus, hosts=self.hosts, drained=self.drained,
+            restarts=self.restarts, scales=scales, elastic=self.release.elastic, released=self.release.released,
+        )  # fmt: skip
         self._memory.save(state)
 
     def cpus_per_rank(self, model: str) -> int:
@@ -241,21 +236,23 @@ class Controller:
         shard whose node is lost is made again on another."""
         while not self.stopping.wait(self.config.supervision.probe_every_s):
             alive = _alive_nodes()
-            for node in sorted(alive - set(self.hosts) - self.drained):
+            for node in sorted(alive - set(self.hosts) - self.drained - self.release.released):
                 try:
                     self._add_host(node)
                 except Exception:  # e.g. the launcher does not answer: tried again on the next round
                     log.exception("starting an inferlet host on the new node %s failed", node)
             try:
                 self._follow_bus(alive)
+                self.release.follow(alive)
             except Exception:  # e.g. the launcher does not answer: tried again on the next round
-                log.exception("replacing the bus shards of a lost node failed")
+                log.exception("following the nodes (bus shards, released nodes) failed")
 
     def _follow_bus(self, alive: set[str]) -> None:
         """Replace the bus shards whose node is not ``alive`` and hand the hosts their new addresses."""
         lost = [info.index for info in self.bus.infos if info.node_id not in alive]
         if lost:
-            self.bus = replace_shards(self.bus, lost, sorted(alive - self.drained), self.secret, self._deadline)
+            lasting = (alive - self.drained - self.release.elastic) or (alive - self.drained)  # not where nodes go
+            self.bus = replace_shards(self.bus, lost, sorted(lasting), self.secret, self._deadline)
             log.warning("bus shards %s replaced on other nodes (theirs were lost)", lost)
             self._bus_published = False
         if not self._bus_published:

@@ -60,6 +60,8 @@ class ControllerState:
     drained: set[str] = field(default_factory=set)
     restarts: int = 0  # how often the controller was restarted and adopted this state
     scales: dict[str, ModelScale] = field(default_factory=dict)  # autoscaled models' targets (control.autoscaler)
+    elastic: set[str] = field(default_factory=set)  # nodes autoscaled replicas came for (control.node_release)
+    released: set[str] = field(default_factory=set)  # ... that gave their inferlet host back
 
 
 class ControllerMemory:

@@ -12,9 +12,8 @@ the node asked for, or — only when the sandbox is off — a dedicated host for
 Finished instances stay listed (and attachable) until ``keep_finished`` newer ones have ended. Ray restarts it when
 its process dies, and it learns again what it had (``launcher.recovery``).
 
-This is the actor's API; its parts live beside it: the instances' book (``launcher.instances``), the hosts it places
-on and watches (``launcher.hosts``), the admission queue (``launcher.admission``), the ingress replicas' leases
-(``launcher.leases``), what it saves and asks the hosts for after a restart (``launcher.recovery``).
+This is the actor's API; beside it: the instances' book (``launcher.instances``), the hosts it places on and
+watches (``launcher.hosts``), admission (``launcher.admission``, ``launcher.leases``), its restart (``.recovery``).
 """
 
 from __future__ import annotations
@@ -260,6 +259,9 @@ class Launcher:
                 with contextlib.suppress(ray.exceptions.RayError, NoAnswer):
                     await answer(instance.host.abort.remote(instance.id, abort), f"the host on node {node}", HOST_S)
         return [i.id for i in there]
+
+    async def reopen(self, node: str) -> None:
+        self._hosts.reopen(node)  # ``node`` was being released, but holds a replica again (control.node_release)
 
     async def remove_host(self, node: str, reason: str) -> None:
         """``node`` was drained: its host is stopped and takes no launch again; what still runs there ends."""

@@ -71,7 +71,9 @@ class Hosts:
             self._wiring.spawn(self._watch(node, host))
 
     def add(self, node: str, host, services: dict[str, NodeServices]) -> None:
-        """A node joined: its pooled host takes launches from now on (``services``: every node's, its own included)."""
+        """A node joined: its pooled host takes launches from now on (``services``: every node's, its own included).
+        A released node given a host again (``control.node_release``) is open again."""
+        self.draining.discard(node)
         self._changed(dataclasses.replace(self.pool, hosts={**self.pool.hosts, node: host}, services=services))
         self._wiring.services_moved()
         self._wiring.spawn(self._watch(node, host))
@@ -86,6 +88,12 @@ class Hosts:
             self.draining.add(node)
             self._memory.save(self._state)
 
+    def reopen(self, node: str) -> None:
+        """A node being released holds a replica again (``control.node_release``): it takes launches again."""
+        if node in self.draining:
+            self.draining.discard(node)
+            self._memory.save(self._state)
+
     def remove(self, node: str) -> None:
         """A drained node's host was stopped: it takes no launch again and has no services to give one."""
         self._changed(self.pool.without(node))
@@ -93,7 +101,7 @@ class Hosts:
 
     def choose_node(self, asked: str | None, load: dict[str, int]) -> str:
         """Where a launch runs (``HostPool.choose_node``): never a drained node or one whose host is down."""
-        closed = {n: "it was drained (`pie drain`)" for n in self.draining}
+        closed = {n: "it was drained (`pie drain`) or released to the autoscaler" for n in self.draining}
         closed |= {n: "its inferlet host is down (restarting, or its node is lost)" for n in self.down}
         return self.pool.choose_node(asked, closed, load)
 
