@@ -11,7 +11,8 @@ connection (``[None, "PermissionError", why]``: a capability forged, expired, no
 instance, or past a connection limit) fails every call on it with ``PermissionError`` and the replica hangs up; a
 refusal of one request fails that call alone. Synchronous control
 calls (``Context(model)``, ``fork``, ``open``...) use a blocking socket per (thread, replica) and cost one round
-trip (~0.1 ms). Addresses are ``ipc://<unix socket path>`` (same node) or ``tcp://<host>:<port>``.
+trip (~0.1 ms). Addresses are ``ipc://<unix socket path>`` (same node) or ``tcp://<host>:<port>``. A replica that
+left answers every call ``ReplicaMoved``, with the ``MovedNotice`` naming where its contexts went.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import threading
 from typing import Any
 
 import msgpack
+from pie_workers.wire.messages import MovedNotice, decode
 
 from inferlet.runtime import QuotaExceeded, TokenBudgetExhausted
 
@@ -41,6 +43,15 @@ class ReplicaError(RuntimeError):
 
 class ReplicaLost(ReplicaError):
     """The replica could not be reached, or its connection broke: it died, or it is being replaced."""
+
+
+class ReplicaMoved(ReplicaLost):
+    """The replica left, handing its contexts with their KV to the one ``notice`` names (``inferlet._failover``
+    claims them there)."""
+
+    def __init__(self, notice: MovedNotice):
+        super().__init__(f"replica {notice.source} left; its contexts moved to {', '.join(notice.addresses)}")
+        self.notice = notice
 
 
 class _AsyncLink(asyncio.Protocol):
@@ -262,6 +273,8 @@ class Channel:
 
 
 def _error(error: str, value: Any) -> Exception:
+    if error == "ReplicaMoved":
+        return ReplicaMoved(decode(MovedNotice, value))
     if error in _LIMITS:
         return _LIMITS[error](value)
     if error in _CALLER_ERRORS:

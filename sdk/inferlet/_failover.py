@@ -8,6 +8,12 @@ replica of the model serves (the dead one's replacement). A context that cannot 
 custom attention mask, an adapter or a zo seed) is lost with its replica: every later call on it raises
 ``ContextLost``. So is every call when no replica answers within ``FAILOVER_S``.
 
+A replica that leaves while it still answers (scaled down, drained) hands its contexts to another replica with
+their KV pages first, and answers every call ``ReplicaMoved``, naming that replica: the link goes there first and
+``claim``s its contexts by their old ids, so nothing is recomputed (``transferred`` counts them); a context that is
+not there (the handover refused it, or the link ended up elsewhere) is recomputed as after a death. A link without
+failover addresses follows such a notice too, and then even a context it keeps no lineage for moves.
+
 Awaited calls wait for the move without holding the event loop. A blocking call that finds the replica gone moves
 the link itself, blocking, and takes over a move already under way.
 """
@@ -22,10 +28,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pie_workers.wire.messages import ContextReply, decode
+from pie_workers.wire.messages import Claim, ContextReply, MovedNotice, decode, encode
 
 from inferlet import runtime
-from inferlet._channel import Channel, ReplicaError, ReplicaLost
+from inferlet._channel import Channel, ReplicaError, ReplicaLost, ReplicaMoved
 
 if TYPE_CHECKING:
     from inferlet.context import Context
@@ -62,6 +68,8 @@ class ReplicaLink:
         self.contexts: dict[Context, None] = {}  # its live contexts, in creation order (the ones to recompute)
         self.moves = 0  # how many times it moved to another replica
         self.resent = 0  # calls that had no answer from a dead replica and were sent again after a move
+        self.transferred = 0  # contexts taken up with their KV from a replica that left (not recomputed)
+        self._notice: MovedNotice | None = None  # where the replica that left put its contexts (this move's)
         self._moving: asyncio.Task | None = None
         self._waiting: list[_Call] = []
 
@@ -88,11 +96,17 @@ class ReplicaLink:
         if self._moving is None:
             try:
                 return self.channel.call_sync(op, *_resolved(args))
-            except ReplicaLost:
-                if not self.failover:
+            except ReplicaLost as e:
+                if not self._can_move(e):
                     raise
         self._move_now()
         return self.channel.call_sync(op, *_resolved(args))
+
+    def _can_move(self, error: ReplicaLost) -> bool:
+        """Whether the link can move away from the replica ``error`` came from (noting where a replica that left
+        put its contexts)."""
+        self._notice = error.notice if isinstance(error, ReplicaMoved) else None
+        return bool(self.failover) or self._notice is not None
 
     def _send(self, call: _Call) -> None:
         if self._moving is not None:
@@ -113,8 +127,9 @@ class ReplicaLink:
             call.future.cancel()
             return
         error = sent.exception()
-        if isinstance(error, ReplicaLost) and self.failover:
+        if isinstance(error, ReplicaLost) and (self.failover or isinstance(error, ReplicaMoved)):
             if self._moving is None and moves == self.moves:
+                self._can_move(error)
                 self._moving = asyncio.get_running_loop().create_task(self._move())
             self.resent += 1
             self._send(call)  # waits for the move, or goes to where it led
@@ -133,24 +148,31 @@ class ReplicaLink:
     # -- moving to another replica -------------------------------------------------------------------------------
 
     async def _move(self) -> None:
-        """Recompute every context on the first failover address that answers; then send what waited."""
+        """Take every context up on the first address that answers (claimed there with its KV if the replica that
+        left handed it over, else recomputed); then send what waited."""
         deadline = time.monotonic() + FAILOVER_S
         try:
-            for address in self._addresses(deadline):
+            for address, last in self._addresses(deadline):
                 channel = Channel(address, self.session)
                 try:
-                    for ctx, lineage in self._restorable():
+                    try:
+                        claimed = await channel.call("claim", self._claims()) if self.contexts else []
+                    except ReplicaLost:
+                        raise
+                    except Exception:  # a replica that takes no claims: every context is recomputed
+                        claimed = None
+                    for ctx, lineage in self._restorable(claimed):
                         try:
                             made = await channel.call("restore", *lineage)
                         except ReplicaLost:
                             raise
                         except Exception as e:  # refused by the replica: this context alone is lost
-                            ctx.lose(f"its replica died and another could not recompute it: {e}")
+                            ctx.lose(f"its replica {self._went} and another could not recompute it: {e}")
                             continue
                         ctx.moved(decode(ContextReply, made).ctx)
                 except ReplicaLost:
                     channel.close()
-                    await asyncio.sleep(0 if address != self.failover[-1] else RETRY_S)
+                    await asyncio.sleep(RETRY_S if last else 0)
                     continue
                 self._moved_to(channel)
                 break
@@ -175,21 +197,27 @@ class ReplicaLink:
         self._send_waiting()
 
     def _move_blocking(self) -> None:
-        for address in self._addresses(time.monotonic() + FAILOVER_S):
+        for address, last in self._addresses(time.monotonic() + FAILOVER_S):
             channel = Channel(address, self.session)
             try:
-                for ctx, lineage in self._restorable():
+                try:
+                    claimed = channel.call_sync("claim", self._claims()) if self.contexts else []
+                except ReplicaLost:
+                    raise
+                except Exception:
+                    claimed = None
+                for ctx, lineage in self._restorable(claimed):
                     try:
                         made = channel.call_sync("restore", *lineage)
                     except ReplicaLost:
                         raise
                     except Exception as e:
-                        ctx.lose(f"its replica died and another could not recompute it: {e}")
+                        ctx.lose(f"its replica {self._went} and another could not recompute it: {e}")
                         continue
                     ctx.moved(decode(ContextReply, made).ctx)
             except ReplicaLost:
                 channel.close()
-                if address == self.failover[-1]:
+                if last:
                     time.sleep(RETRY_S)
                 continue
             self._moved_to(channel)
@@ -202,19 +230,48 @@ class ReplicaLink:
         for call in waiting:
             self._send(call)
 
-    def _addresses(self, deadline: float) -> Iterator[str]:
-        """The failover addresses in turn, round and round, until ``deadline``."""
+    @property
+    def _went(self) -> str:
+        return "left" if self._notice is not None else "died"
+
+    def _addresses(self, deadline: float) -> Iterator[tuple[str, bool]]:
+        """Where to go, each with whether a pause follows it: first the replica the one that left handed its
+        contexts to (in the form of it this inferlet reaches, when its failover list has one), then the failover
+        addresses, round and round, until ``deadline``."""
+        if self._notice is not None:
+            given = self._notice.addresses
+            targets = [a for a in given if a in self.failover] or given
+            for i, address in enumerate(targets):
+                yield address, i == len(targets) - 1 and not self.failover
         for address in itertools.cycle(self.failover):
             if time.monotonic() > deadline:
                 return
-            yield address
+            yield address, address == self.failover[-1]
 
-    def _restorable(self) -> Iterator[tuple[Context, tuple]]:
-        """Each live context that can be recomputed, with the ``restore`` arguments that do it; the others lost."""
-        for ctx in list(self.contexts):
+    def _claims(self) -> list[dict]:
+        """A ``claim`` of every live context by its id on the replica it was on."""
+        return [encode(Claim(ctx._id, ctx.lineage.known())) for ctx in self.contexts]
+
+    def _restorable(self, claimed: list | None) -> Iterator[tuple[Context, tuple]]:
+        """Take up the contexts the replica answered ``claim`` with (they came with their KV); then each other
+        live context that can be recomputed, with the ``restore`` arguments that do it; the rest are lost."""
+        contexts = list(self.contexts)
+        if claimed is not None and len(claimed) != len(contexts):
+            raise ReplicaError(f"claim answered {len(claimed)} contexts for {len(contexts)} asked")
+        rest = []
+        for ctx, made in zip(contexts, claimed or [None] * len(contexts), strict=True):
+            if made is None:
+                rest.append(ctx)
+                continue
+            reply = decode(ContextReply, made)
+            ctx.moved(reply.ctx)
+            if reply.recomputable:
+                ctx.lineage.extend(reply.seq_len, reply.tail, reply.tail_positions)
+            self.transferred += 1
+        for ctx in rest:
             lineage = ctx.lineage
             if lineage.lost:
-                ctx.lose(f"its replica died, and {lineage.lost}")
+                ctx.lose(f"its replica {self._went}, and {lineage.lost}")
             else:
                 yield ctx, (lineage.tokens, lineage.positions, lineage.sampled, ctx.bid, lineage.cache_salt)
 
@@ -232,13 +289,14 @@ class ReplicaLink:
 
     def close(self) -> None:
         """Release this inferlet's contexts on the replica and hang up. Where the link could move, a replica that
-        died took the contexts with it and there is nothing to report; elsewhere its loss raises."""
+        died took the contexts with it (one that left, to where they are released unclaimed) and there is nothing to
+        report; elsewhere its loss raises."""
         try:
             if self._moving is not None:
                 self._moving.cancel()
             self.channel.call_sync("close")
-        except ReplicaLost:
-            if not self.failover:
+        except ReplicaLost as e:
+            if not self.failover and not isinstance(e, ReplicaMoved):
                 raise
         finally:
             self.channel.close()
@@ -252,8 +310,8 @@ class ReplicaLink:
             if self._moving is not None:
                 self._moving.cancel()
             await self.channel.call("close")
-        except ReplicaLost:
-            if not self.failover:
+        except ReplicaLost as e:
+            if not self.failover and not isinstance(e, ReplicaMoved):
                 raise
         finally:
             self.channel.close()

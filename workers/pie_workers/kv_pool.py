@@ -56,6 +56,7 @@ class KVPool:
 
     needs_paged_requests = False
     kernel_attends_all = False  # every layer of every request a paged kernel can express (see ``plan_batch``)
+    kv_layout = "nhd"  # how a page's bytes lie (``read_pages``): another replica installs them only in the same
 
     def __init__(self, shape: PoolShape):
         if shape.num_pages < 1 or shape.page_size < 1:
@@ -94,3 +95,16 @@ class KVPool:
         if src.numel():
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """Whole pages as they lie, ``[pages, 2 (K, V), layers, page_size, kv_heads, head_dim]`` in host memory:
+        what a replica that leaves hands another (``engine/transfer.py``)."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.k.device)
+        return torch.stack((self.k[:, index], self.v[:, index]), dim=1).transpose(0, 2).contiguous().cpu()
+
+    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Install pages ``read_pages`` gave (of a pool of the same layout) into ``pages``."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.k.device)
+        data = data.to(self.k.device, self.k.dtype)
+        self.k[:, index] = data[:, 0].transpose(0, 1)
+        self.v[:, index] = data[:, 1].transpose(0, 1)

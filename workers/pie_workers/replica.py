@@ -142,6 +142,15 @@ class RankWorker:
         """The model's config, tokenizer and template files, for inferlet hosts on nodes without the model."""
         return description_files(self.runner.model_dir)
 
+    async def hand_over(self, target, addresses: list[str]):
+        """Rank 0, leaving: hand every context and snapshot, KV pages and all, to ``target`` (another replica's
+        rank 0, reached by inferlets at ``addresses``); returns what it adopted (``engine/handover.py``)."""
+        return await self.engine.handovers.leave(target, addresses)
+
+    async def adopt(self, handover):
+        """Rank 0: install what a leaving replica hands over (``hand_over``'s other end)."""
+        return await self.engine.handovers.adopt(handover)
+
     async def drop_snapshot(self, user: str, name: str) -> None:
         """The snapshot was deleted or taken on another replica: free its pages here (if it is still here)."""
         with contextlib.suppress(LookupError, ValueError):

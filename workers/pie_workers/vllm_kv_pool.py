@@ -41,6 +41,7 @@ class VllmCpuKVPool:
         if shape.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the vllm backend's CPU kernels take float32 or bfloat16, not {shape.dtype}")
         self.isa = kernel_variant(shape.page_size)
+        self.kv_layout = f"vllm-cpu-{self.isa}"  # keys' order inside a page differs by kernel variant
         self.num_pages, self.page_size, self.host_pages = shape.num_pages, shape.page_size, shape.host_pages
         per_page = (shape.local_kv_heads, 2 * shape.page_size, shape.cfg.head_dim)
         layers = shape.cfg.num_layers
@@ -118,6 +119,14 @@ class VllmCpuKVPool:
         """Copy whole pages (all layers): a fork's child gets its own copy of the parent's working pages."""
         if src.numel():
             self.cache[:, dst] = self.cache[:, src]
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """Whole pages as their bytes lie, ``[pages, layers, kv_heads, 2 * page_size, head_dim]`` (a copy)."""
+        return self.cache[:, torch.tensor(pages, dtype=torch.long)].transpose(0, 1).contiguous()
+
+    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Install pages ``read_pages`` gave (of a pool of the same layout) into ``pages``."""
+        self.cache[:, torch.tensor(pages, dtype=torch.long)] = data.to(self.cache.dtype).transpose(0, 1)
 
 
 def _kernel_supports(isa: str, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[bool, bool]:

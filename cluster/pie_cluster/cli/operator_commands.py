@@ -281,6 +281,7 @@ def drain(
             raise ValueError(f"{wanted!r} names {len(matches)} of the nodes with an inferlet host: {', '.join(nodes)}")
         report = answered(controller.drain.remote(matches[0], timeout), "the controller", timeout + 120)
     replicas = f"; replicas still there until it leaves: {', '.join(report.replicas)}" if report.replicas else ""
+    replicas += "".join(f"; {moved}" for moved in report.moved)
     console.print(
         f"[green]✓[/green] node {report.node[:8]} drained in {report.seconds:g} s: {report.finished} "
         f"instance(s) finished, {report.ended} ended by the timeout{replicas}",

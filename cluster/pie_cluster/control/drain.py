@@ -2,20 +2,25 @@
 
 The node is closed to launches at once (a launch pinned to it gets an error saying it was drained); its running
 instances get up to the timeout to finish, and what is left then ends with an error event naming the drain; then
-its inferlet host is stopped and never started there again. Its replicas serve on until the node leaves the cluster
-(the operator, the autoscaler or KubeRay removes it): the inferlets using them then move to the model's other
-replicas (``inferlet._failover``), and Ray places the replicas again where their bundles fit.
+its inferlet host is stopped and never started there again. First, each of its replicas whose model has a replica
+on another node hands that one its contexts and snapshots, KV pages and all (``control.handover``): the inferlets
+using it, wherever they run, go on there without recomputing, and it answers every later call with where they went.
+Its replicas stay until the node leaves the cluster (the operator, the autoscaler or KubeRay removes it): an
+inferlet whose context did not move then recomputes it on another replica (``inferlet._failover``), and Ray places
+the replicas again where their bundles fit.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import ray
 from pie_workers.deadlines import LAUNCHER_S, answered
+
+from pie_cluster.control.handover import hand_over, successor
 
 if TYPE_CHECKING:
     from pie_cluster.control.controller import Controller
@@ -34,6 +39,7 @@ class DrainReport:
     ended: int  # ... and those still running then, ended with an error naming the drain
     seconds: float
     replicas: list[str]  # "model #index" of those still on the node: they serve until it leaves the cluster
+    moved: list[str] = field(default_factory=list)  # "model #index: what moved with its KV, to where"
 
 
 def drain_node(controller: Controller, node: str, timeout_s: float) -> DrainReport:
@@ -45,6 +51,7 @@ def drain_node(controller: Controller, node: str, timeout_s: float) -> DrainRepo
         raise ValueError(f"node {node} is the last with an inferlet host: draining it would stop every launch")
     started = time.monotonic()
     running = answered(launcher.drain.remote(node), "the launcher", LAUNCHER_S)
+    moved = _move_contexts(controller, node)
     at_start = len(running)
     while running and time.monotonic() - started < timeout_s:
         time.sleep(POLL_S)
@@ -76,4 +83,16 @@ def drain_node(controller: Controller, node: str, timeout_s: float) -> DrainRepo
             for i, replica in enumerate(group)
             if replica.info.node_id == node
         ],
+        moved=moved,
     )
+
+
+def _move_contexts(controller: Controller, node: str) -> list[str]:
+    """Hand each replica on ``node`` over to one of its model's on another node, where there is one."""
+    moved = []
+    for name, group in list(controller.replicas.items()):
+        for i, replica in enumerate(list(group)):
+            target = successor(group, replica, node) if replica.info.node_id == node else None
+            if target is not None and (what := hand_over(replica, target)) is not None:
+                moved.append(f"{name} #{i}: {what} to #{group.index(target)}")
+    return moved

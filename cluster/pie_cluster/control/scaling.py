@@ -7,9 +7,11 @@ starts one change per model at a time:
 * **adding** a replica makes a placement group of one bundle for it (pending until a node has room: Ray's
   autoscaler, or KubeRay's, adds one for a pending group), starts the replica there, and only then publishes it:
   inferlets and requests reach it from the next launch on;
-* **removing** takes the highest-numbered replica out of what is published (no new context lands there), gives its
-  contexts ``DRAIN_S`` to finish, stops it and removes its bundle, so an idle node can go. An inferlet still on it
-  then moves to another replica as after any replica's loss (``inferlet._failover``: recomputed from its lineage).
+* **removing** takes the highest-numbered replica out of what is published (no new context lands there), hands its
+  contexts and snapshots, KV pages and all, to the model's first replica (``control.handover``: its inferlets go on
+  there without recomputing), stops it and removes its bundle, so an idle node can go. If the handover cannot be
+  made, its contexts get ``DRAIN_S`` to finish instead, and an inferlet still on it then moves to another replica
+  as after any replica's loss (``inferlet._failover``: recomputed from its lineage).
 
 A model's first ``min_replicas`` replicas share its placement group (spread as ``placement`` says) and are never
 removed; the others each have their own. Changes only ever add or remove at the end, so a replica's index, its
@@ -30,6 +32,7 @@ from pie_workers.replica import Replica, replica_placement
 from ray.util.placement_group import remove_placement_group
 
 from pie_cluster.control.autoscaler import ModelScale, ReplicaLoad, ScalePolicy
+from pie_cluster.control.handover import hand_over, successor, wait_for_notices
 
 if TYPE_CHECKING:
     from pie_cluster.control.controller import Controller
@@ -146,7 +149,11 @@ class ReplicaScaler:
             replica = controller.replicas[name].pop()
         controller.publish()  # from here no launch is sent there; the supervisor's thread for it ends
         began = time.monotonic()
-        finished = _wait_for_contexts(replica, DRAIN_S)
+        target = successor(controller.replicas[name], replica)
+        moved = hand_over(replica, target) if target is not None else None
+        if moved is not None:
+            wait_for_notices(replica)
+        finished = moved is not None or _wait_for_contexts(replica, DRAIN_S)
         replica.shutdown()
         model = controller.models[name]
         remove_placement_group(model.added[-1])
@@ -154,7 +161,7 @@ class ReplicaScaler:
         controller.save()
         log.info(
             "model %r: replica %d removed after %.1f s (%s)", name, len(controller.replicas[name]),
-            time.monotonic() - began, "its contexts had finished" if finished else "contexts left moved on",
+            time.monotonic() - began, moved or ("its contexts had finished" if finished else "contexts left moved on"),
         )  # fmt: skip
 
 

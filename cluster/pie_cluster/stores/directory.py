@@ -92,6 +92,12 @@ class UserDirectory:
         self._named[model, user] += 1
         return True
 
+    async def rehome(self, model: str, user: str, name: str, holder) -> None:
+        """The snapshot's pages moved to ``holder`` (the replica that held them left and handed them over)."""
+        entry = self._snapshots.get((model, user, name))
+        if entry is not None:
+            self._snapshots[model, user, name] = _Snapshot(holder, entry.text, entry.committed)
+
     async def lookup(self, model: str, user: str, name: str) -> tuple[Text | None, int] | None:
         """The lineage to recompute the snapshot from: (text, committed), text None when it cannot be recomputed;
         None when there is no such snapshot."""

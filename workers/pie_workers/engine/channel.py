@@ -3,7 +3,8 @@
 A plain Ray actor call costs 0.6-1 ms; a forward pass per token cannot afford that. Inferlet processes on the same
 node connect over a Unix socket, others over TCP. A frame is one msgpack value and carries every request a process
 made in one loop iteration, ``[[request id, session, op, args], ...]``; replies go back batched per connection the
-same way, each ``[request id, error type or None, result or message]``, written once per loop iteration (so the 32
+same way, each ``[request id, error type or None, result or message]`` (or, for an error that carries a record,
+such as ``ReplicaMoved``, the record), written once per loop iteration (so the 32
 replies of one batch leave in one frame). The handler starts each request at once: an operation it takes on itself
 (a forward, queued for its batch) it answers through a callback, anything else runs as its own task; either way a
 slow operation never blocks the others.
@@ -277,9 +278,10 @@ class ChannelServer:
         if error is None:
             reply = [rid, None, result]
         else:
-            if not isinstance(error, _CALLERS_FAULT):
+            wire = getattr(error, "wire", None)  # an error that is an answer (``ReplicaMoved``): its record
+            if not isinstance(error, _CALLERS_FAULT) and wire is None:
                 self._refusals.refused("nothing: a channel op failed", error, exc_info=error)
-            reply = [rid, type(error).__name__, str(error)]
+            reply = [rid, type(error).__name__, str(error) if wire is None else wire]
         self._queue(conn, reply)
 
     def _queue(self, conn: _Connection, reply: list) -> None:

@@ -358,6 +358,13 @@ class ContextTable:
         """(token, position) of every working token: what replays the working KV after a suspension."""
         return [(t, p) for t, p, _ in self._get(ctx).lineage]
 
+    def holding(self, ctx: int) -> Holding:
+        """The context's holding itself, which a handover reads whole (``transfer.py``)."""
+        return self._get(ctx)
+
+    def snapshot_holdings(self) -> list[tuple[str, str, Holding]]:
+        return [(owner, name, snap) for (owner, name), snap in self._snapshots.items()]
+
     def stats(self) -> TableStats:
         return TableStats(
             contexts=len(self._contexts),

@@ -36,6 +36,10 @@ class DirectoryLink:
         text, committed = lineage if lineage is not None else (None, 0)
         return await self._ask("register", user, name, self._holder, text, committed)
 
+    async def rehome(self, user: str, name: str) -> None:
+        """The snapshot's pages are here now (a replica that left handed them over): this replica holds it."""
+        await self._ask("rehome", user, name, self._holder)
+
     async def lookup(self, user: str, name: str) -> Lineage | None:
         return await self._ask("lookup", user, name)
 

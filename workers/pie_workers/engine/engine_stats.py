@@ -30,3 +30,7 @@ class EngineStats:
     ahead_taken: int  # ... that a request then adopted
     market_rounds: int  # 0 without a market
     price: float  # the device's clearing price per page (0.0 without a market)
+    moved_out: int = 0  # contexts and snapshots handed to another replica with their KV (``handover.py``)
+    moved_in: int = 0  # ... adopted from a replica that left
+    claimed: int = 0  # adopted contexts their inferlets took up here
+    unnotified: int = 0  # inferlet sessions whose contexts moved away that have not been told yet

@@ -28,6 +28,7 @@ from pie_workers.engine.channel import Answer, ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
 from pie_workers.engine.directory_link import DirectoryLink
 from pie_workers.engine.engine_stats import EngineStats
+from pie_workers.engine.handover import Handovers
 from pie_workers.engine.holding import lineage_text
 from pie_workers.engine.market_link import MarketLink
 from pie_workers.engine.page_store import OutOfPages, PageStore
@@ -79,6 +80,7 @@ class ReplicaEngine(SnapshotOperations):
         )
         self.adapters = AdapterRegistry(runner, directory, tenants)
         self.passes = Passes(self.records, self.scheduler, self.residency, self.adapters)
+        self.handovers = Handovers(self, device)  # its contexts' KV to another replica when it leaves, and back
         # every operation but ``forward`` (see ``_handle``): name on the wire -> handler(session, *args)
         self._operations: dict[str, Callable[..., Awaitable]] = {
             "create": self.op_create,
@@ -97,6 +99,7 @@ class ReplicaEngine(SnapshotOperations):
             "account": self.op_account,
             "suspend": self.op_suspend,
             "set_bid": self.op_set_bid,
+            "claim": self.handovers.op_claim,
             "adapter_create": self.adapters.create,
             "adapter_open": self.adapters.open,
             "adapter_fork": self.adapters.fork,
@@ -142,6 +145,11 @@ class ReplicaEngine(SnapshotOperations):
         Returns the operation as a coroutine for the channel to run as a task, or None for a forward: the engine
         runs those without a task and calls ``answer`` itself, once the context's turn has come."""
         session = self.sessions.admit(name)
+        if self.handovers.leaving:  # refused with where its contexts went, once they are there
+            return self.handovers.hold(session, functools.partial(self._dispatch, session, op, args, answer), answer)
+        return self._dispatch(session, op, args, answer)
+
+    def _dispatch(self, session: Session, op: str, args: list, answer: Answer) -> Awaitable | None:
         if op == "forward":
             if len(args) != 1:
                 raise TypeError(f"a forward takes one PassRequest, got {len(args)} arguments")
@@ -387,4 +395,8 @@ class ReplicaEngine(SnapshotOperations):
             ahead_taken=steps.steps_ahead_taken,
             market_rounds=self.market.rounds if self.market else 0,
             price=self.market.price if self.market else 0.0,
+            moved_out=self.handovers.moved_out,
+            moved_in=self.handovers.moved_in,
+            claimed=self.handovers.claimed,
+            unnotified=len(self.handovers.unnotified),
         )

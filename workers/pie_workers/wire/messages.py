@@ -7,6 +7,7 @@ read into the wrong fields. Samplers and slot outputs inside a pass travel in th
 
 Operations other than ``forward`` take their few arguments in order (the engine's handlers' parameters); their
 answers are ``ContextReply``, ``AdapterReply`` and ``AccountReply``, or a plain value (an id, a length, a name).
+A replica that left answers with a ``MovedNotice`` (the error ``ReplicaMoved``), and ``claim`` takes ``Claim``s.
 """
 
 from __future__ import annotations
@@ -148,6 +149,25 @@ class ContextReply:
     tail: list[int] = field(default_factory=list)
     tail_positions: list[int] = field(default_factory=list)
     recomputable: bool = True
+
+
+@dataclass(slots=True)
+class Claim:
+    """One context a ``claim`` asks for: its id on the replica that left (``MovedNotice``), and ``known`` as in a
+    ``fork`` (its tokens from there on come back with it; -1: none)."""
+
+    ctx: int
+    known: int = -1
+
+
+@dataclass(slots=True)
+class MovedNotice:
+    """What a replica that left answers every request with: it handed its contexts (their KV pages, not their
+    tokens) to the replica listening at ``addresses``, where a ``claim`` of their old ids gets them back as they
+    were. ``source``: the replica that left, as its logs name it."""
+
+    source: str
+    addresses: list[str]
 
 
 @dataclass(slots=True)
