@@ -131,6 +131,8 @@ def test_ray_up_config_passes_rays_validation(name):
     assert config["file_mounts"]["~/pie-on-ray"] == "."
     started = re.search(r"pie start --address auto --config ~/pie-on-ray/(\S+)\"", text)
     assert started and PieConfig.load(ROOT / started.group(1))  # the documented `pie start` names a real config
+    workers = [t for t in prepare_config(config)["available_node_types"].values() if t.get("max_workers", 0) > 0]
+    assert workers and all(t.get("min_workers", 0) < t["max_workers"] for t in workers)  # nodes may come and go
 
 
 @pytest.mark.parametrize("name", ["cluster-cpu.yaml", "cluster-gpu.yaml"])
