@@ -119,3 +119,51 @@ def test_an_autoscaled_model_adds_a_replica_under_load_and_gives_it_back(ray_clu
         ray.get(controller.shutdown.remote())
         ray.kill(controller)
     assert replica_groups() == groups_before
+
+
+PAUSED = """
+import asyncio
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    with Context(Model.load("default")) as ctx:
+        ctx.user("a replica starts while another dies")
+        first = await ctx.generate(Sampler.argmax(), max_tokens=2, stop=[]).collect_tokens()
+        await asyncio.sleep(4)  # its context held: the load that wants a second replica
+        return first + await ctx.generate(Sampler.argmax(), max_tokens=4, stop=[]).collect_tokens()
+"""
+
+
+@pytest.mark.slow
+def test_a_replica_dies_while_the_autoscaler_adds_another(ray_cluster, ray_session):
+    """Replica 0 is SIGKILLed while replica 1 is starting for the load: the supervisor replaces replica 0 as the
+    scaler finishes adding replica 1, and the inferlets that held contexts on replica 0 finish with the tokens of an
+    undisturbed run (their contexts recomputed where they moved)."""
+    model = ModelConfigEntry(
+        pages=64, cpus_per_rank=1, min_replicas=1, max_replicas=2, target_load=2, upscale_delay_s=0,
+        downscale_delay_s=600,
+    )  # fmt: skip
+    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
+    controller = start_controller(config)
+    try:
+        launcher = ray.get_actor("pie-launcher")
+        paused = upload(launcher, PAUSED)
+        undisturbed = run_to_end(launcher, launch(launcher, paused))[-1]
+        assert undisturbed[1] == "return", undisturbed
+        (first,) = ray.get(controller.status.remote()).replicas
+
+        held = [launch(launcher, paused) for _ in range(3)]
+        deadline = time.monotonic() + 60
+        while scaling(controller)[0].target < 2:  # the scaler is starting replica 1 now
+            assert time.monotonic() < deadline, scaling(controller)
+            time.sleep(0.2)
+        assert scaling(controller)[0].current == 1
+        os.kill(first.pids[0], signal.SIGKILL)
+
+        endings = [run_to_end(launcher, instance, timeout=240)[-1] for instance in held]
+        assert [e[1:] for e in endings] == [undisturbed[1:]] * 3, endings  # ("return", the same tokens)
+        scale, rows = wait_for(controller, 2)
+        assert scale.target == 2 and rows[0].pids[0] != first.pids[0]  # replica 0 is its replacement
+    finally:
+        ray.get(controller.shutdown.remote())
+        ray.kill(controller)
