@@ -103,6 +103,7 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     settled_s: float | None = None  # after the ramp: until replicas and nodes were back at the minimum
+    released: list[str] = field(default_factory=list)  # nodes `pie status` listed as released meanwhile
 
     def ttft(self, q: float) -> float:
         times = sorted(r.ttft_s for r in self.requests if r.ttft_s is not None)
@@ -208,7 +209,8 @@ def measure(label: str, entry: ModelConfigEntry, ramp: Ramp, args, console: Cons
     run = Run(label)
     with autoscaled_pie(entry, args.max_replicas) as (url, controller, cluster):
         console.log(f"{label}: {replicas_now(controller, fixed)[0]} replicas serving; ramp of {ramp.duration:g} s")
-        asyncio.run(drive(url, Ramp(4.0, 1.0, 1.0, 1.0), args.tokens, Run("warm-up"), time.monotonic()))
+        if not args.smoke:  # (the smoke's zero upscale delay would scale on the warm-up)
+            asyncio.run(drive(url, Ramp(4.0, 1.0, 1.0, 1.0), args.tokens, Run("warm-up"), time.monotonic()))
         began, stop = time.monotonic(), threading.Event()
         sampler = threading.Thread(
             target=sample_every_second, args=(run, ramp, controller, cluster, fixed, began, stop), daemon=True
@@ -220,6 +222,7 @@ def measure(label: str, entry: ModelConfigEntry, ramp: Ramp, args, console: Cons
             deadline = ended + args.settle_s
             while time.monotonic() < deadline:
                 replicas, target = replicas_now(controller, fixed)
+                run.released += [n for n in ray.get(controller.status.remote()).released if n not in run.released]
                 if replicas == entry.fewest and cluster.worker_nodes() == entry.fewest:
                     run.settled_s = time.monotonic() - ended
                     break

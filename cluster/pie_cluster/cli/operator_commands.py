@@ -234,6 +234,8 @@ def status(
             console.print(f"node {node.node[:8]}: {'alive' if node.alive else 'lost'}, host {node.host}")
     for node in report.drained:
         console.print(f"node {node.node[:8]}: drained{' (still in the cluster)' if node.alive else ''}")
+    for node in report.released:
+        console.print(f"node {node[:8]}: released (no replica, no inferlet: Ray's autoscaler may remove it)")
     launcher, bus, market = report.launcher, report.bus, report.market
     console.print(
         " · ".join(

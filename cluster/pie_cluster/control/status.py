@@ -44,6 +44,7 @@ def cluster_status(controller: Controller) -> ClusterStatus:
         bus_shards=[info.node_id for info in controller.bus.infos],
         market=market,
         scaling=list(controller.scaler.scales().values()),
+        released=sorted(controller.release.released & {n for n, up in alive.items() if up}),
     )
 
 

@@ -85,6 +85,7 @@ class ClusterStatus:
     bus_shards: list[str]  # each shard's node, in shard order
     market: MarketSummary | Unanswered
     scaling: list[ModelScale] = dataclasses.field(default_factory=list)  # autoscaled models: target, count, why
+    released: list[str] = dataclasses.field(default_factory=list)  # nodes that gave their host back to the autoscaler
 
 
 def status_json(status: ClusterStatus) -> dict:

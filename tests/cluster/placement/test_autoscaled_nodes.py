@@ -39,3 +39,4 @@ def test_replicas_and_nodes_follow_a_load_ramp_on_rays_autoscaler(tmp_path):
     first_two_nodes = next(s["t"] for s in samples if s["nodes"] == 2)
     assert first_two_nodes <= peak[0]["t"]  # the node came for the replica, not after it
     assert run["settled_s"] is not None, samples[-5:]  # back to 1 replica on 1 node once the load was gone
+    assert len(run["released"]) == 1  # `pie status` said why the node could go: its host given back
