@@ -1,8 +1,8 @@
 """A load ramp on an autoscaled cluster: replicas over time against the load, and what following the load costs
 against a fixed cluster of ``max_replicas``.
 
-Usage: python bench/elastic.py [--base-rate 0.5] [--peak 8] [--ramp-s 60] [--hold-s 30] [--tokens 32]
-                               [--max-replicas 3] [--target-load 1] [--upscale-delay-s 3] [--downscale-delay-s 10]
+Usage: python bench/elastic.py [--base-rate 0.5] [--peak 8] [--ramp-s 60] [--hold-s 30] [--tokens 128]
+                               [--max-replicas 3] [--target-load 3] [--upscale-delay-s 3] [--downscale-delay-s 10]
                                [--smoke] [--json PATH] [--out docs/bench]
 
 Each run gets a cluster of its own on Ray's real autoscaler (``autoscaling_cluster.LocalAutoscalingCluster``): a
@@ -209,8 +209,10 @@ def measure(label: str, entry: ModelConfigEntry, ramp: Ramp, args, console: Cons
     run = Run(label)
     with autoscaled_pie(entry, args.max_replicas) as (url, controller, cluster):
         console.log(f"{label}: {replicas_now(controller, fixed)[0]} replicas serving; ramp of {ramp.duration:g} s")
-        if not args.smoke:  # (the smoke's zero upscale delay would scale on the warm-up)
-            asyncio.run(drive(url, Ramp(4.0, 1.0, 1.0, 1.0), args.tokens, Run("warm-up"), time.monotonic()))
+        if not args.smoke:  # a few requests first, then (autoscaled) back at the minimum before the ramp
+            asyncio.run(drive(url, Ramp(1.0, 1.0, 1.0, 1.0), args.tokens, Run("warm-up"), time.monotonic()))
+            if fixed is None:
+                settle(controller, cluster, entry, args.settle_s, Run("warm-up"))
         began, stop = time.monotonic(), threading.Event()
         sampler = threading.Thread(
             target=sample_every_second, args=(run, ramp, controller, cluster, fixed, began, stop), daemon=True
@@ -218,19 +220,24 @@ def measure(label: str, entry: ModelConfigEntry, ramp: Ramp, args, console: Cons
         sampler.start()
         asyncio.run(drive(url, ramp, args.tokens, run, began))
         if fixed is None:  # the scale-down after the load: back to the minimum, its nodes released
-            ended = time.monotonic()
-            deadline = ended + args.settle_s
-            while time.monotonic() < deadline:
-                replicas, target = replicas_now(controller, fixed)
-                run.released += [n for n in ray.get(controller.status.remote()).released if n not in run.released]
-                if replicas == entry.fewest and cluster.worker_nodes() == entry.fewest:
-                    run.settled_s = time.monotonic() - ended
-                    break
-                time.sleep(0.5)
+            run.settled_s = settle(controller, cluster, entry, args.settle_s, run)
         stop.set()
         sampler.join()
     console.log(f"{label}: {len(run.requests)} requests, {run.failed} failed, p90 TTFT {run.ttft(90) * 1e3:.0f} ms")
     return run
+
+
+def settle(controller, cluster, entry: ModelConfigEntry, timeout_s: float, run: Run) -> float | None:
+    """Seconds until the model is back at ``min_replicas`` on as many nodes (None: not within ``timeout_s``),
+    noting in ``run`` the nodes `pie status` lists as released meanwhile."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        replicas, _ = replicas_now(controller, None)
+        run.released += [n for n in ray.get(controller.status.remote()).released if n not in run.released]
+        if replicas == entry.fewest and cluster.worker_nodes() == entry.fewest:
+            return time.monotonic() - began
+        time.sleep(0.5)
+    return None
 
 
 def report(runs: list[Run], ramp: Ramp, args, console: Console) -> None:
@@ -288,9 +295,9 @@ def main() -> None:
     ap.add_argument("--peak", type=float, default=8.0)
     ap.add_argument("--ramp-s", type=float, default=60.0)
     ap.add_argument("--hold-s", type=float, default=30.0)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--max-replicas", type=int, default=3)
-    ap.add_argument("--target-load", type=float, default=1.0)
+    ap.add_argument("--target-load", type=float, default=3.0)
     ap.add_argument("--upscale-delay-s", type=float, default=3.0)
     ap.add_argument("--downscale-delay-s", type=float, default=10.0)
     ap.add_argument("--settle-s", type=float, default=180.0, help="how long to wait for the scale-down after")

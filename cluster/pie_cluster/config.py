@@ -91,6 +91,7 @@ class ModelConfigEntry(_Strict):
     target_load: float = Field(32.0, gt=0)  # contexts and queued requests per replica the autoscaler aims at
     upscale_delay_s: float = Field(10.0, ge=0)  # how long more replicas must be wanted before one is added
     downscale_delay_s: float = Field(60.0, ge=0)  # ... fewer, before one is removed
+    load_window_s: float = Field(10.0, ge=0)  # the load is the mean over this long (0: each reading alone)
     placement: Literal["spread", "strict_spread", "pack"] = "spread"  # how replicas share nodes (Ray's strategies)
     pages: int = Field(4096, ge=1)
     page_size: int = Field(16, ge=1)

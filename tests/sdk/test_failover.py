@@ -7,7 +7,6 @@ Two real replicas of the tiny model; the first is SIGKILLed while 32 inferlets d
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 
@@ -16,24 +15,17 @@ import ray
 from inferlet import Context, ContextLost, Model, Sampler
 from inferlet._channel import ReplicaLost
 from pie_cluster.hosts.run import endpoints_for, run_inferlet
-from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
-from pie_workers.runner import RunnerSettings
-from support.sdk_host import TRUST
+from support.sdk_host import TRUST, failing_over, one_cpu_replica
 
 TOKENS = 40  # each inferlet's greedy tokens
 KILL_AFTER = 32 * 6  # steps the stepping inferlets have made, all together, when the replica is killed
 
 
-def start_replica(tiny_llama) -> Replica:
-    settings = RunnerSettings(num_pages=512, backend="torch")
-    return Replica(tiny_llama, 1, settings, cpus_per_rank=1, engine=BatchLimits(), secret=TRUST.secret)
-
-
 @pytest.fixture(scope="module")
 def survivor(ray_session, tiny_llama):
     """The replica the inferlets move to."""
-    replica = start_replica(tiny_llama)
+    replica = one_cpu_replica(tiny_llama)
     yield replica
     replica.shutdown()
 
@@ -41,16 +33,9 @@ def survivor(ray_session, tiny_llama):
 @pytest.fixture
 def doomed(ray_session, tiny_llama):
     """The replica the inferlets start on, killed by the test."""
-    replica = start_replica(tiny_llama)
+    replica = one_cpu_replica(tiny_llama)
     yield replica
     replica.shutdown()  # dead, as it should be: its bundle is given back all the same
-
-
-def failing_over(doomed: Replica, survivor: Replica) -> dict:
-    """The doomed replica's endpoints, naming the survivor to fail over to."""
-    (endpoint,) = endpoints_for("default", doomed).values()
-    (after,) = endpoints_for("default", survivor).values()
-    return {"default": dataclasses.replace(endpoint, failover=(after.address,))}
 
 
 def kill(replica: Replica) -> None:

@@ -8,7 +8,6 @@ Two real replicas of the tiny model on Ray; the inferlets run in this process as
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 
@@ -17,38 +16,25 @@ import ray
 from inferlet import Context, Model, Sampler
 from pie_cluster.control.handover import hand_over
 from pie_cluster.hosts.run import endpoints_for, run_inferlet
-from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
-from pie_workers.runner import RunnerSettings
-from support.sdk_host import TRUST
+from support.sdk_host import TRUST, failing_over, one_cpu_replica
 
 TOKENS = 24
 INFERLETS = 8
 
 
-def start_replica(tiny_llama) -> Replica:
-    settings = RunnerSettings(num_pages=512, backend="torch")
-    return Replica(tiny_llama, 1, settings, cpus_per_rank=1, engine=BatchLimits(), secret=TRUST.secret)
-
-
 @pytest.fixture(scope="module")
 def survivor(ray_session, tiny_llama):
-    replica = start_replica(tiny_llama)
+    replica = one_cpu_replica(tiny_llama)
     yield replica
     replica.shutdown()
 
 
 @pytest.fixture
 def leaving(ray_session, tiny_llama):
-    replica = start_replica(tiny_llama)
+    replica = one_cpu_replica(tiny_llama)
     yield replica
     replica.shutdown()
-
-
-def failing_over(leaving: Replica, survivor: Replica) -> dict:
-    (endpoint,) = endpoints_for("default", leaving).values()
-    (after,) = endpoints_for("default", survivor).values()
-    return {"default": dataclasses.replace(endpoint, failover=(after.address,))}
 
 
 def stats(replica: Replica):

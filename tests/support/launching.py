@@ -11,6 +11,23 @@ from pie_cluster.control.status_records import ReplicaStatus
 from pie_cluster.hosts.driver_events import poll
 from pie_cluster.launch_request import LaunchRequest
 
+HOLD = """
+import asyncio
+from inferlet import Context, Model, Sampler
+
+async def main(input):
+    with Context(Model.load("default")) as ctx:
+        ctx.user("hold a context")
+        await ctx.generate(Sampler.argmax(), max_tokens=2, stop=[]).collect_tokens()
+        await asyncio.sleep(600)
+"""
+"""An inferlet that holds one live context (the autoscaler's load) until it is aborted."""
+
+
+def replica_groups() -> int:
+    """Placement groups made (the autoscaled tests count one per replica added beyond the model's own)."""
+    return sum(1 for g in ray.util.placement_group_table().values() if g["state"] == "CREATED")
+
 
 def upload(launcher, source: str, user: str = "alice", filename: str = "prog.py") -> str:
     return ray.get(launcher.upload.remote(user, filename, textwrap.dedent(source).encode())).program

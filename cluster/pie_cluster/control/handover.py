@@ -45,10 +45,15 @@ def hand_over(leaving: Replica, target: Replica) -> str | None:
 def wait_for_notices(replica: Replica, timeout_s: float = NOTICE_S) -> bool:
     """Whether every inferlet session whose contexts ``replica`` handed over heard so within ``timeout_s`` (one
     that did not claims them when its next call finds the replica gone, or has them recomputed)."""
+    return stats_until(replica, lambda stats: stats.unnotified == 0, timeout_s)
+
+
+def stats_until(replica: Replica, done, timeout_s: float) -> bool:
+    """Whether ``done(its EngineStats)`` came true within ``timeout_s`` (False at once if it is dead or hung)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if ray.get(replica.leader.engine_stats.remote(), timeout=10).unnotified == 0:
+            if done(ray.get(replica.leader.engine_stats.remote(), timeout=10)):
                 return True
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             return False

@@ -65,13 +65,13 @@ class NodeRelease:
         controller, launcher = self.controller, self.controller.launcher
         try:
             running = answered(launcher.drain.remote(node), "the launcher", LAUNCHER_S)  # closed to launches
-            while running:
+            while running and node not in self._occupied():
+                time.sleep(POLL_S)
+                running = answered(launcher.drain.remote(node), "the launcher", LAUNCHER_S)
+            with controller.hosting:  # (replicas are published under it: none lands there unseen meanwhile)
                 if node in self._occupied():  # a replica came back before the node went: it stays in use
                     answered(launcher.reopen.remote(node), "the launcher", LAUNCHER_S)
                     return
-                time.sleep(POLL_S)
-                running = answered(launcher.drain.remote(node), "the launcher", LAUNCHER_S)
-            with controller.hosting:
                 host = controller.hosts.pop(node)
                 self.released.add(node)
                 answered(launcher.remove_host.remote(node, f"node {node} was released"), "the launcher", LAUNCHER_S)

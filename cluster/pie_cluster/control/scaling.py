@@ -28,18 +28,17 @@ from typing import TYPE_CHECKING
 
 import ray
 import ray.exceptions
-from pie_workers.replica import Replica, replica_placement
+from pie_workers.replica import replica_placement
 from ray.util.placement_group import remove_placement_group
 
 from pie_cluster.control.autoscaler import ModelScale, ReplicaLoad, ScalePolicy
-from pie_cluster.control.handover import hand_over, successor, wait_for_notices
+from pie_cluster.control.handover import hand_over, stats_until, successor, wait_for_notices
 
 if TYPE_CHECKING:
     from pie_cluster.control.controller import Controller
 
 log = logging.getLogger(__name__)
 DRAIN_S = 120.0  # how long a replica being removed waits for its contexts to finish
-POLL_S = 0.5
 
 
 class ReplicaScaler:
@@ -153,7 +152,7 @@ class ReplicaScaler:
         moved = hand_over(replica, target) if target is not None else None
         if moved is not None:
             wait_for_notices(replica)
-        finished = moved is not None or _wait_for_contexts(replica, DRAIN_S)
+        finished = moved is not None or stats_until(replica, lambda stats: stats.contexts == 0, DRAIN_S)
         replica.shutdown()
         model = controller.models[name]
         remove_placement_group(model.added[-1])
@@ -167,16 +166,3 @@ class ReplicaScaler:
 
 def _initial(entry, count: int) -> ModelScale:
     return ModelScale(entry.name, entry.fewest, entry.most, target=count)
-
-
-def _wait_for_contexts(replica: Replica, timeout_s: float) -> bool:
-    """Whether the replica's contexts all ended within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if ray.get(replica.leader.engine_stats.remote(), timeout=10).contexts == 0:
-                return True
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            return False  # dead or hung: nothing to wait for
-        time.sleep(POLL_S)
-    return False

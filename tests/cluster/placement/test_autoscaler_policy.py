@@ -10,7 +10,14 @@ from pie_cluster.control.autoscaler import ModelScale, ReplicaLoad, ScalePolicy
 
 def policy(target: int = 1, **keys) -> ScalePolicy:
     entry = ModelConfigEntry(
-        **{"min_replicas": 1, "max_replicas": 4, "target_load": 8, "upscale_delay_s": 10, "downscale_delay_s": 60}
+        **{
+            "min_replicas": 1,
+            "max_replicas": 4,
+            "target_load": 8,
+            "upscale_delay_s": 10,
+            "downscale_delay_s": 60,
+            "load_window_s": 0,
+        }
         | keys
     )
     return ScalePolicy(entry, ModelScale(entry.name, entry.fewest, entry.most, target))
@@ -41,6 +48,17 @@ def test_less_load_lowers_it_after_the_downscale_delay_and_never_under_the_minim
     assert p.decide(loads(0, 0, 0), now=0).target == 3
     scale = p.decide(loads(0, 0, 0), now=60)
     assert scale.target == 2 and "min_replicas 2" in scale.reason
+
+
+def test_the_load_is_the_mean_over_its_window_so_noise_does_not_scale():
+    """Requests that come and go between readings: single readings jump over and under the target, their mean
+    does not; a load that stays up moves the mean past it."""
+    p = policy(load_window_s=10, upscale_delay_s=5)
+    for second in range(30):  # readings of 0 and 12 in turn: a mean of 6, under 8 per replica
+        assert p.decide(loads(12 if second % 2 else 0), now=second).target == 1
+    for second in range(30, 50):
+        scale = p.decide(loads(12), now=second)
+    assert scale.target == 2 and "(contexts and queued requests, mean over 10 s)" in scale.reason
 
 
 def test_the_maximum_bounds_the_target_and_queued_requests_count_as_load():

@@ -18,18 +18,7 @@ from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.ingress.metrics import ScalingGauges
 from prometheus_client import CollectorRegistry, generate_latest
 from ray.util.state import list_actors
-from support.launching import launch, run_to_end, upload
-
-HOLD = """
-import asyncio
-from inferlet import Context, Model, Sampler
-
-async def main(input):
-    with Context(Model.load("default")) as ctx:
-        ctx.user("hold a context")
-        await ctx.generate(Sampler.argmax(), max_tokens=2, stop=[]).collect_tokens()
-        await asyncio.sleep(600)
-"""
+from support.launching import HOLD, launch, replica_groups, run_to_end, upload
 
 GREEDY = """
 from inferlet import Context, Model, Sampler
@@ -64,15 +53,11 @@ def metrics_text(controller) -> str:
     return generate_latest(registry).decode()
 
 
-def replica_groups() -> int:
-    return sum(1 for g in ray.util.placement_group_table().values() if g["state"] == "CREATED")
-
-
 @pytest.mark.slow
 def test_an_autoscaled_model_adds_a_replica_under_load_and_gives_it_back(ray_cluster, ray_session):
     model = ModelConfigEntry(
         pages=64, cpus_per_rank=1, min_replicas=1, max_replicas=2, target_load=2, upscale_delay_s=0,
-        downscale_delay_s=1,
+        downscale_delay_s=1, load_window_s=0,
     )  # fmt: skip
     config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
     groups_before = replica_groups()
@@ -141,7 +126,7 @@ def test_a_replica_dies_while_the_autoscaler_adds_another(ray_cluster, ray_sessi
     undisturbed run (their contexts recomputed where they moved)."""
     model = ModelConfigEntry(
         pages=64, cpus_per_rank=1, min_replicas=1, max_replicas=2, target_load=2, upscale_delay_s=0,
-        downscale_delay_s=600,
+        downscale_delay_s=600, load_window_s=0,
     )  # fmt: skip
     config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
     controller = start_controller(config)

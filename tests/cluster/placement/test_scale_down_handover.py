@@ -22,18 +22,7 @@ from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.hosts.driver_events import poll
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.util.state import list_actors
-from support.launching import launch, run_to_end, upload
-
-HOLD = """
-import asyncio
-from inferlet import Context, Model, Sampler
-
-async def main(input):
-    with Context(Model.load("default")) as ctx:
-        ctx.user("hold a context")
-        await ctx.generate(Sampler.argmax(), max_tokens=2, stop=[]).collect_tokens()
-        await asyncio.sleep(600)
-"""
+from support.launching import HOLD, launch, replica_groups, run_to_end, upload
 
 # Generates, (with ``{"wait": true}``) says so and waits for a message, then generates more; returns its tokens and
 # what its link did: moves to another replica, contexts taken up there with their KV.
@@ -110,15 +99,11 @@ def returned(launcher, instance: str) -> dict:
     return json.loads(last[2])
 
 
-def replica_groups() -> int:
-    return sum(1 for g in ray.util.placement_group_table().values() if g["state"] == "CREATED")
-
-
 @pytest.mark.slow
 def test_scaling_down_hands_a_running_inferlets_context_over_with_its_kv(ray_cluster, ray_session):
     model = ModelConfigEntry(
         pages=64, cpus_per_rank=1, min_replicas=1, max_replicas=2, target_load=2, upscale_delay_s=0,
-        downscale_delay_s=1,
+        downscale_delay_s=1, load_window_s=0,
     )  # fmt: skip
     config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
     groups_before = replica_groups()
