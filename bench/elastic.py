@@ -41,10 +41,12 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 import openai
+import pinned_inferlet
 import ray
 from autoscaling_cluster import LocalAutoscalingCluster
 from local_pie import wait_healthy
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SandboxConfig, SupervisionConfig
+from pie_cluster.control.controller import LAUNCHER
 from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.ingress.app import serve_http, stop_http
 from pie_cluster.ray_session import NAMESPACE, job_env
@@ -104,6 +106,7 @@ class Run:
     requests: list[Request] = field(default_factory=list)
     settled_s: float | None = None  # after the ramp: until replicas and nodes were back at the minimum
     released: list[str] = field(default_factory=list)  # nodes `pie status` listed as released meanwhile
+    pinned: pinned_inferlet.Pinned | None = None  # --smoke: the inferlet held on the added node (``pinned_inferlet``)
 
     def ttft(self, q: float) -> float:
         times = sorted(r.ttft_s for r in self.requests if r.ttft_s is not None)
@@ -218,13 +221,49 @@ def measure(label: str, entry: ModelConfigEntry, ramp: Ramp, args, console: Cons
             target=sample_every_second, args=(run, ramp, controller, cluster, fixed, began, stop), daemon=True
         )
         sampler.start()
+        pinning = threading.Thread(target=pin_on_the_added_node, args=(run, controller), daemon=True)
+        if args.smoke:
+            pinning.start()
         asyncio.run(drive(url, ramp, args.tokens, run, began))
+        if args.smoke:
+            pinning.join(timeout=120)
+        if run.pinned is not None:
+            hold_the_node(run.pinned, controller, cluster, entry, args.settle_s)
         if fixed is None:  # the scale-down after the load: back to the minimum, its nodes released
             run.settled_s = settle(controller, cluster, entry, args.settle_s, run)
         stop.set()
         sampler.join()
     console.log(f"{label}: {len(run.requests)} requests, {run.failed} failed, p90 TTFT {run.ttft(90) * 1e3:.0f} ms")
     return run
+
+
+def pin_on_the_added_node(run: Run, controller) -> None:
+    """Once a second replica serves (and its node's host reaches it), an inferlet on that node holds a context."""
+    while replicas_now(controller, None)[0] < 2:
+        time.sleep(0.5)
+    time.sleep(3)  # the scaler counts a replica a moment before the hosts are told of it
+    node = ray.get(controller.status.remote()).replicas[1].node
+    launcher = ray.get_actor(LAUNCHER)
+    held = pinned_inferlet.launch(launcher, node, hold=True)
+    pinned_inferlet.events_until(launcher, held, "message")
+    run.pinned = pinned_inferlet.Pinned(node, instance=held)
+
+
+def hold_the_node(pinned: pinned_inferlet.Pinned, controller, cluster, entry: ModelConfigEntry, timeout_s: float):
+    """After the load: the replica on the pinned inferlet's node goes, the node must not while the inferlet runs;
+    then it is told to finish, and the same program runs unmoved for its tokens."""
+    began = time.monotonic()
+    while replicas_now(controller, None)[0] > entry.fewest and time.monotonic() - began < timeout_s:
+        time.sleep(0.5)
+    kept = True
+    for _ in range(15):  # its replica gone, the node holds on while the inferlet runs
+        time.sleep(1)
+        kept &= pinned.node not in ray.get(controller.status.remote()).released and cluster.worker_nodes() == 2
+    launcher = ray.get_actor(LAUNCHER)
+    pinned.kept_node = kept
+    pinned_inferlet.tell(launcher, pinned.instance)
+    pinned.result = pinned_inferlet.returned(launcher, pinned.instance)
+    pinned.unmoved = pinned_inferlet.returned(launcher, pinned_inferlet.launch(launcher, None, hold=False))
 
 
 def settle(controller, cluster, entry: ModelConfigEntry, timeout_s: float, run: Run) -> float | None:

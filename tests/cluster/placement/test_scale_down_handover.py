@@ -20,6 +20,7 @@ import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.hosts.driver_events import poll
+from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.util.state import list_actors
 from support.launching import HOLD, launch, replica_groups, run_to_end, upload
@@ -112,9 +113,9 @@ def test_scaling_down_hands_a_running_inferlets_context_over_with_its_kv(ray_clu
     try:
         launcher = ray.get_actor("pie-launcher")
         _, (first,) = until("one replica serving", lambda: serving(controller, 1))
-        cpus = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == first.node)
+        free = available_resources_per_node()[first.node].get("CPU", 0)  # what the session's other work left
         filler = NodeFiller.options(
-            num_cpus=cpus - first.cpus_per_rank, scheduling_strategy=NodeAffinitySchedulingStrategy(first.node, False)
+            num_cpus=free, scheduling_strategy=NodeAffinitySchedulingStrategy(first.node, False)
         ).remote()
         ray.get(filler.ready.remote(), timeout=60)  # replica 1's bundle now fits only the other node
 
