@@ -105,10 +105,14 @@ def test_two_ingress_replicas_from_the_config_serve_launches(started, ray_sessio
         f"{started['url']}/v1/programs",
         params={"filename": "p.py"},
         content=b"async def main(input):\n    return input['i'] * 2\n",
+        timeout=60,
     ).json()["program"]
     for i in range(8):  # Serve's proxy spreads them over both replicas
         events = httpx.post(
-            f"{started['url']}/v1/instances", params={"stream": "true"}, json={"program": program, "input": {"i": i}}
+            f"{started['url']}/v1/instances",
+            params={"stream": "true"},
+            json={"program": program, "input": {"i": i}},
+            timeout=60,
         )
         assert events.status_code == 200 and f"event: return\ndata: {json.dumps(str(i * 2))}" in events.text
 
@@ -120,13 +124,14 @@ def test_launches_past_the_limits_wait_then_are_refused_with_429(started, tmp_pa
     import httpx
 
     url = started["url"]
-    program = httpx.post(f"{url}/v1/programs", params={"filename": "wait.py"}, content=WAIT).json()["program"]
+    uploaded = httpx.post(f"{url}/v1/programs", params={"filename": "wait.py"}, content=WAIT, timeout=60)
+    program = uploaded.json()["program"]
 
     def launch() -> httpx.Response:
-        return httpx.post(f"{url}/v1/instances", json={"program": program})
+        return httpx.post(f"{url}/v1/instances", json={"program": program}, timeout=60)
 
     def states() -> dict[str, str]:
-        return {i["id"]: i["status"] for i in httpx.get(f"{url}/v1/instances").json()}
+        return {i["id"]: i["status"] for i in httpx.get(f"{url}/v1/instances", timeout=60).json()}
 
     first, second, third = (launch().json()["id"] for _ in range(3))
     assert [states()[i] for i in (first, second, third)] == ["running", "running", "queued"]
@@ -134,7 +139,8 @@ def test_launches_past_the_limits_wait_then_are_refused_with_429(started, tmp_pa
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
     assert refused.json() == {"detail": "user 'local' already has 1 launches waiting (the limit)"}
     chat = {"model": "victim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    overloaded = httpx.post(f"{url}/v1/chat/completions", json=chat)  # an OpenAI request is a launch like any
+    # an OpenAI request is a launch like any
+    overloaded = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
     assert overloaded.status_code == 429 and int(overloaded.headers["Retry-After"]) >= 1
     assert overloaded.json()["error"]["type"] == "rate_limit_error"
     path = tmp_path / "p.py"
@@ -142,11 +148,12 @@ def test_launches_past_the_limits_wait_then_are_refused_with_429(started, tmp_pa
     cli = pie({**started["env"], "PIE_URL": url}, "submit", str(path))
     assert cli.returncode == 1 and "429" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
 
-    assert httpx.delete(f"{url}/v1/instances/{third}").json() == {"aborted": True}  # a waiting launch leaves
+    left = httpx.delete(f"{url}/v1/instances/{third}", timeout=60)  # a waiting launch leaves
+    assert left.json() == {"aborted": True}
     assert states()[third] == "failed"
     fourth = launch().json()["id"]
     assert states()[fourth] == "queued"
-    httpx.post(f"{url}/v1/instances/{first}/messages", json={"message": "one"})
+    httpx.post(f"{url}/v1/instances/{first}/messages", json={"message": "one"}, timeout=60)
     events = httpx.get(f"{url}/v1/instances/{first}/events", timeout=60).text
     assert 'event: return\ndata: "one"' in events
     for _ in range(100):  # the freed slot goes to the waiting launch
@@ -155,7 +162,7 @@ def test_launches_past_the_limits_wait_then_are_refused_with_429(started, tmp_pa
         time.sleep(0.1)
     assert states()[fourth] == "running"
     for instance in (second, fourth):
-        httpx.post(f"{url}/v1/instances/{instance}/messages", json={"message": "done"})
+        httpx.post(f"{url}/v1/instances/{instance}/messages", json={"message": "done"}, timeout=60)
         assert "event: return" in httpx.get(f"{url}/v1/instances/{instance}/events", timeout=60).text
 
 
@@ -177,21 +184,24 @@ def test_a_killed_inferlet_host_fails_its_instances_and_comes_back(started, ray_
 
     url = started["url"]
     node = json.loads(pie(started["env"], "status", "--json").stdout)["nodes"][0]["node"]
-    program = httpx.post(f"{url}/v1/programs", params={"filename": "wait.py"}, content=WAIT).json()["program"]
-    lost = httpx.post(f"{url}/v1/instances", json={"program": program, "node_id": node}).json()["id"]
+    uploaded = httpx.post(f"{url}/v1/programs", params={"filename": "wait.py"}, content=WAIT, timeout=60)
+    program = uploaded.json()["program"]
+    lost = httpx.post(f"{url}/v1/instances", json={"program": program, "node_id": node}, timeout=60).json()["id"]
     host = only_actor(ray_cluster.address, "InferletHost", node_id=node)
     os.kill(host["pid"], signal.SIGKILL)
     events = events_text(url, lost)
     assert "event: error" in events and "died" in events, events
-    assert {i["id"]: i["status"] for i in httpx.get(f"{url}/v1/instances").json()}[lost] == "failed"
+    assert {i["id"]: i["status"] for i in httpx.get(f"{url}/v1/instances", timeout=60).json()}[lost] == "failed"
     deadline = time.monotonic() + 120
     while (
-        again := httpx.post(f"{url}/v1/instances", json={"program": program, "node_id": node, "deadline_s": 60})
+        again := httpx.post(
+            f"{url}/v1/instances", json={"program": program, "node_id": node, "deadline_s": 60}, timeout=60
+        )
     ).status_code == 503:
         assert "host is down" in again.text and time.monotonic() < deadline, again.text  # restarting: try again
         time.sleep(0.5)
     instance = again.json()["id"]
-    httpx.post(f"{url}/v1/instances/{instance}/messages", json={"message": "back"})
+    httpx.post(f"{url}/v1/instances/{instance}/messages", json={"message": "back"}, timeout=60)
     assert 'event: return\ndata: "back"' in httpx.get(f"{url}/v1/instances/{instance}/events", timeout=60).text
     assert only_actor(ray_cluster.address, "InferletHost", node_id=node)["pid"] != host["pid"]
 
@@ -235,7 +245,8 @@ def test_a_killed_replica_is_replaced_and_stop_then_start_works(started, ray_clu
     report = json.loads(pie(env, "status", "--json").stdout)
     assert [r["state"] for r in report["replicas"]] == ["serving"] and report["replica_restarts"] == 0
     assert all(n["alive"] and n["host"] == "serving" for n in report["nodes"])
-    program = httpx.post(f"{url}/v1/programs", params={"filename": "gen.py"}, content=GENERATE).json()["program"]
+    uploaded = httpx.post(f"{url}/v1/programs", params={"filename": "gen.py"}, content=GENERATE, timeout=60)
+    program = uploaded.json()["program"]
 
     def returned(input: dict) -> list[int]:
         events = httpx.post(

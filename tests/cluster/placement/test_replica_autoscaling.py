@@ -40,7 +40,7 @@ def wait_for(controller, replicas: int, timeout_s: float = 240):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         scale, rows = scaling(controller)
-        if scale.current == replicas and all(r.state == "serving" for r in rows):
+        if scale.current == len(rows) == replicas and all(r.state == "serving" for r in rows):
             return scale, rows
         time.sleep(0.3)
     raise AssertionError(f"not {replicas} serving replicas within {timeout_s} s: {scaling(controller)}")

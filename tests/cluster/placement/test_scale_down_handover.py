@@ -65,7 +65,8 @@ def serving(controller, replicas: int):
     status = ray.get(controller.status.remote())
     (scale,) = status.scaling
     rows = status.replicas
-    return (scale, rows) if scale.current == replicas and all(r.state == "serving" for r in rows) else None
+    whole = scale.current == len(rows) == replicas  # (the rows and the count are read a moment apart)
+    return (scale, rows) if whole and all(r.state == "serving" for r in rows) else None
 
 
 def engine_stats(controller) -> list:
