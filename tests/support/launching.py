@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import ray
+from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.status_records import ReplicaStatus
 from pie_cluster.hosts.driver_events import poll
 from pie_cluster.launch_request import LaunchRequest
@@ -22,6 +23,16 @@ async def main(input):
         await asyncio.sleep(600)
 """
 """An inferlet that holds one live context (the autoscaler's load) until it is aborted."""
+
+
+def autoscaled_config(downscale_delay_s: float = 1) -> PieConfig:
+    """The tiny model autoscaled between 1 and 2 replicas at 2 contexts each, on every reading alone (no load
+    window) and with no upscale delay: the tests that drive the scaler with held contexts."""
+    model = ModelConfigEntry(
+        pages=64, cpus_per_rank=1, min_replicas=1, max_replicas=2, target_load=2, upscale_delay_s=0,
+        downscale_delay_s=downscale_delay_s, load_window_s=0,
+    )  # fmt: skip
+    return PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
 
 
 def replica_groups() -> int:

@@ -13,12 +13,11 @@ import time
 
 import pytest
 import ray
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.ingress.metrics import ScalingGauges
 from prometheus_client import CollectorRegistry, generate_latest
 from ray.util.state import list_actors
-from support.launching import HOLD, launch, replica_groups, run_to_end, upload
+from support.launching import HOLD, autoscaled_config, launch, replica_groups, run_to_end, upload
 
 GREEDY = """
 from inferlet import Context, Model, Sampler
@@ -55,11 +54,7 @@ def metrics_text(controller) -> str:
 
 @pytest.mark.slow
 def test_an_autoscaled_model_adds_a_replica_under_load_and_gives_it_back(ray_cluster, ray_session):
-    model = ModelConfigEntry(
-        pages=64, cpus_per_rank=1, min_replicas=1, max_replicas=2, target_load=2, upscale_delay_s=0,
-        downscale_delay_s=1, load_window_s=0,
-    )  # fmt: skip
-    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
+    config = autoscaled_config()
     groups_before = replica_groups()
     controller = start_controller(config)  # restartable, as `pie start` makes it
     try:
@@ -124,11 +119,7 @@ def test_a_replica_dies_while_the_autoscaler_adds_another(ray_cluster, ray_sessi
     """Replica 0 is SIGKILLed while replica 1 is starting for the load: the supervisor replaces replica 0 as the
     scaler finishes adding replica 1, and the inferlets that held contexts on replica 0 finish with the tokens of an
     undisturbed run (their contexts recomputed where they moved)."""
-    model = ModelConfigEntry(
-        pages=64, cpus_per_rank=1, min_replicas=1, max_replicas=2, target_load=2, upscale_delay_s=0,
-        downscale_delay_s=600, load_window_s=0,
-    )  # fmt: skip
-    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
+    config = autoscaled_config(downscale_delay_s=600)
     controller = start_controller(config)
     try:
         launcher = ray.get_actor("pie-launcher")

@@ -17,13 +17,12 @@ import time
 
 import pytest
 import ray
-from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
 from pie_cluster.control.lifecycle import start_controller
 from pie_cluster.hosts.driver_events import poll
 from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.util.state import list_actors
-from support.launching import HOLD, launch, replica_groups, run_to_end, upload
+from support.launching import HOLD, autoscaled_config, launch, replica_groups, run_to_end, upload
 
 # Generates, (with ``{"wait": true}``) says so and waits for a message, then generates more; returns its tokens and
 # what its link did: moves to another replica, contexts taken up there with their KV.
@@ -103,11 +102,7 @@ def returned(launcher, instance: str) -> dict:
 
 @pytest.mark.slow
 def test_scaling_down_hands_a_running_inferlets_context_over_with_its_kv(ray_cluster, ray_session):
-    model = ModelConfigEntry(
-        pages=64, cpus_per_rank=1, min_replicas=1, max_replicas=2, target_load=2, upscale_delay_s=0,
-        downscale_delay_s=1, load_window_s=0,
-    )  # fmt: skip
-    config = PieConfig(auth=AuthConfig(enabled=False), model=[model], supervision=SupervisionConfig(probe_every_s=0.5))
+    config = autoscaled_config()
     groups_before = replica_groups()
     controller = start_controller(config, detached=False)
     filler = None
