@@ -1,9 +1,11 @@
 """Inferlets outlive a replica that leaves while it still answers (drained, scaled down): it hands their contexts to
 another replica with their KV pages (``control.handover``, as ``pie drain`` and the scaler call it), each link
 claims them there, and the inferlets go on with the tokens an unmoved run gives, nothing recomputed. One that was
-idle meanwhile claims them when it finds the replica gone; a replica that died leaves only recompute.
+idle meanwhile claims them when it finds the replica gone; a replica that died leaves only recompute. A
+tensor-parallel group hands each rank's share of the KV heads to the same rank of a group of its size; a replica of
+another size refuses the pages, and the inferlets recompute.
 
-Two real replicas of the tiny model on Ray; the inferlets run in this process as a host runs them."""
+Real replicas of the tiny model on Ray; the inferlets run in this process as a host runs them."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import ray
 from inferlet import Context, Model, Sampler
 from pie_cluster.control.handover import hand_over
 from pie_cluster.hosts.run import endpoints_for, run_inferlet
+from pie_workers.engine.scheduler import BatchLimits
 from pie_workers.replica import Replica
+from pie_workers.runner import RunnerSettings
 from support.sdk_host import TRUST, failing_over, one_cpu_replica
 
 TOKENS = 24
@@ -35,6 +39,21 @@ def leaving(ray_session, tiny_llama):
     replica = one_cpu_replica(tiny_llama)
     yield replica
     replica.shutdown()
+
+
+@pytest.fixture
+def two_ranks(ray_session, tiny_llama):
+    """Tensor-parallel replicas of two ranks (one CPU each), made on demand and shut down after the test."""
+    made = []
+
+    def make() -> Replica:
+        settings = RunnerSettings(num_pages=512, backend="torch")
+        made.append(Replica(tiny_llama, 2, settings, cpus_per_rank=1, engine=BatchLimits(), secret=TRUST.secret))
+        return made[-1]
+
+    yield make
+    for replica in made:
+        replica.shutdown()
 
 
 def stats(replica: Replica):
@@ -152,3 +171,34 @@ def test_a_dead_replica_leaves_its_inferlets_to_recompute(leaving, survivor):
 
     assert [(a, b) for a, b, _ in got] == [(a, b) for a, b, _ in expected]
     assert [moved for _, _, moved in got] == [(1, 0)] * INFERLETS, "moved once, nothing transferred: recomputed"
+
+
+def test_a_tensor_parallel_group_hands_each_ranks_pages_to_the_same_rank_of_another(two_ranks):
+    leaving, survivor = two_ranks(), two_ranks()
+    expected = run_all(endpoints_for("default", survivor))
+
+    async def leave():
+        what = await asyncio.to_thread(hand_over, leaving, survivor)
+        assert what == f"{2 * INFERLETS} contexts and 0 snapshots moved with their KV"
+
+    got = run_all(failing_over(leaving, survivor), leave)
+
+    assert [(a, b) for a, b, _ in got] == [(a, b) for a, b, _ in expected]
+    assert [moved for _, _, moved in got] == [(1, 2)] * INFERLETS, "each link moved once, both contexts with KV"
+    assert stats(survivor).claimed == 2 * INFERLETS, "every moved context was taken up, none recomputed"
+
+
+def test_a_group_of_another_size_refuses_the_pages_and_the_inferlets_recompute(two_ranks, survivor):
+    leaving = two_ranks()
+    expected = run_all(endpoints_for("default", survivor))
+    before = stats(survivor)
+
+    async def leave_and_stop():
+        assert await asyncio.to_thread(hand_over, leaving, survivor) is None, "one rank cannot take two ranks' pages"
+        os.kill(ray.get(leaving.leader.ping.remote()), signal.SIGKILL)
+
+    got = run_all(failing_over(leaving, survivor), leave_and_stop)
+
+    assert [(a, b) for a, b, _ in got] == [(a, b) for a, b, _ in expected]
+    assert [moved for _, _, moved in got] == [(1, 0)] * INFERLETS, "moved once, nothing transferred: recomputed"
+    assert stats(survivor).moved_in == before.moved_in

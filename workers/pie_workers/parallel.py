@@ -42,6 +42,24 @@ class TensorParallel:
         dist.gather(x.contiguous(), parts, dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
+    def gather_ranks(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``x`` (all of one shape) stacked along a new dim 1 on the leader; followers get None."""
+        if self.world_size == 1:
+            return x.unsqueeze(1)
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_leader else None
+        dist.gather(x.contiguous(), parts, dst=0)
+        return torch.stack(parts, dim=1) if parts is not None else None
+
+    def scatter_ranks(self, x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """``gather_ranks``'s inverse: the leader's ``x[:, r]`` to each rank ``r``; followers pass None, and every
+        rank ``like``, a tensor of its part's shape, dtype and device."""
+        if self.world_size == 1:
+            return x[:, 0]
+        mine = torch.empty_like(like)
+        parts = [x[:, r].contiguous() for r in range(self.world_size)] if self.is_leader else None
+        dist.scatter(mine, parts, src=0)
+        return mine
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Send ``obj`` from the leader to every rank; returns what the leader sent."""
         if self.world_size == 1:

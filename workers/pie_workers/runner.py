@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class GroupBroken(RuntimeError):
     """A forward pass of a tensor-parallel group failed after the plan went out (a rank died, or one stopped inside
     a collective): no later pass of this group can succeed, so its replica must be replaced, not answer errors."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankCall:
+    """What the leader has every follower do besides a forward pass: an adapter change (an ``AdapterStore`` method)
+    or a handover's page read or write (``read_pages``, ``write_pages``)."""
+
+    method: str
+    args: tuple
 
 
 def resolve_device(settings: RunnerSettings) -> torch.device:
@@ -175,9 +184,8 @@ class ModelRunner:
         """Follower ranks: run every plan (and apply every adapter change) the leader broadcasts until it sends
         None."""
         while (message := self.tp.broadcast_object()) is not None:
-            if not isinstance(message, BatchPlan):
-                method, args = message
-                getattr(self.adapters, method)(*args)
+            if isinstance(message, RankCall):
+                self._follow_call(message)
                 continue
             plan = message.to(self.device)
             self._move_host_pages(plan)
@@ -192,8 +200,37 @@ class ModelRunner:
             self.kv.move_to_host(moves.offload_pages, moves.offload_slots)
             self.kv.move_from_host(moves.restore_slots, moves.restore_pages)
 
+    def _follow_call(self, call: RankCall) -> None:
+        if call.method == "read_pages":
+            (pages,) = call.args
+            self.tp.gather_ranks(self.kv.read_pages(pages).to(self.device))
+        elif call.method == "write_pages":
+            (pages,) = call.args
+            self.kv.write_pages(pages, self.tp.scatter_ranks(None, self._pages_buffer(len(pages))))
+        else:
+            getattr(self.adapters, call.method)(*call.args)
+
     def stop_followers(self) -> None:
         self.tp.broadcast_object(None)
+
+    # -- pages a handover moves (engine/transfer.py): every rank's share of the KV heads ---------------------------
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """Leader: ``pages`` as every rank holds them, ``[pages, ranks, *one rank's page]`` in host memory."""
+        self.tp.broadcast_object(RankCall("read_pages", (pages,)))
+        return self.tp.gather_ranks(self.kv.read_pages(pages).to(self.device)).cpu()
+
+    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Leader: install pages ``read_pages`` gave (of a group of the same size and layout) into ``pages``."""
+        if data.shape[:2] != (len(pages), self.tp.world_size):
+            raise ValueError(f"pages of shape {tuple(data.shape)} for {len(pages)} pages of {self.tp.world_size} ranks")
+        self.tp.broadcast_object(RankCall("write_pages", (pages,)))
+        self.kv.write_pages(pages, self.tp.scatter_ranks(data.to(self.device), self._pages_buffer(len(pages))))
+
+    def _pages_buffer(self, n: int) -> torch.Tensor:
+        """Room for ``n`` of this rank's pages as its pool reads them."""
+        one = self.kv.read_pages([0])
+        return one.new_empty((n, *one.shape[1:]), device=self.device)
 
     # -- adapters (leader): each change is applied here first, so a bad one raises before any rank sees it ---------
 
@@ -213,7 +250,7 @@ class ModelRunner:
 
     def _on_every_rank(self, method: str, *args) -> None:
         getattr(self.adapters, method)(*args)
-        self.tp.broadcast_object((method, args))
+        self.tp.broadcast_object(RankCall(method, args))
 
     def _sample(self, planned: PlannedBatch, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
         """Evaluate every slot; with drafts, also sample each draft row with the verifying sampler."""

@@ -6,7 +6,8 @@ as its tokens, positions and per-token salts (what its pages are keyed by in the
 page that holds a token, as the pool lays them out. The receiver adopts the prefix pages it already has cached,
 copies the rest into fresh pages, then records and commits the tokens as the passes that wrote them did, so the
 holding's pages hash, share and evict as they did at the source. Pages move only between pools of the same layout
-(``KvLayout``): same backend and kernel variant, dtype and page shape.
+(``KvLayout``): same backend and kernel variant, dtype, page shape and tensor-parallel size (each rank's share of
+the KV heads goes to the rank of the same index).
 
 The records cross between replicas over Ray (the KV tensor through its object store), never over an inferlet's
 socket; ``Handover.check`` refuses one that is not what it says, naming what is wrong.
@@ -33,7 +34,7 @@ class KvLayout:
 
     pool: str  # the pool's ``kv_layout`` (backend and kernel variant)
     dtype: str
-    page_shape: tuple[int, ...]  # one page's KV as ``read_pages`` gives it
+    page_shape: tuple[int, ...]  # one page's KV as ``ModelRunner.read_pages`` gives it: ranks first
 
 
 @dataclass(slots=True)
@@ -115,10 +116,9 @@ class Adopted:
 
 
 def layout_of(runner: ModelRunner) -> KvLayout:
-    """This replica's page layout; a tensor-parallel group's pages are spread over its ranks and do not move."""
-    if runner.tp.world_size > 1:
-        raise ValueError("moving KV pages between tensor-parallel groups is not supported: they are recomputed")
-    page = runner.kv.read_pages([0])
+    """This replica's page layout: its pool's, and how many ranks share each page's KV heads (a tensor-parallel
+    group's pages move only to a group of the same size, rank to rank)."""
+    page = runner.read_pages([0])
     return KvLayout(runner.kv.kv_layout, str(page.dtype).removeprefix("torch."), tuple(page.shape[1:]))
 
 
@@ -128,7 +128,7 @@ def read_holding(table: ContextTable, holding: Holding, runner: ModelRunner) -> 
     salts = [salt for node in holding.chain_nodes() for salt in _unmixed(node.salt, len(node.tokens))]
     salts += [salt for _, _, salt in holding.lineage]
     pages = list(holding.view(table.store).page_ids[: pages_for(len(text), table.page_size)])
-    kv = runner.kv.read_pages(pages) if pages else None
+    kv = runner.read_pages(pages) if pages else None
     return HoldingState([t for t, _ in text], [p for _, p in text], salts, committed, holding.namespace, kv)
 
 
@@ -147,7 +147,7 @@ def place(table: ContextTable, ctx: int, state: HoldingState) -> tuple[int, list
 def fill(table: ContextTable, ctx: int, state: HoldingState, reused: int, pages: list[int], runner: ModelRunner):
     """Write the pages ``place`` gave and record and commit the tokens in them, as the source had them."""
     if pages:
-        runner.kv.write_pages(pages, state.kv[reused // table.page_size :])
+        runner.write_pages(pages, state.kv[reused // table.page_size :])
     start = reused
     for salt, run in groupby(state.salts[reused:]):
         end = start + len(list(run))
