@@ -304,7 +304,8 @@ class ContextMachine(RuleBasedStateMachine):
         assert s.cached == sum(not pinned(n) for n in nodes)
         for c in self.hist:
             v = self.table.view(c)
-            assert self.table.lineage(c) == [(t, p) for t, p, _ in self.hist[c][v.committed_pages * PS :]]
+            working = [(t, p) for t, p, _ in self.table.holding(c).lineage]
+            assert working == [(t, p) for t, p, _ in self.hist[c][v.committed_pages * PS :]]
 
     def teardown(self):
         for ctx in list(self.hist):

@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pie_cluster.bus.shard import BusShard, ShardInfo, secret_id
 from pie_cluster.bus.topics import BusStats
-from pie_cluster.config import BusLimits
+from pie_cluster.limits import BusLimits
 
 DEFAULT_NAME = "pie-bus"
 DEFAULT_SHARDS = 2

@@ -17,7 +17,7 @@ that delivers it.
 from __future__ import annotations
 
 from pie_cluster.bus.topics import Key, Topics, message_bytes
-from pie_cluster.config import BusLimits
+from pie_cluster.limits import BusLimits
 
 
 def refusal(limits: BusLimits, topics: Topics, key: Key, message: str, push: bool = True) -> str | None:

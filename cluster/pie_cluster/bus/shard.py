@@ -71,8 +71,8 @@ from pie_cluster.bus.peers import Peers
 from pie_cluster.bus.queued_topics import SHRINK_S, QueuedTopics
 from pie_cluster.bus.quotas import refusal
 from pie_cluster.bus.topics import BusStats, Topics
-from pie_cluster.config import BusLimits
 from pie_cluster.gcs_store import GcsStore
+from pie_cluster.limits import BusLimits
 
 log = logging.getLogger(__name__)
 

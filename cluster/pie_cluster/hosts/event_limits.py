@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pie_cluster.config import ChannelLimits
+from pie_cluster.limits import ChannelLimits
 
 VALUE_TYPES: dict[str, type] = {
     "stdout": str,

@@ -26,10 +26,10 @@ from typing import Any
 import ray.exceptions
 from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 
-from pie_cluster.config import ChannelLimits
 from pie_cluster.hosts.event_limits import KINDS, STREAMS, TERMINAL, OutputQuota, check_event, limit, size_of
 from pie_cluster.hosts.inbox import Inbox, check_room
 from pie_cluster.instance import Launch
+from pie_cluster.limits import ChannelLimits
 
 __all__ = [
     "KINDS",

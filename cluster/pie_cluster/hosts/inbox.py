@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from pie_cluster.config import ChannelLimits
 from pie_cluster.hosts.event_limits import size_of
+from pie_cluster.limits import ChannelLimits
 from pie_cluster.overloaded import Overloaded
 
 KINDS = ("message", "file")

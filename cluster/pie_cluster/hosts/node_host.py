@@ -19,7 +19,7 @@ from inferlet.mcp import ServerSpec
 from inferlet.runtime import ModelEndpoint
 from pie_workers.wire import capability
 
-from pie_cluster.config import ChannelLimits, SandboxConfig
+from pie_cluster.config import SandboxConfig
 from pie_cluster.hosts import stdio
 from pie_cluster.hosts.description import HostDescription
 from pie_cluster.hosts.events import Channels, Ending, EventBatch
@@ -29,6 +29,7 @@ from pie_cluster.hosts.revocations import Revoker
 from pie_cluster.hosts.run import move_bus, serve_instance
 from pie_cluster.hosts.sandbox.hosting import Sandbox
 from pie_cluster.instance import HostedInstance, InstanceSetup, Launch
+from pie_cluster.limits import ChannelLimits
 from pie_cluster.programs.program import Program
 
 # An instance without a deadline proves who it is for this long. Its end revokes it sooner on every replica and bus

@@ -31,7 +31,6 @@ from inferlet.runtime import ModelEndpoint
 from pie_workers.deadlines import LAUNCHER_S, NoAnswer, answer
 from pie_workers.wire import capability
 
-from pie_cluster.config import ChannelLimits
 from pie_cluster.hosts.events import TERMINAL, Channel, Channels
 from pie_cluster.hosts.model_files import local_endpoints
 from pie_cluster.hosts.node_host import CAPABILITY_MARGIN_S, CAPABILITY_TTL_S, NodeServices
@@ -43,6 +42,7 @@ from pie_cluster.ingress.routing import PrefixRouter, Prompt
 from pie_cluster.ingress.slot_lease import SlotLease
 from pie_cluster.instance import InstanceLimits, InstanceSetup, Launch
 from pie_cluster.launcher.records import RunnerServices
+from pie_cluster.limits import ChannelLimits
 from pie_cluster.programs.program import Main, Program
 
 log = logging.getLogger("pie.http")

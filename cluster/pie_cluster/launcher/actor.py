@@ -31,7 +31,7 @@ import ray.exceptions
 from pie_workers.deadlines import DEDICATED_START_S, HOST_S, MARKET_S, NoAnswer, answer
 from pydantic import ValidationError
 
-from pie_cluster.config import ChannelLimits, LauncherConfig, SupervisionConfig
+from pie_cluster.config import LauncherConfig, SupervisionConfig
 from pie_cluster.hosts.events import TERMINAL, Ending, Location, NotFound
 from pie_cluster.hosts.node_host import NodeServices
 from pie_cluster.instance import InstanceLimits, Launch
@@ -54,6 +54,7 @@ from pie_cluster.launcher.records import (
     Uploaded,
 )
 from pie_cluster.launcher.recovery import LauncherMemory, LauncherState, SavedLaunch, known_to_hosts, program_of
+from pie_cluster.limits import ChannelLimits
 from pie_cluster.market import endowment_for
 from pie_cluster.overloaded import Overloaded
 from pie_cluster.programs import BUILTINS
@@ -84,8 +85,7 @@ class Launcher:
         self._builtins = {name: Program.from_path(path) for name, path in BUILTINS.items()}
         self._builtins_by_id = {program.id: program for program in self._builtins.values()}
         self._admission = Admission(config.admission_limits())
-        # the ingress replicas and the slots they hold
-        self._leases = Leases(
+        self._leases = Leases(  # the ingress replicas and the slots they hold
             self._admission, supervision, lambda key: self._start(self._instances[key]), self._runner_died
         )
         wiring = HostsWiring(self._spawn, self._leases.services_changed, self._host_died)
@@ -190,8 +190,7 @@ class Launcher:
         node = self._choose_node(request.node_id)
         instance_id = uuid.uuid4().hex
         runs_now = self._admission.admit(user, instance_id)  # raises Overloaded: nothing is created then
-        # sandboxed, the pooled host gives an isolated program a worker of its own; otherwise it gets a dedicated
-        # host (a Ray actor, made when it starts)
+        # an isolated program: a worker of its own when sandboxed, else a dedicated host (a Ray actor made at start)
         dedicated = program.isolated and not self._sandboxed
         host = None if dedicated else pool.hosts[node]
         page_size = min(e.page_size for e in pool.services[node].endpoints.values())
@@ -233,8 +232,7 @@ class Launcher:
         except Exception as e:
             lines = str(e).strip().splitlines() or [type(e).__name__]
             cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # Ray's errors carry tracebacks
-            message = f"the inferlet host on node {instance.node_id} could not start the instance: {cause}"
-            self._finish(instance, "error", message)
+            self._finish(instance, "error", f"node {instance.node_id}'s host could not start the instance: {cause}")
             return
         instance.settled.set()
         if instance.dedicated:  # not restarted by Ray: if it dies before its one instance ends, that is lost

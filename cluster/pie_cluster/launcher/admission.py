@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from pie_cluster.config import AdmissionLimits
+from pie_cluster.limits import AdmissionLimits
 from pie_cluster.overloaded import Overloaded
 
 

@@ -21,10 +21,11 @@ import ray.exceptions
 from pie_workers.deadlines import HOST_S, NoAnswer, answer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pie_cluster.config import ChannelLimits, SupervisionConfig
+from pie_cluster.config import SupervisionConfig
 from pie_cluster.hosts.node_host import InferletHost, NodeServices
 from pie_cluster.launcher.records import HostPool
 from pie_cluster.launcher.recovery import LauncherMemory, LauncherState
+from pie_cluster.limits import ChannelLimits
 from pie_cluster.programs.program import Program
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import zmq
 from inferlet import QuotaExceeded, messaging
 from pie_cluster.bus import start_bus
 from pie_cluster.bus.shard import MAX_MESSAGE_BYTES
-from pie_cluster.config import BusLimits
+from pie_cluster.limits import BusLimits
 from support.bus_calls import run
 from support.sdk_host import TRUST
 

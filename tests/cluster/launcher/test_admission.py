@@ -7,8 +7,8 @@ import pickle
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pie_cluster.config import AdmissionLimits
 from pie_cluster.launcher.admission import Admission
+from pie_cluster.limits import AdmissionLimits
 from pie_cluster.overloaded import Overloaded
 
 

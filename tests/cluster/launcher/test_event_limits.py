@@ -10,8 +10,9 @@ import asyncio
 import dataclasses
 
 import pytest
-from pie_cluster.config import ChannelLimits, PieConfig
+from pie_cluster.config import PieConfig
 from pie_cluster.hosts.events import Channels, Ending
+from pie_cluster.limits import ChannelLimits
 
 SMALL = ChannelLimits(
     stdout_bytes_per_s=1000,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 
-from pie_cluster.config import AdmissionLimits, SupervisionConfig
+from pie_cluster.config import SupervisionConfig
 from pie_cluster.launcher.admission import Admission
 from pie_cluster.launcher.leases import Leases
 from pie_cluster.launcher.records import Granted, Queued, RunnerReport, SlotAsk
+from pie_cluster.limits import AdmissionLimits
 
 BOB_LIMIT = AdmissionLimits(running=8, running_per_user=1, queued=8, queued_per_user=8)
 

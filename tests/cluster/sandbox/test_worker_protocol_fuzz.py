@@ -19,7 +19,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pie_cluster.config import ChannelLimits, SandboxConfig
+from pie_cluster.config import SandboxConfig
 from pie_cluster.hosts.events import KINDS, Channels, Ending
 from pie_cluster.hosts.sandbox.pool import UNANSWERED_STALLS, HostSide, WorkerPool
 from pie_cluster.hosts.sandbox.protocol import (
@@ -39,6 +39,7 @@ from pie_cluster.hosts.sandbox.protocol import (
 )
 from pie_cluster.hosts.sandbox.view import Relays, build_view
 from pie_cluster.instance import InstanceSetup
+from pie_cluster.limits import ChannelLimits
 from test_sandbox_pool import WAITS, launch
 
 WRITER = """

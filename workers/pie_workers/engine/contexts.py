@@ -354,10 +354,6 @@ class ContextTable:
     def ids(self) -> list[int]:
         return list(self._contexts)
 
-    def lineage(self, ctx: int) -> list[tuple[int, int]]:
-        """(token, position) of every working token: what replays the working KV after a suspension."""
-        return [(t, p) for t, p, _ in self._get(ctx).lineage]
-
     def holding(self, ctx: int) -> Holding:
         """The context's holding itself, which a handover reads whole (``transfer.py``)."""
         return self._get(ctx)

@@ -27,7 +27,7 @@ from pie_workers.engine.adapter_registry import AdapterRegistry
 from pie_workers.engine.channel import Answer, ChannelServer
 from pie_workers.engine.contexts import ContextError, ContextTable
 from pie_workers.engine.directory_link import DirectoryLink
-from pie_workers.engine.engine_stats import EngineStats
+from pie_workers.engine.engine_stats import EngineStats, read_stats
 from pie_workers.engine.handover import Handovers
 from pie_workers.engine.holding import lineage_text
 from pie_workers.engine.market_link import MarketLink
@@ -372,31 +372,4 @@ class ReplicaEngine(SnapshotOperations):
     async def stats(self) -> EngineStats:
         """The replica's numbers for the trusted side (``pie status``, benchmarks); a coroutine, so that a caller
         on another thread reads them on the engine's loop."""
-        s, table = self.store.stats(), self.contexts.stats()
-        steps = self.passes.steps
-        return EngineStats(
-            free=s.free,
-            working=s.working,
-            committed=s.committed,
-            cached=s.cached,
-            total=s.total,
-            contexts=table.contexts,
-            snapshots=table.snapshots,
-            queued=self.scheduler.queued,
-            suspended=sum(state.suspended is not None for state in self.records),
-            suspensions=self.residency.suspensions,
-            offloaded=self.residency.offloaded,
-            waiting=self.residency.waiting,
-            batches=self.scheduler.batches_fired,
-            requests=self.scheduler.requests_served,
-            prefix_hit_tokens=self.passes.prefix_hit_tokens,
-            chained=steps.chained_passes,
-            ahead=steps.steps_ahead,
-            ahead_taken=steps.steps_ahead_taken,
-            market_rounds=self.market.rounds if self.market else 0,
-            price=self.market.price if self.market else 0.0,
-            moved_out=self.handovers.moved_out,
-            moved_in=self.handovers.moved_in,
-            claimed=self.handovers.claimed,
-            unnotified=len(self.handovers.unnotified),
-        )
+        return read_stats(self)
