@@ -70,9 +70,14 @@ def job_env(one_machine: bool = False) -> dict:
 
     A cluster whose raylets all share ``one_machine`` (a test cluster) keeps the Python proxy (each raylet's HAProxy
     would bind the same ports) and does not prefer the proxy's own raylet when routing: every raylet is local there,
-    and the preference would send every request to whichever ingress replica shares the proxy's raylet."""
+    and the preference would send every request to whichever ingress replica shares the proxy's raylet.
+
+    Serve gives a starting proxy ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`` (5 s) to answer before it kills it and
+    starts another; on a loaded head a worker process alone can take longer to start (17 s seen in CI), so the
+    proxy gets 30 s unless the environment says otherwise."""
     default = "0" if one_machine else "1"
     env = {"RAY_worker_niceness": "0"}
+    env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     env["RAY_SERVE_ENABLE_HA_PROXY"] = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", default)
     if one_machine:
         env["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"

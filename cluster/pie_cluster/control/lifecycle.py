@@ -28,10 +28,28 @@ def start_controller(config: PieConfig, detached: bool = True):
     controller = ray.remote(Controller).options(**options).remote(config, restartable=detached)
     try:
         ray.get(controller.ready.remote())
-    except ray.exceptions.RayActorError:  # its build failed (and took down what it had started)
+    except ray.exceptions.RayActorError as e:  # its build failed (and took down what it had started)
+        why = death_cause(controller._actor_id.hex()) or str(e).strip()
         ray.kill(controller)  # and its name goes with it: the next start is not handed this dead one
-        raise
+        raise RuntimeError(f"the controller died while starting: {why}") from e
     return controller
+
+
+def death_cause(actor_id: str) -> str | None:
+    """Why Ray says the actor died, from its state API (the first line of the error it recorded): what a bare
+    "the actor died unexpectedly" leaves out. None when Ray recorded nothing or does not answer."""
+    from ray.util.state import get_actor
+
+    try:
+        state = get_actor(actor_id, timeout=10)
+    except Exception:  # the state API is best effort here: the caller has an error of its own to show
+        return None
+    for context in ((state.death_cause or {}) if state is not None else {}).values():
+        if isinstance(context, dict):
+            for key in ("error_message", "formatted_exception_string"):
+                if lines := str(context.get(key) or "").strip().splitlines():
+                    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return None
 
 
 def find_controller():

@@ -8,6 +8,11 @@ per model and, for each connection, pipes it to the first replica of the model t
 the current services (``candidates``: the host's, updated when a replica is replaced; the ingress asks the
 launcher), waiting up to ``WAIT_S`` for one to come up.
 
+An inferlet opens more than one connection to an address (its awaited calls and its blocking ones go on sockets of
+their own), and its contexts live on one replica: so every connection that opens with the same handshake (the
+instance's capability) goes to the replica its first one went to while that one accepts them, even when the
+services' order changed between the two (a replacement came up in between).
+
 The relays run on an event loop of their own, in a thread: the process they serve may be the one whose inferlets
 fail over (the ingress, a host with the sandbox off), and an inferlet's blocking call that moves its link would
 otherwise wait on a relay its own blocked loop cannot serve.
@@ -22,15 +27,18 @@ import hashlib
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import msgpack
 from inferlet.runtime import ModelEndpoint
 
 WAIT_S = 120.0  # how long a connection waits for a replica of its model to accept it
 RETRY_S = 0.25  # between rounds of trying the model's replicas
 CONNECT_S = 2.0  # one attempt to connect to one replica
+HELLO_S = 10.0  # for a connection to send its handshake
+HELLO_BYTES = 1 << 16  # ... of at most this many bytes (a capability is a few hundred)
 
 
 def failing_over(endpoint: ModelEndpoint, replicas: Iterable[str], relay: str) -> ModelEndpoint:
@@ -64,6 +72,7 @@ class ReplicaRelays:
         self._directory = Path(tempfile.mkdtemp(prefix="pie-replica-relays-"))
         atexit.register(shutil.rmtree, self._directory, True)
         self._servers: dict[str, tuple[str, asyncio.AbstractServer]] = {}
+        self._pins: dict[tuple[str, str] | None, _Pin] = {}  # (model, capability): where its connections go
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="replica-relays", daemon=True).start()
 
@@ -82,19 +91,66 @@ class ReplicaRelays:
     async def _relay(self, model: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WAIT_S
+        opening, capability = await _handshake(reader)
+        key = (model, capability) if capability is not None else None
         while loop.time() < deadline:
-            for address in await loop.run_in_executor(None, self._candidates, model):
+            candidates = await loop.run_in_executor(None, self._candidates, model)
+            pinned = self._pins.get(key)
+            for address in ([pinned.address] if pinned is not None else []) + candidates:
                 with contextlib.suppress(OSError, asyncio.TimeoutError):
-                    upstream = await asyncio.wait_for(connect(address), CONNECT_S)
-                    await splice(reader, writer, *upstream)
+                    upstream_reader, upstream_writer = await asyncio.wait_for(connect(address), CONNECT_S)
+                    upstream_writer.write(opening)
+                    with self._pinned(key, address):
+                        await splice(reader, writer, upstream_reader, upstream_writer)
                     return
             await asyncio.sleep(RETRY_S)
         writer.close()
+
+    @contextlib.contextmanager
+    def _pinned(self, key: tuple[str, str] | None, address: str) -> Iterator[None]:
+        """Connections of ``key`` go to ``address`` while one of them is open there."""
+        if key is None:
+            yield
+            return
+        pin = self._pins.get(key)
+        if pin is None or pin.address != address:
+            pin = self._pins[key] = _Pin(address)
+        pin.connections += 1
+        try:
+            yield
+        finally:
+            pin.connections -= 1
+            if pin.connections == 0 and self._pins.get(key) is pin:
+                del self._pins[key]
 
     def close(self) -> None:
         for _, server in self._servers.values():
             self._loop.call_soon_threadsafe(server.close)
         self._servers.clear()
+
+
+@dataclass
+class _Pin:
+    address: str
+    connections: int = 0
+
+
+async def _handshake(reader: asyncio.StreamReader) -> tuple[bytes, str | None]:
+    """The bytes a connection opened with, up to its handshake ``["hello", capability]`` (``inferlet._channel``),
+    and the capability; None for one that sent no well-formed handshake within ``HELLO_S`` and ``HELLO_BYTES`` (it
+    is relayed unpinned, and the replica refuses it)."""
+    opening, unpacker = b"", msgpack.Unpacker(max_buffer_size=HELLO_BYTES)
+    with contextlib.suppress(OSError, asyncio.TimeoutError, ValueError, msgpack.UnpackException):
+        async with asyncio.timeout(HELLO_S):
+            while len(opening) < HELLO_BYTES and (data := await reader.read(HELLO_BYTES - len(opening))):
+                opening += data
+                unpacker.feed(data)
+                for hello in unpacker:
+                    match hello:
+                        case ["hello", str(capability)]:
+                            return opening, capability
+                    return opening, None
+    return opening, None
 
 
 async def connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

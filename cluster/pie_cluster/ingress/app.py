@@ -13,6 +13,7 @@ Events stream as Server-Sent Events: ``id`` is the event's index (resume with ``
 import base64
 import json
 import logging
+import time
 from contextlib import aclosing
 from typing import Annotated
 
@@ -26,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.schema import ProxyStatus
 
 from pie_cluster.config import AuthConfig, CacheConfig, ResponsesConfig, ServerConfig
 from pie_cluster.hosts.events import TERMINAL, Location, follow
@@ -309,10 +311,24 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         return {"aborted": aborted}
 
 
+PROXY_START_S = 180.0  # for Serve's HTTP proxy to be up, however many times Serve restarts it meanwhile
+
+
 def start_proxy(server: ServerConfig) -> None:
     """Serve's controller and HTTP proxy (on the head node), which need nothing of Pie's services: `pie start` brings
-    them up while the models load. Idempotent."""
-    serve.start(http_options={"host": server.host, "port": server.port, "location": "HeadOnly"})
+    them up while the models load. Idempotent.
+
+    Serve kills a proxy that is not ready within its ready-check timeout and starts another, but ``serve.start``
+    waits on the first one and raises when it dies. On a loaded head (a worker process took 17 s to start in CI)
+    that happens, so the proxy Serve started in its place is waited for instead."""
+    try:
+        serve.start(http_options={"host": server.host, "port": server.port, "location": "HeadOnly"})
+    except RayActorError:
+        deadline = time.monotonic() + PROXY_START_S
+        while (states := set(serve.status().proxies.values())) != {ProxyStatus.HEALTHY}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Serve's HTTP proxy was not up after {PROXY_START_S:.0f} s: {states}") from None
+            time.sleep(0.5)
 
 
 def serve_http(

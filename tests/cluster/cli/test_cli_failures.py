@@ -206,6 +206,18 @@ def test_a_killed_inferlet_host_fails_its_instances_and_comes_back(started, ray_
     assert only_actor(ray_cluster.address, "InferletHost", node_id=node)["pid"] != host["pid"]
 
 
+def test_serves_proxy_gets_time_to_start_on_a_loaded_head(started, ray_cluster):
+    """Serve kills a proxy that is not ready within its ready-check timeout (5 s by default) and starts another, and
+    the `serve.start` that waited on the first fails: seen in CI, where a worker process took 17 s to start. The
+    job's environment, which Serve's controller inherits, gives a proxy 30 s."""
+    from ray.util.state import list_actors
+
+    alive = [("class_name", "=", "ServeController"), ("state", "=", "ALIVE")]
+    (controller,) = list_actors(ray_cluster.address, filters=alive, detail=True)
+    env = json.loads(controller["serialized_runtime_env"])["env_vars"]
+    assert env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "30", env
+
+
 def only_actor(address: str, class_name: str, **match) -> dict:
     """The one live actor of this Pie of ``class_name`` (and ``match``ing fields), from Ray's state API."""
     from ray.util.state import list_actors
