@@ -1,7 +1,7 @@
 """A load ramp on an autoscaled cluster: replicas over time against the load, and what following the load costs
 against a fixed cluster of ``max_replicas``.
 
-Usage: python bench/elastic.py [--base-rate 0.5] [--peak 8] [--ramp-s 60] [--hold-s 30] [--tokens 128]
+Usage: python bench/elastic.py [--base-rate 0.5] [--peak 8] [--ramp-s 60] [--hold-s 30] [--tokens 64]
                                [--max-replicas 3] [--target-load 3] [--upscale-delay-s 3] [--downscale-delay-s 10]
                                [--smoke] [--json PATH] [--out docs/bench]
 
@@ -16,7 +16,10 @@ Runs: **autoscaled** (``min_replicas = 1``, ``max_replicas``, ``target_load`` co
 failed, replica-seconds spent during the ramp, how long the scale-down and the nodes' release took after the load.
 Goal: the autoscaled p90 within 1.5x of the fixed one's at <= 0.6x its replica-seconds. On one machine the fake
 nodes share its cores, so more replicas add no compute: the ratio says what following the load costs in latency
-(replicas starting while requests wait), not how much capacity it buys.
+(replicas starting while requests wait), not how much capacity it buys. The default load is one the fixed cluster
+serves without a standing queue on 2 cores (64 tokens a request at the peak's 4 requests/s); at 128 tokens the peak
+overloads the machine whatever the replicas, requests stay in flight for seconds after the load falls, and the
+autoscaler (whose load is what is in flight) rightly keeps every replica until they drain.
 
 ``--smoke``: a short ramp, the autoscaled run only (what ``tests/cluster/placement/test_autoscaled_nodes.py`` runs);
 ``--json PATH``: every run's samples and requests, for a test to read.
@@ -334,7 +337,7 @@ def main() -> None:
     ap.add_argument("--peak", type=float, default=8.0)
     ap.add_argument("--ramp-s", type=float, default=60.0)
     ap.add_argument("--hold-s", type=float, default=30.0)
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--max-replicas", type=int, default=3)
     ap.add_argument("--target-load", type=float, default=3.0)
     ap.add_argument("--upscale-delay-s", type=float, default=3.0)

@@ -29,15 +29,18 @@ def start_controller(config: PieConfig, detached: bool = True):
     try:
         ray.get(controller.ready.remote())
     except ray.exceptions.RayActorError as e:  # its build failed (and took down what it had started)
-        why = death_cause(controller._actor_id.hex()) or str(e).strip()
+        bare = str(e).strip() == ray.exceptions.ActorDiedError.BASE_ERROR_MSG  # its process died: Ray knows why
+        why = death_cause(controller._actor_id.hex()) if bare else None
         ray.kill(controller)  # and its name goes with it: the next start is not handed this dead one
-        raise RuntimeError(f"the controller died while starting: {why}") from e
+        if why is not None:
+            raise RuntimeError(f"the controller died while starting: {why}") from e
+        raise
     return controller
 
 
 def death_cause(actor_id: str) -> str | None:
-    """Why Ray says the actor died, from its state API (the first line of the error it recorded): what a bare
-    "the actor died unexpectedly" leaves out. None when Ray recorded nothing or does not answer."""
+    """Why Ray says the actor died, from its state API (the first line of the error it recorded, and the last):
+    what a bare "the actor died unexpectedly" leaves out. None when Ray recorded nothing or does not answer."""
     from ray.util.state import get_actor
 
     try:

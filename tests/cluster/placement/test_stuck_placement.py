@@ -1,7 +1,8 @@
 """A replacement Ray cannot place never holds up another model's supervision: model "pinned" is kept (by a custom
 resource) to a third node that is then removed, so its replacement waits for a bundle no node can take; meanwhile
 the leader of model "default" is SIGKILLed, and it is replaced and serves while "pinned" is still restarting. A start
-whose model Ray cannot place at all fails and leaves nothing running."""
+whose model Ray cannot place at all fails and leaves nothing running; one whose process dies says why Ray saw it
+die."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import pytest
 import ray
 from pie_cluster.config import AuthConfig, ModelConfigEntry, PieConfig, SupervisionConfig
-from pie_cluster.control.lifecycle import start_controller
+from pie_cluster.control.lifecycle import death_cause, start_controller
 from pie_cluster.control.status_records import ClusterStatus, ReplicaStatus
 from support.launching import launch, run_to_end, upload
 
@@ -90,3 +91,20 @@ def test_a_start_whose_model_cannot_be_placed_fails_naming_it_and_leaves_nothing
     while (left := set(ray.util.list_named_actors()) - before) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, left
+
+
+def test_an_actor_whose_process_died_is_reported_with_why_ray_saw_it_die(ray_session):
+    """What `pie start` adds to a bare "the actor died unexpectedly" when its controller's process dies: Ray's own
+    record of the death, read from its state API."""
+
+    @ray.remote(num_cpus=0)
+    class Doomed:
+        def pid(self) -> int:
+            return os.getpid()
+
+    doomed = Doomed.remote()
+    os.kill(ray.get(doomed.pid.remote()), signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(doomed.pid.remote(), timeout=60)
+    why = death_cause(doomed._actor_id.hex())
+    assert why is not None and "worker process has died" in why, why
