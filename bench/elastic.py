@@ -16,10 +16,10 @@ Runs: **autoscaled** (``min_replicas = 1``, ``max_replicas``, ``target_load`` co
 failed, replica-seconds spent during the ramp, how long the scale-down and the nodes' release took after the load.
 Goal: the autoscaled p90 within 1.5x of the fixed one's at <= 0.6x its replica-seconds. On one machine the fake
 nodes share its cores, so more replicas add no compute: the ratio says what following the load costs in latency
-(replicas starting while requests wait), not how much capacity it buys. The default load is one the fixed cluster
-serves without a standing queue on 2 cores (64 tokens a request at the peak's 4 requests/s); at 128 tokens the peak
-overloads the machine whatever the replicas, requests stay in flight for seconds after the load falls, and the
-autoscaler (whose load is what is in flight) rightly keeps every replica until they drain.
+(replicas starting while requests wait), not how much capacity it buys. Requests are of 64 tokens by default: at
+128, the 2 cores are overloaded at the peak whatever the replicas, requests stay in flight for seconds after the
+load falls, and the autoscaler, whose load is what is in flight, keeps every replica until they drain (0.64x the
+fixed cluster's replica-seconds, against 0.56x at 64).
 
 ``--smoke``: a short ramp, the autoscaled run only (what ``tests/cluster/placement/test_autoscaled_nodes.py`` runs);
 ``--json PATH``: every run's samples and requests, for a test to read.
