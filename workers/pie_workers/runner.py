@@ -181,8 +181,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self) -> None:
-        """Follower ranks: run every plan (and apply every adapter change) the leader broadcasts until it sends
-        None."""
+        """Follower ranks: run every plan and ``RankCall`` (an adapter change, a handover's pages) the leader
+        broadcasts until it sends None."""
         while (message := self.tp.broadcast_object()) is not None:
             if isinstance(message, RankCall):
                 self._follow_call(message)
