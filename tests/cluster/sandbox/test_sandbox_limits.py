@@ -23,7 +23,7 @@ from pie_cluster.config import SandboxConfig
 from pie_cluster.hosts.sandbox import seccomp
 from pie_cluster.hosts.sandbox.limits import WorkerLimits
 from support.pie_procs import pie_start_refused
-from test_sandbox_pool import WAITS, launch, run
+from support.worker_pool import WAITS, launch, run
 
 SYSCALLS = """
 import asyncio, ctypes, os, socket, subprocess, threading

@@ -40,7 +40,7 @@ from pie_cluster.hosts.sandbox.protocol import (
 from pie_cluster.hosts.sandbox.view import Relays, build_view
 from pie_cluster.instance import InstanceSetup
 from pie_cluster.limits import ChannelLimits
-from test_sandbox_pool import WAITS, launch
+from support.worker_pool import WAITS, launch
 
 # Bob's idle worker must answer the host's pings within ``UNANSWERED_STALLS`` x ``STALL_S`` (12 s) for his instance
 # to be unharmed. Beside the parallel suite's heavy modules on a 2-core machine, that niced worker (or the host's loop

@@ -3,9 +3,10 @@
 A user's instances share that user's worker (one interpreter for hundreds of inferlets, so a launch costs a message,
 not a process); an ``isolated`` program gets a worker of its own, ended with its instance, which counts against the
 user's ``max_workers_per_user`` on this node like all theirs (past it a launch waits for one to end). One spare
-worker is kept started, bound to a user on first use: even a user's first launch waits for no process. One is ended when
-it stalls (one task step holds its event loop for ``stall_s``: its own watchdog exits; or it answers no ping for six
-times that), dies (a crash, a kernel limit), reaches its limit of processes or of memory as a whole
+worker is kept started, bound to a user on first use: even a user's first launch waits for no process. One is
+ended when it stalls (one task step holds its event loop for ``stall_s``: its own watchdog exits; or it answers no
+ping for six times that; time it waited for a CPU counts for neither: ``cpu_wait.py``), dies (a crash, a kernel
+limit), reaches its limit of processes or of memory as a whole
 (``limits.py``), sends what is not the protocol, keeps an instance past its deadline, or sits idle for ``idle_s``;
 its instances end with an error event that says why, and the next launch starts a fresh one. Workers are retired
 (they take no new instances and end with their last) when the services change (a replica replaced: new sockets to
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from pie_cluster.config import SandboxConfig
 from pie_cluster.hosts.description import PoolStats
-from pie_cluster.hosts.sandbox import bwrap, seccomp
+from pie_cluster.hosts.sandbox import bwrap, cpu_wait, seccomp
 from pie_cluster.hosts.sandbox.limits import WorkerLimits
 from pie_cluster.hosts.sandbox.process import WorkerProcess, describe_exit
 from pie_cluster.hosts.sandbox.protocol import (
@@ -288,14 +289,17 @@ class WorkerPool:
         ends it once it has idled ``idle_s``."""
         period = min(1.0, self._config.stall_s / 4)
         seq, answered_at = 0, time.monotonic()
-        woke = answered_at
+        woke, waits = answered_at, None
         while worker.process.returncode is None:
             await asyncio.sleep(period)
             now = time.monotonic()
             # time this loop itself did not run (a starved host) is not the worker's silence: its pong may be
-            # waiting unread in the socket
+            # waiting unread in the socket; nor is time the worker's loop waited for a CPU (cpu_wait.py)
             answered_at += max(0.0, now - woke - 2 * period)
             woke = now
+            if waits is None and (python := cpu_wait.worker_process(worker.process.pid)) is not None:
+                waits = cpu_wait.WaitClock(python)
+            answered_at += waits.since_last_look() if waits is not None else 0.0
             if worker.pongs == seq or worker.waiting:  # (a worker could as well answer pings from a thread)
                 answered_at = now
             if not worker.instances:
@@ -309,7 +313,7 @@ class WorkerPool:
             if (why := self._limits.exceeded(usage)) is not None:
                 self._stop(worker, why)
                 continue
-            if now - answered_at > self._config.stall_s * UNANSWERED_STALLS:
+            if now - answered_at > self._config.stall_s * UNANSWERED_STALLS and not (waits and waits.waiting):
                 self._stop(worker, f"it answered nothing for {self._config.stall_s * UNANSWERED_STALLS:g} s")
                 continue
             if worker.pongs == seq:

@@ -3,11 +3,11 @@
 What stalls a worker is one step of one task that does not yield, not a loop with much to do: a thousand inferlets
 starting at once make long loop turns out of short steps, and must not be mistaken for a stall. So every task the
 worker's loop makes runs its coroutine through ``_Timed``, which notes when the current step began, and a thread
-checks that note: a step older than ``stall_s`` ends the process with ``STALLED``, which the host reports to the
-user's instances. (User code could defeat this thread, but only within its own worker; the host's ping, with a
-longer deadline, stays the backstop.) A blocking SDK call that waits for the cluster rather than the user's code (a
-replica's replacement, which takes as long as loading the model) is excused while it waits
-(``waiting_on_the_cluster``, installed as ``inferlet.runtime.blocking_wait``).
+checks that note: a step older than ``stall_s``, less the time the loop waited for a CPU (``cpu_wait.py``), ends
+the process with ``STALLED``, which the host reports to the user's instances. (User code could defeat this thread,
+but only within its own worker; the host's ping, with a longer deadline, stays the backstop.) A blocking SDK call
+that waits for the cluster rather than the user's code (a replica's replacement, which takes as long as loading the
+model) is excused while it waits (``waiting_on_the_cluster``, installed as ``inferlet.runtime.blocking_wait``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
+
+from pie_cluster.hosts.sandbox import cpu_wait
 
 STALLED = 86  # the worker's exit status when a step held its loop past ``stall_s``
 
@@ -86,9 +88,15 @@ def install(loop: asyncio.AbstractEventLoop, stall_s: float, tell_host: Callable
 
 
 def _watch(stall_s: float) -> None:
+    """A step's time is its wall time less what the worker waited for a CPU meanwhile (``cpu_wait.py``), counted
+    from this thread's last look before the step began; one past due while a thread waits for a CPU waits for it."""
+    seen, excused_s, waits = 0.0, 0.0, cpu_wait.WaitClock(os.getpid())
     while True:
         time.sleep(min(1.0, stall_s / 4))
-        began = _step_began
-        if began and not _excused and time.monotonic() - began > stall_s:
+        began, waited = _step_began, waits.since_last_look()
+        excused_s = (excused_s if began == seen else 0.0) + waited
+        seen = began
+        past_due = began and not _excused and time.monotonic() - began - excused_s > stall_s
+        if past_due and not waits.waiting:
             os.write(2, f"one task step held the worker's event loop for more than {stall_s:g} s\n".encode())
             os._exit(STALLED)

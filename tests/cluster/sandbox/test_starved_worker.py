@@ -1,0 +1,113 @@
+"""A worker starved of CPU by the machine's other work is neither stalled nor silent.
+
+On a loaded host a worker's event loop can be ready and unscheduled for seconds. The time it waited for a CPU
+(``cpu_wait.py``) counts neither toward its own stall deadline nor toward the host's ping deadline.
+
+Here the worker gets little CPU: it is pinned to one CPU beside a busy real-time process, which leaves the CPU's
+ordinary processes a twentieth of its time (the kernel's real-time throttling). With deadlines of 0.25 s and 6 x
+0.25 s, it runs steps of 0.15 CPU-seconds until one has waited past both (a step takes at least 3 s there), and must
+still finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pie_cluster.config import SandboxConfig
+from pie_cluster.hosts.sandbox import cpu_wait
+from pie_cluster.hosts.sandbox.pool import UNANSWERED_STALLS
+from support.worker_pool import launch, run
+
+STALL_S = 0.25
+
+STEPS = """
+import asyncio, time
+from pathlib import Path
+from inferlet import session
+
+def waited_s():
+    return int(Path("/proc/self/schedstat").read_text().split()[1]) / 1e9
+
+async def main(input):
+    await session.receive()  # once the test has starved this worker
+    steps, longest = 0, 0.0
+    while longest < input["wait_s"] and steps < 20:
+        began, end = waited_s(), time.thread_time() + 0.15
+        while time.thread_time() < end:  # one step of this much CPU time
+            pass
+        steps, longest = steps + 1, max(longest, waited_s() - began)
+        await asyncio.sleep(0)
+    return {"steps": steps, "longest_wait_s": longest}
+"""
+BUSY = """
+import os, time
+os.sched_setaffinity(0, {0})
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+print("busy", flush=True)
+end = time.monotonic() + 60  # should the test die without ending it
+while time.monotonic() < end:
+    pass
+"""
+
+
+def _workers() -> list[int]:
+    """The sandboxed worker processes under this test's process."""
+    found, todo = [], [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        try:
+            for task in Path(f"/proc/{parent}/task").iterdir():
+                children = [int(c) for c in (task / "children").read_text().split()]
+                todo += children
+                found += [child for child in children if cpu_wait.worker_process(parent) == child]
+        except OSError:  # it exited meanwhile
+            continue
+    return found
+
+
+def _pin_to_cpu0(pid: int) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {0})
+
+
+def test_a_worker_waiting_for_a_cpu_past_both_deadlines_finishes():
+    if not Path(f"/proc/{os.getpid()}/schedstat").exists():
+        pytest.skip("this kernel keeps no scheduler statistics: waits for a CPU cannot be told apart")
+    deadline_s = UNANSWERED_STALLS * STALL_S
+
+    async def test(pool, host, view):
+        await launch(pool, "alice", "a1", STEPS, {"wait_s": deadline_s + 0.2})
+        for _ in range(1200):  # until its worker is up and asks for the message (or ended)
+            if "a1" in host.inbox or "a1" in host.ended:
+                break
+            await asyncio.sleep(0.05)
+        assert "a1" in host.inbox, host.events
+        busy = subprocess.Popen([sys.executable, "-c", BUSY], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            if busy.stdout.readline() != "busy\n":
+                pytest.skip(f"no real-time process may be started here: {busy.communicate()[1].strip()[-200:]}")
+            workers = _workers()
+            assert workers, "no sandboxed worker found under this process"
+            for pid in workers:
+                _pin_to_cpu0(pid)
+            clocks = [cpu_wait.WaitClock(pid) for pid in workers]
+            host.inbox["a1"].put_nowait("go")
+            kind, result = await host.outcome("a1", timeout=240)
+            waited = max(clock.since_last_look() for clock in clocks)
+        finally:
+            busy.kill()
+            busy.wait()
+        assert kind == "return", result
+        result = json.loads(result)
+        # one step of 0.15 CPU-seconds waited past the host's whole ping deadline: counted in wall time, it was past
+        # the worker's own stall deadline, and its silence (no pong while a step runs) past the host's
+        assert result["longest_wait_s"] > deadline_s, result
+        assert waited >= result["longest_wait_s"], (waited, result)  # (read from outside as well)
+
+    run(test, SandboxConfig(stall_s=STALL_S, cgroups=False))
