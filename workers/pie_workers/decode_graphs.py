@@ -3,6 +3,8 @@ torch backend (``cuda_graph_step``), ``torch.compile`` on a CPU (``compiled_step
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import TYPE_CHECKING
 
 from pie_workers.compiled_step import CompiledDecode
@@ -28,11 +30,13 @@ def compiled_decode(
 
         if isinstance(kv, TritonKVPool):
             graphs = CudaGraphDecode(model, kv, sizes)
-            graphs.capture()
+            with _no_collection():
+                graphs.capture()
             return graphs
     elif mode == "on" and _compiles_on_cpu(kv, world_size):
         compiled = CompiledDecode(model, kv, sizes)
-        compiled.warm_up()
+        with _no_collection():
+            compiled.warm_up()
         return compiled
     if mode == "on":
         raise ValueError(
@@ -40,6 +44,22 @@ def compiled_decode(
             f"take the model (got {type(kv).__name__} on {_device(kv)}, tensor-parallel size {world_size})"
         )
     return None
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """Garbage collected before graphs are made, and not while: a finalizer that runs inside dynamo's trace (vLLM's
+    oneDNN GEMM handlers of an earlier runner in the process call ``.item()``) runs under its fake tensors, fails
+    and unwinds its modes, and the graphs made then guard on tensors of another mode: every later step missed them
+    (seen in CI, after a test's earlier runners were dropped)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _device(kv: object) -> str:
