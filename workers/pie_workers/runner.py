@@ -229,8 +229,8 @@ class ModelRunner:
 
     def _pages_buffer(self, n: int) -> torch.Tensor:
         """Room for ``n`` of this rank's pages as its pool reads them."""
-        one = self.kv.read_pages([0])
-        return one.new_empty((n, *one.shape[1:]), device=self.device)
+        none = self.kv.read_pages([])  # the shape and type of this rank's pages, with none copied
+        return none.new_empty((n, *none.shape[1:]), device=self.device)
 
     # -- adapters (leader): each change is applied here first, so a bad one raises before any rank sees it ---------
 

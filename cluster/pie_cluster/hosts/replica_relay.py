@@ -96,7 +96,7 @@ class ReplicaRelays:
         while loop.time() < deadline:
             candidates = await loop.run_in_executor(None, self._candidates, model)
             pinned = self._pins.get(key)
-            for address in ([pinned.address] if pinned is not None else []) + candidates:
+            for address in dict.fromkeys(([pinned.address] if pinned is not None else []) + candidates):
                 with contextlib.suppress(OSError, asyncio.TimeoutError):
                     upstream_reader, upstream_writer = await asyncio.wait_for(connect(address), CONNECT_S)
                     upstream_writer.write(opening)
