@@ -7,6 +7,10 @@ the host (``pool.py``), and both deadlines leave it out. The kernel counts it pe
 adds a wait only once it ends, when the thread runs again: a thread that is runnable (state ``R``) and has not run
 since the last look is waiting right now, and a deadline past due waits for it to run and be counted. Where the
 kernel keeps no such statistics, waits read 0 and the deadlines count wall time.
+
+A worker's own threads make it wait too (a busy loop in several threads), so the excuse is bounded: past
+``WALL_BOUND_STALLS`` times ``stall_s`` in wall time (five times the host's ping deadline), the worker is ended
+however long it waited.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+WALL_BOUND_STALLS = 30
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 from pie_cluster.config import SandboxConfig
 from pie_cluster.hosts.description import PoolStats
 from pie_cluster.hosts.sandbox import bwrap, cpu_wait, seccomp
+from pie_cluster.hosts.sandbox.cpu_wait import WALL_BOUND_STALLS
 from pie_cluster.hosts.sandbox.limits import WorkerLimits
 from pie_cluster.hosts.sandbox.process import WorkerProcess, describe_exit
 from pie_cluster.hosts.sandbox.protocol import (
@@ -287,9 +288,10 @@ class WorkerPool:
         """Pings a busy worker and ends one that stays silent, but while it says it waits on the cluster (the
         worker's own watchdog ends it sooner when one task step holds its loop); counts its processes and CPU time;
         ends it once it has idled ``idle_s``."""
-        period = min(1.0, self._config.stall_s / 4)
+        stall_s = self._config.stall_s
+        period, deadline_s, bound_s = min(1.0, stall_s / 4), stall_s * UNANSWERED_STALLS, stall_s * WALL_BOUND_STALLS
         seq, answered_at = 0, time.monotonic()
-        woke, waits = answered_at, None
+        woke, heard_at, waits = answered_at, answered_at, None  # heard_at: the last answer, in wall time
         while worker.process.returncode is None:
             await asyncio.sleep(period)
             now = time.monotonic()
@@ -300,10 +302,9 @@ class WorkerPool:
             if waits is None and (python := cpu_wait.worker_process(worker.process.pid)) is not None:
                 waits = cpu_wait.WaitClock(python)
             answered_at += waits.since_last_look() if waits is not None else 0.0
-            if worker.pongs == seq or worker.waiting:  # (a worker could as well answer pings from a thread)
-                answered_at = now
+            if worker.pongs == seq or worker.waiting or not worker.instances:  # (it could answer from a thread)
+                answered_at = heard_at = now
             if not worker.instances:
-                answered_at = now
                 if worker.user is not None and now - worker.idle_since > self._config.idle_s:
                     self._stop(worker, None)
                 continue
@@ -313,8 +314,9 @@ class WorkerPool:
             if (why := self._limits.exceeded(usage)) is not None:
                 self._stop(worker, why)
                 continue
-            if now - answered_at > self._config.stall_s * UNANSWERED_STALLS and not (waits and waits.waiting):
-                self._stop(worker, f"it answered nothing for {self._config.stall_s * UNANSWERED_STALLS:g} s")
+            starving = waits is not None and waits.waiting
+            if now - answered_at > deadline_s and not starving or now - heard_at > bound_s:
+                self._stop(worker, f"it answered nothing for {now - heard_at:.0f} s (its deadline: {deadline_s:g} s)")
                 continue
             if worker.pongs == seq:
                 seq += 1

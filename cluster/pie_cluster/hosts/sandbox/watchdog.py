@@ -89,14 +89,16 @@ def install(loop: asyncio.AbstractEventLoop, stall_s: float, tell_host: Callable
 
 def _watch(stall_s: float) -> None:
     """A step's time is its wall time less what the worker waited for a CPU meanwhile (``cpu_wait.py``), counted
-    from this thread's last look before the step began; one past due while a thread waits for a CPU waits for it."""
+    from this thread's last look before the step began; one past due while a thread waits for a CPU waits for it,
+    up to ``WALL_BOUND_STALLS`` times ``stall_s``."""
     seen, excused_s, waits = 0.0, 0.0, cpu_wait.WaitClock(os.getpid())
     while True:
         time.sleep(min(1.0, stall_s / 4))
         began, waited = _step_began, waits.since_last_look()
         excused_s = (excused_s if began == seen else 0.0) + waited
         seen = began
-        past_due = began and not _excused and time.monotonic() - began - excused_s > stall_s
-        if past_due and not waits.waiting:
+        held_s = time.monotonic() - began
+        past_due = held_s - excused_s > stall_s and not waits.waiting or held_s > cpu_wait.WALL_BOUND_STALLS * stall_s
+        if began and not _excused and past_due:
             os.write(2, f"one task step held the worker's event loop for more than {stall_s:g} s\n".encode())
             os._exit(STALLED)
