@@ -68,7 +68,7 @@ def _workers() -> list[int]:
             for task in Path(f"/proc/{parent}/task").iterdir():
                 children = [int(c) for c in (task / "children").read_text().split()]
                 todo += children
-                found += [child for child in children if cpu_wait.worker_process(parent) == child]
+                found += [python] if (python := cpu_wait.worker_process(parent)) in children else []
         except OSError:  # it exited meanwhile
             continue
     return found

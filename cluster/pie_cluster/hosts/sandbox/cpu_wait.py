@@ -1,12 +1,11 @@
 """How long a worker has waited for a CPU: time it was ready to run and did not.
 
-On a loaded machine a worker's event loop can be ready and unscheduled for seconds (its session or cgroup weighs
-little beside the host's busy processes). That is neither a stall of its own (``watchdog.py``) nor silence toward
-the host (``pool.py``), and both deadlines leave it out. The kernel counts it per thread
-(``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a CPU, nanoseconds waiting on a run queue, time slices), but
-adds a wait only once it ends, when the thread runs again: a thread that is runnable (state ``R``) and has not run
-since the last look is waiting right now, and a deadline past due waits for it to run and be counted. Where the
-kernel keeps no such statistics, waits read 0 and the deadlines count wall time.
+On a loaded machine a worker's event loop can be ready and unscheduled for seconds. That is neither a stall of its
+own (``watchdog.py``) nor silence toward the host (``pool.py``), and both deadlines leave it out. The kernel counts
+it per thread (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a CPU, nanoseconds waiting on a run queue, time
+slices), but adds a wait only once it ends, when the thread runs again: a thread that is runnable (state ``R``)
+and has not run since the last look is waiting right now, and a deadline past due waits for it to run and be
+counted. Where the kernel keeps no such statistics, waits read 0 and the deadlines count wall time.
 
 A worker's own threads make it wait too (a busy loop in several threads), so the excuse is bounded: past
 ``WALL_BOUND_STALLS`` times ``stall_s`` in wall time (five times the host's ping deadline), the worker is ended

@@ -32,7 +32,6 @@ from pathlib import Path
 from pie_cluster.config import SandboxConfig
 from pie_cluster.hosts.description import PoolStats
 from pie_cluster.hosts.sandbox import bwrap, cpu_wait, seccomp
-from pie_cluster.hosts.sandbox.cpu_wait import WALL_BOUND_STALLS
 from pie_cluster.hosts.sandbox.limits import WorkerLimits
 from pie_cluster.hosts.sandbox.process import WorkerProcess, describe_exit
 from pie_cluster.hosts.sandbox.protocol import (
@@ -289,7 +288,8 @@ class WorkerPool:
         worker's own watchdog ends it sooner when one task step holds its loop); counts its processes and CPU time;
         ends it once it has idled ``idle_s``."""
         stall_s = self._config.stall_s
-        period, deadline_s, bound_s = min(1.0, stall_s / 4), stall_s * UNANSWERED_STALLS, stall_s * WALL_BOUND_STALLS
+        period, deadline_s = min(1.0, stall_s / 4), stall_s * UNANSWERED_STALLS
+        bound_s = stall_s * cpu_wait.WALL_BOUND_STALLS  # however long it waited for a CPU
         seq, answered_at = 0, time.monotonic()
         woke, heard_at, waits = answered_at, answered_at, None  # heard_at: the last answer, in wall time
         while worker.process.returncode is None:
@@ -299,22 +299,23 @@ class WorkerPool:
             # waiting unread in the socket; nor is time the worker's loop waited for a CPU (cpu_wait.py)
             answered_at += max(0.0, now - woke - 2 * period)
             woke = now
-            if waits is None and (python := cpu_wait.worker_process(worker.process.pid)) is not None:
-                waits = cpu_wait.WaitClock(python)
-            answered_at += waits.since_last_look() if waits is not None else 0.0
-            if worker.pongs == seq or worker.waiting or not worker.instances:  # (it could answer from a thread)
-                answered_at = heard_at = now
-            if not worker.instances:
+            if not worker.instances:  # nothing to answer for, and no reading /proc for an idle worker
+                answered_at, heard_at, waits = now, now, None
                 if worker.user is not None and now - worker.idle_since > self._config.idle_s:
                     self._stop(worker, None)
                 continue
+            if waits is None and (python := cpu_wait.worker_process(worker.process.pid)) is not None:
+                waits = cpu_wait.WaitClock(python)
+            answered_at += waits.since_last_look() if waits is not None else 0.0
+            if worker.pongs == seq or worker.waiting:  # (a worker could as well answer pings from a thread)
+                answered_at = heard_at = now
             usage = await self._limits.usage(worker.slot, worker.process.pid, now)
             if usage.cpu_s >= self._config.cpu_seconds / 2:  # so the kernel's limit ends only a worker that its
                 self._retire(worker)  # instances keep busy for the other half
             if (why := self._limits.exceeded(usage)) is not None:
                 self._stop(worker, why)
                 continue
-            starving = waits is not None and waits.waiting
+            starving = waits is not None and waits.waiting  # its deadline waits for it to run and be counted
             if now - answered_at > deadline_s and not starving or now - heard_at > bound_s:
                 self._stop(worker, f"it answered nothing for {now - heard_at:.0f} s (its deadline: {deadline_s:g} s)")
                 continue
