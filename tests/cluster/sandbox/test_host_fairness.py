@@ -7,7 +7,9 @@ raw frames of tiny messages written to her worker's own socket), send messages o
 kinds and malformed messages. Each of alice's instances ends with an error naming what it broke; bob's messages all
 arrive, in order, and their p99 delay stays within 50 ms of its unloaded value (the issue's bound) in every round
 of four but at most one: on a shared two-core machine another process's burst can cost any one window that much,
-while a host that alice can stall (a loop held per spawned worker, per flood turn) misses it in every round.
+while a host that alice can stall (a loop held per spawned worker, per flood turn) misses it in every round. It
+runs with the ``alone`` tests: beside the parallel suite's other session, that session's bursts cost bob's p99 70-87 ms
+over its unloaded value in two rounds of four, in a run whose host was not stalled.
 The serving path's processes run at nice 0 and tenants' workers at nice 10: at Ray's default of nice 15 for its
 workers, one busy ordinary process elsewhere on the machine was enough for alice's floods to cost bob 175-460 ms.
 """
@@ -27,6 +29,8 @@ from pie_cluster.control.controller import LAUNCHER
 from pie_cluster.launch_request import LaunchRequest
 from pie_cluster.ray_session import NAMESPACE
 from support.pie_procs import started_pie
+
+pytestmark = pytest.mark.alone
 
 PERIOD_S = 0.02
 ROUNDS, WINDOW = 4, 200  # bob's messages measured in each window, without then with alice's attacks

@@ -70,12 +70,12 @@ def waiting_on_the_cluster():
         _tell_host(True)
     try:
         yield
-    finally:
+    finally:  # the step's new start before the excuse ends: ``_watch`` reads them in the other order
+        if _step_began:
+            _step_began = time.monotonic()
         _excused -= 1
         if not _excused:
             _tell_host(False)
-        if _step_began:
-            _step_began = time.monotonic()
 
 
 def install(loop: asyncio.AbstractEventLoop, stall_s: float, tell_host: Callable[[bool], None]) -> None:
@@ -94,11 +94,12 @@ def _watch(stall_s: float) -> None:
     seen, excused_s, waits = 0.0, 0.0, cpu_wait.WaitClock(os.getpid())
     while True:
         time.sleep(min(1.0, stall_s / 4))
-        began, waited = _step_began, waits.since_last_look()
+        waited = waits.since_last_look()  # (reading /proc lets the loop's thread run meanwhile)
+        excused, began = _excused, _step_began  # this order: a wait that has ended has restarted its step's clock
         excused_s = (excused_s if began == seen else 0.0) + waited
         seen = began
         held_s = time.monotonic() - began
         past_due = held_s - excused_s > stall_s and not waits.waiting or held_s > cpu_wait.WALL_BOUND_STALLS * stall_s
-        if began and not _excused and past_due:
+        if began and not excused and past_due:
             os.write(2, f"one task step held the worker's event loop for more than {stall_s:g} s\n".encode())
             os._exit(STALLED)
