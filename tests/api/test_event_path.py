@@ -81,6 +81,37 @@ def test_an_instances_events_cost_the_launcher_the_same_calls_for_5_or_400_of_th
     assert costs[0] == costs[1] <= 4  # launch, locate (the stream asks once where it runs), its ending
 
 
+ECHO = b"""
+from inferlet import session
+
+async def main(input):
+    return [await session.receive() for _ in range(input["n"])]
+"""
+
+
+def test_session_messages_to_an_instance_ask_the_launcher_where_it_runs_once(pie):
+    """The first message asks the launcher which host runs the instance; the rest go straight to that host, which
+    still refuses them to another user; once the instance has ended, a message is refused as before."""
+    upload = httpx.post(f"{pie['url']}/v1/programs?filename=echo.py", content=ECHO, headers=ALICE, timeout=60)
+    launched = httpx.post(
+        f"{pie['url']}/v1/instances", json={"program": upload.json()["program"], "input": {"n": 6}}, headers=ALICE
+    )
+    instance = launched.json()["id"]
+    messages = f"{pie['url']}/v1/instances/{instance}/messages"
+    before = launcher_calls_of(pie, "locate")
+    sent = [httpx.post(messages, json={"message": f"m{i}"}, headers=ALICE, timeout=60) for i in range(5)]
+    assert [r.status_code for r in sent] == [204] * 5, [r.text for r in sent]
+    assert launcher_calls_of(pie, "locate") - before == 1
+    forged = httpx.post(messages, json={"message": "from bob"}, headers=BOB, timeout=60)
+    assert forged.status_code == 404, forged.text
+    assert httpx.post(messages, json={"message": "m5"}, headers=ALICE, timeout=60).status_code == 204
+    with httpx.stream("GET", f"{messages.removesuffix('/messages')}/events", headers=ALICE, timeout=120) as got:
+        events = sse_events(got)
+    assert events[-1] == ("return", json.dumps([f"m{i}" for i in range(6)])), events
+    late = httpx.post(messages, json={"message": "too late"}, headers=ALICE, timeout=60)
+    assert late.status_code == 400 and "has ended" in late.json()["detail"], late.text
+
+
 def chat_stream(pie, max_tokens: int, headers=ALICE, into: list | None = None) -> list[dict]:
     """The chunks of a greedy streamed chat completion (appended to ``into`` as they arrive, when given)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": max_tokens}

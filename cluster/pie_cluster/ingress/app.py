@@ -30,7 +30,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.schema import ProxyStatus
 
 from pie_cluster.config import AuthConfig, CacheConfig, ResponsesConfig, ServerConfig
-from pie_cluster.hosts.events import TERMINAL, Location, follow
+from pie_cluster.hosts.events import TERMINAL, Location, NotFound, follow
 from pie_cluster.ingress.body_limit import BodyLimit
 from pie_cluster.ingress.errors import launcher_error
 from pie_cluster.ingress.metrics import RequestClock, RequestMetrics, ScalingGauges
@@ -38,6 +38,7 @@ from pie_cluster.ingress.openai.checks import OpenAIError
 from pie_cluster.ingress.openai.routes import OPENAI_PATHS, OpenAIRoutes
 from pie_cluster.ingress.openai.routes import router as openai_router
 from pie_cluster.ingress.own_programs import LocalInstances
+from pie_cluster.ingress.recent_hosts import RecentHosts
 from pie_cluster.ingress.responses.routes import RESPONSES_PATH, ResponsesRoutes
 from pie_cluster.ingress.responses.routes import router as responses_router
 from pie_cluster.ingress.routing import PrefixRouter
@@ -164,6 +165,7 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         self._running = Gauge("pie_instances_running", "instances running cluster-wide", registry=self._registry)
         self._scaling = ScalingGauges(self._registry)
         self._controller = None  # found on the first /metrics (it starts after this app)
+        self._hosts = RecentHosts()  # where the session messages of a user's instance went last
         self._request_metrics = RequestMetrics(self._registry)
 
     async def __del__(self) -> None:
@@ -297,13 +299,29 @@ class PieIngress(OpenAIRoutes, ResponsesRoutes):
         await self._deliver("send_file", user, instance_id, "file", data)
 
     async def _deliver(self, route: str, user: str, instance_id: str, kind: str, value: str | bytes) -> None:
-        """Into the instance's inbox on the host that runs it (waiting a while for a queued one to start)."""
-        where = await self._call(route, self._launcher.locate, user, instance_id, HOST_S, deadline=2 * LAUNCHER_S)
+        """Into the instance's inbox on the host that runs it (waiting a while for a queued one to start). The host
+        that took the user's last message to the instance takes the next one without asking the launcher (the host
+        checks whose instance it is); one that no longer runs it, or is gone, sends the message the launcher's way."""
+        self._requests.labels(route).inc()
+        key = (user, instance_id)
+        if (host := self._hosts.get(key)) is not None:
+            try:
+                return await answer(host.send.remote(user, instance_id, kind, value), "its inferlet host", LAUNCHER_S)
+            except RayTaskError as e:  # a full inbox is an answer; not running it (any more) sends us to the launcher
+                if not isinstance(e.cause, NotFound | ValueError):
+                    raise launcher_error(e.cause) from None
+            except NoAnswer as e:  # it may yet deliver this one: not sent twice
+                raise HTTPException(503, str(e)) from None
+            except RayActorError:  # its host is gone
+                pass
+            self._hosts.forget(key)
+        where = await self._call(None, self._launcher.locate, user, instance_id, HOST_S, deadline=2 * LAUNCHER_S)
         if where.ending is not None:
             raise HTTPException(400, f"instance {instance_id} has ended; it can no longer receive")
         if where.host is None:
             raise HTTPException(503, "the instance is still waiting for admission; send it again once it runs")
         await self._call(None, where.host.send, user, instance_id, kind, value, part="its inferlet host")
+        self._hosts.remember(key, where.host)
 
     @app.delete("/v1/instances/{instance_id}")
     async def abort(self, instance_id: str, user: User) -> dict:
