@@ -1,16 +1,15 @@
 """Each user's sandboxed workers on one node: started, reused, watched and ended by the trusted host.
 
-A user's instances share that user's worker (one interpreter for hundreds of inferlets, so a launch costs a message,
-not a process); an ``isolated`` program gets a worker of its own, ended with its instance, which counts against the
-user's ``max_workers_per_user`` on this node like all theirs (past it a launch waits for one to end). One spare
-worker is kept started, bound to a user on first use: even a user's first launch waits for no process. One is
-ended when it stalls (one task step holds its event loop for ``stall_s``: its own watchdog exits; or it answers no
-ping for six times that; time it waited for a CPU counts for neither: ``cpu_wait.py``), dies (a crash, a kernel
-limit), reaches its limit of processes or of memory as a whole
-(``limits.py``), sends what is not the protocol, keeps an instance past its deadline, or sits idle for ``idle_s``;
-its instances end with an error event that says why, and the next launch starts a fresh one. Workers are retired
-(they take no new instances and end with their last) when the services change (a replica replaced: new sockets to
-bind in) and past half their CPU-time limit.
+A user's instances share that user's worker (one interpreter for hundreds of inferlets, so a launch costs a message, not
+a process); an ``isolated`` program gets a worker of its own, ended with its instance, which counts against the user's
+``max_workers_per_user`` on this node like all theirs (past it a launch waits for one to end). One spare worker is kept
+started, bound to a user on first use: even a user's first launch waits for no process. One is ended when it stalls (one
+task step holds its event loop for ``stall_s``: its own watchdog exits; or it answers no ping for six times that; time
+it waited for a CPU counts for neither: ``cpu_wait.py``), dies (a crash, a kernel limit), reaches its limit of processes
+or of memory as a whole (``limits.py``), sends what is not the protocol, keeps an instance past its deadline, or sits
+idle for ``idle_s``; its instances end with an error event that says why, and the next launch starts a fresh one.
+Workers are retired (they take no new instances and end with their last) when the services change (a replica replaced:
+new sockets to bind in) and past half their CPU-time limit.
 """
 
 from __future__ import annotations
