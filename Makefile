@@ -58,8 +58,8 @@ run: $(VENV)/.installed
 	$(VENV)/bin/pie run examples/text_completion.py -- --prompt "Tell me about paged attention." --max-tokens 32
 
 # The suite as two pytest sessions side by side (pytest-xdist), each with its own two-raylet Ray cluster, one test
-# file at a time: ~15.5 min on the 2 cores of CI's machine (27 min on a slower 2-core AVX2 VM) instead of ~26-30 for
-# one session, which leaves the cores ~40% idle while its clusters start and its failure tests wait.
+# file at a time: 23-29 min on a 2-core VM, whose cores it keeps busy (one session leaves them ~40% idle while its
+# clusters start and its failure tests wait).
 # Then the tests marked `alone` (fake autoscaled nodes under a load ramp; the sandbox protocol fuzz, whose 12 s
 # liveness deadline the parallel suite's load trips; workers starved by a real-time process that holds a CPU; one tenant's delays while another floods the
 # host, measured against a 50 ms bound), by themselves. `make test-serial` runs it all as one session.
