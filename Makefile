@@ -61,8 +61,9 @@ run: $(VENV)/.installed
 # file at a time: 23-29 min on a 2-core VM, whose cores it keeps busy (one session leaves them ~40% idle while its
 # clusters start and its failure tests wait).
 # Then the tests marked `alone` (fake autoscaled nodes under a load ramp; the sandbox protocol fuzz, whose 12 s
-# liveness deadline the parallel suite's load trips; workers starved by a real-time process that holds a CPU; one tenant's delays while another floods the
-# host, measured against a 50 ms bound), by themselves. `make test-serial` runs it all as one session.
+# liveness deadline the parallel suite's load trips; workers starved by a real-time process that holds a CPU; one
+# tenant's delays while another floods the host, held to a 50 ms bound), by themselves. `make test-serial` runs it
+# all as one session.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 -m "not alone"
 	$(PY) -m pytest -q -m alone
