@@ -39,9 +39,10 @@ a job's driver its address) through a file there, which test sessions running si
 
 def own_node() -> dict:
     """``Cluster`` node arguments for a raylet of this test session: its job agent on a free port instead of Ray's
-    fixed default (52365), which every other raylet on this machine would try to bind too, and the session's own
-    Ray directory."""
-    return {"dashboard_agent_listen_port": free_port(), "temp_dir": RAY_TEMP}
+    fixed default (52365), which every other raylet on this machine would try to bind too, the session's own Ray
+    directory, and no log monitor (it tails every worker's log for drivers that print none here: 104 CPU-s over a
+    full parallel run)."""
+    return {"dashboard_agent_listen_port": free_port(), "temp_dir": RAY_TEMP, "include_log_monitor": False}
 
 
 def started_pie(
