@@ -60,10 +60,12 @@ def ray_cluster(second_node_cache):
     from support.pie_procs import RAY_TEMP, free_port, own_node
 
     # Ray's monitoring that no test reads, slowed or off, for the CPU it costs beside the tests (106 CPU-s in the node
-    # agents over a full parallel run, which read every worker's usage each few seconds): set before the raylets
-    # start, whose processes inherit them; each node's log monitor is off (``own_node``)
+    # agents over a full parallel run, which read every worker's usage each few seconds; each worker's metrics and
+    # task-event reports): set before the raylets start, whose processes inherit them; each node's log monitor is
+    # off (``own_node``). The state API's actor table, which tests read, is the GCS's own, not these reports.
     os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "600000")
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    os.environ.setdefault("RAY_task_events_report_interval_ms", "0")
     # Ray's fixed defaults (dashboard 8265, each node's job agent 52365) would collide between this cluster's two
     # raylets (the second one's job agent then never registers and job submissions wait on it) and with any other
     # test session on the machine
