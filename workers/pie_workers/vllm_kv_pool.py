@@ -22,12 +22,7 @@ from pie_workers.backends import kernel_variant
 from pie_workers.batch_plan import BatchPlan, PagedRequests
 from pie_workers.kv_pool import PoolShape
 from pie_workers.layers.attention import overwrite_masked_rows, paged_attention
-
-
-def _ops():
-    import vllm._custom_ops as ops  # imported on first use: the torch backend never needs vLLM
-
-    return ops
+from pie_workers.layers.vllm_ops import kernels
 
 
 class VllmCpuKVPool:
@@ -54,7 +49,7 @@ class VllmCpuKVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.kernel_writes:
             keys, values = self.cache[layer].chunk(2, dim=2)
-            _ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), keys, values, slots, self.isa)
+            kernels().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), keys, values, slots, self.isa)
             return
         keys, values = self.torch_pages(layer)  # the same layout, written through the views
         page, offset = slots // self.page_size, slots % self.page_size
@@ -74,7 +69,7 @@ class VllmCpuKVPool:
             return paged_attention(q, k_pages, v_pages, plan, window, scale)
         keys, values = self.cache[layer].chunk(2, dim=2)
         out = torch.empty_like(q)
-        _ops().cpu_attention_with_kv_cache(
+        kernels().cpu_attention_with_kv_cache(
             q.contiguous(),
             keys,
             values,
@@ -89,6 +84,7 @@ class VllmCpuKVPool:
             0.0,
             self._scheduler_metadata(paged, q, window),
             None,
+            None,
         )
         out = out.view(q.shape[0], -1)
         if paged.masked_rows is not None:
@@ -101,9 +97,9 @@ class VllmCpuKVPool:
         key = -1 if window is None else window
         if key not in paged.kernel_metadata:
             heads_q, heads_kv, dim = q.shape[1], self.cache.shape[2], q.shape[2]
-            paged.kernel_metadata[key] = _ops().cpu_attn_get_scheduler_metadata(
+            paged.kernel_metadata[key] = kernels().get_scheduler_metadata(
                 paged.seq_lens.numel(), heads_q, heads_kv, dim, paged.seq_lens, q.dtype, paged.query_start, True,
-                key, self.isa, False,
+                key, self.isa, False, None,
             )  # fmt: skip
         return paged.kernel_metadata[key]
 
@@ -132,7 +128,7 @@ class VllmCpuKVPool:
 def _kernel_supports(isa: str, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[bool, bool]:
     """Whether the kernels take this shape (they are compiled for some head sizes only): one write and one
     attention on a one-page cache. What they do not take runs the torch path over the same layout."""
-    ops, size = _ops(), 16 if isa == "vec16" else 32
+    ops, size = kernels(), 16 if isa == "vec16" else 32
     cache = torch.zeros(1, kv_heads, 2 * size, head_dim, dtype=dtype)
     keys, values = cache.chunk(2, dim=2)
     token = torch.zeros(1, kv_heads, head_dim, dtype=dtype)
@@ -142,12 +138,12 @@ def _kernel_supports(isa: str, kv_heads: int, head_dim: int, dtype: torch.dtype)
         return False, False
     lengths, starts = torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
     try:
-        metadata = ops.cpu_attn_get_scheduler_metadata(
-            1, kv_heads, kv_heads, head_dim, lengths, dtype, starts, True, -1, isa, False
+        metadata = ops.get_scheduler_metadata(
+            1, kv_heads, kv_heads, head_dim, lengths, dtype, starts, True, -1, isa, False, None
         )
         ops.cpu_attention_with_kv_cache(
             token, keys, values, torch.empty_like(token), starts, lengths, 1.0, True, None, -1,
-            torch.zeros(1, 1, dtype=torch.int32), 0.0, metadata, None,
+            torch.zeros(1, 1, dtype=torch.int32), 0.0, metadata, None, None,
         )  # fmt: skip
     except RuntimeError:
         return True, False

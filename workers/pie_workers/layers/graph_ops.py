@@ -15,12 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _vllm():
-    import vllm._custom_ops as ops  # imported on first use: the torch backend never needs vLLM
-
-    return ops
-
+from pie_workers.layers.vllm_ops import kernels
 
 _lib = torch.library.Library("pie", "DEF")
 
@@ -79,7 +74,7 @@ def torch_paged_decode(q, k_cache, v_cache, layer: int, block_table, mask, scale
 def vllm_kv_write(cache, layer: int, slots, k, v, isa: str) -> None:
     """``VllmCpuKVPool.write`` by the kernel, which skips negative slots."""
     keys, values = cache[layer].chunk(2, dim=2)
-    _vllm().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), keys, values, slots, isa)
+    kernels().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), keys, values, slots, isa)
 
 
 @_op(
@@ -91,9 +86,9 @@ def vllm_paged_decode(q, cache, layer: int, query_start, seq_lens, block_table, 
     """``VllmCpuKVPool.attend``'s kernel call; ``metadata``: its work split, computed once per step and window."""
     keys, values = cache[layer].chunk(2, dim=2)
     out = torch.empty_like(q)
-    _vllm().cpu_attention_with_kv_cache(
+    kernels().cpu_attention_with_kv_cache(
         q.contiguous(), keys, values, out, query_start, seq_lens, scale, True, None, window, block_table, 0.0,
-        metadata, None,
+        metadata, None, None,
     )  # fmt: skip
     return out.view(q.shape[0], -1)
 
