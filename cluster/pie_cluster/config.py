@@ -88,7 +88,7 @@ class ModelConfigEntry(_Strict):
     replicas: int = Field(1, ge=1)  # the count, fixed; with min/max_replicas, the count it starts with
     min_replicas: int | None = Field(None, ge=1)  # the autoscaler's bounds (None: replicas); control/autoscaler.py
     max_replicas: int | None = Field(None, ge=1)
-    target_load: float = Field(32.0, gt=0)  # contexts and queued requests per replica the autoscaler aims at
+    target_load: float = Field(32.0, gt=0)  # live contexts per replica the autoscaler aims at
     upscale_delay_s: float = Field(10.0, ge=0)  # how long more replicas must be wanted before one is added
     downscale_delay_s: float = Field(60.0, ge=0)  # ... fewer, before one is removed
     load_window_s: float = Field(10.0, ge=0)  # the load is the mean over this long (0: each reading alone)

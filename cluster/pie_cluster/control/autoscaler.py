@@ -1,7 +1,8 @@
 """How many replicas each model should have: a target per model, from what its replicas report, with hysteresis.
 
-The load of a model is what its replicas hold and wait on: live contexts (one per running generation, an idle
-inferlet's too) and queued requests, averaged over the last ``load_window_s`` of readings as Serve averages over its
+The load of a model is what its replicas hold: live contexts (one per running generation, an idle inferlet's too),
+as Serve's is the requests running or queued at its replicas, each counted once (a context whose pass waits for a
+batch is one context, not two), averaged over the last ``load_window_s`` of readings as Serve averages over its
 look-back period (a reading alone is noise: requests of a second come and go between two readings);
 ``[[model]] target_load`` of it per replica is the aim, so the wanted count is ``ceil(load / target_load)``, within
 ``min_replicas`` and ``max_replicas``. Memory is the other signal, the one only
@@ -26,7 +27,6 @@ class ReplicaLoad:
     """What one serving replica reports (``EngineStats``)."""
 
     contexts: int
-    queued: int
     suspended: int
 
 
@@ -67,13 +67,13 @@ class ScalePolicy:
 
     def _wanted(self, loads: list[ReplicaLoad], now: float) -> tuple[int, str]:
         entry = self.entry
-        self._readings.append((now, sum(r.contexts + r.queued for r in loads)))
+        self._readings.append((now, sum(r.contexts for r in loads)))
         while now - self._readings[0][0] > entry.load_window_s:
             self._readings.popleft()
         load = sum(reading for _, reading in self._readings) / len(self._readings)
         wanted = math.ceil(round(load, 6) / entry.target_load)
         over = f", mean over {entry.load_window_s:g} s" if entry.load_window_s else ""
-        why = f"load {round(load, 1):g} (contexts and queued requests{over}) at {entry.target_load:g} per replica"
+        why = f"load {round(load, 1):g} (live contexts{over}) at {entry.target_load:g} per replica"
         suspended = sum(r.suspended for r in loads)
         if suspended and len(loads) + 1 > wanted:
             wanted, why = len(loads) + 1, f"KV memory short: {suspended} contexts suspended on {len(loads)} replicas"

@@ -95,7 +95,7 @@ class ReplicaScaler:
                 stats = ray.get(ref)
             except ray.exceptions.RayError:
                 continue
-            loads.append(ReplicaLoad(stats.contexts, stats.queued, stats.suspended))
+            loads.append(ReplicaLoad(stats.contexts, stats.suspended))
         return loads
 
     def _converge(self, name: str, target: int) -> None:

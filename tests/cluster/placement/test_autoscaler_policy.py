@@ -23,8 +23,8 @@ def policy(target: int = 1, **keys) -> ScalePolicy:
     return ScalePolicy(entry, ModelScale(entry.name, entry.fewest, entry.most, target))
 
 
-def loads(*contexts: int, queued: int = 0, suspended: int = 0) -> list[ReplicaLoad]:
-    return [ReplicaLoad(c, queued, suspended) for c in contexts]
+def loads(*contexts: int, suspended: int = 0) -> list[ReplicaLoad]:
+    return [ReplicaLoad(c, suspended) for c in contexts]
 
 
 def test_more_load_raises_the_target_once_it_held_for_the_upscale_delay():
@@ -58,12 +58,12 @@ def test_the_load_is_the_mean_over_its_window_so_noise_does_not_scale():
         assert p.decide(loads(12 if second % 2 else 0), now=second).target == 1
     for second in range(30, 50):
         scale = p.decide(loads(12), now=second)
-    assert scale.target == 2 and "(contexts and queued requests, mean over 10 s)" in scale.reason
+    assert scale.target == 2 and "(live contexts, mean over 10 s)" in scale.reason
 
 
-def test_the_maximum_bounds_the_target_and_queued_requests_count_as_load():
+def test_the_maximum_bounds_the_target():
     p = policy(upscale_delay_s=0)
-    scale = p.decide(loads(30, 30, queued=10), now=0)  # 80 at 8 per replica: 10 wanted
+    scale = p.decide(loads(30, 30, 20), now=0)  # 80 at 8 per replica: 10 wanted
     assert scale.target == 4 and "max_replicas 4" in scale.reason
 
 
