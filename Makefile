@@ -58,7 +58,7 @@ run: $(VENV)/.installed
 	$(VENV)/bin/pie run examples/text_completion.py -- --prompt "Tell me about paged attention." --max-tokens 32
 
 # The suite as two pytest sessions side by side (pytest-xdist), each with its own two-raylet Ray cluster, one test
-# file at a time: 20-22 min on a 2-core VM, whose cores it keeps busy (one session leaves them ~40% idle while its
+# file at a time: 19-21 min on a 2-core VM, whose cores it keeps busy (one session leaves them ~40% idle while its
 # clusters start and its failure tests wait).
 # Then the tests marked `alone` (fake autoscaled nodes under a load ramp; the sandbox protocol fuzz, whose 12 s
 # liveness deadline the parallel suite's load trips; workers starved by a real-time process that holds a CPU; one

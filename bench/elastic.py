@@ -2,7 +2,7 @@
 against a fixed cluster of ``max_replicas``.
 
 Usage: python bench/elastic.py [--base-rate 0.5] [--peak 8] [--ramp-s 60] [--hold-s 30] [--tokens 64]
-                               [--max-replicas 3] [--target-load 3] [--upscale-delay-s 3] [--downscale-delay-s 10]
+                               [--max-replicas 3] [--target-load 2] [--upscale-delay-s 3] [--downscale-delay-s 10]
                                [--smoke] [--json PATH] [--out docs/bench]
 
 Each run gets a cluster of its own on Ray's real autoscaler (``autoscaling_cluster.LocalAutoscalingCluster``): a
@@ -18,8 +18,9 @@ Goal: the autoscaled p90 within 1.5x of the fixed one's at <= 0.6x its replica-s
 nodes share its cores, so more replicas add no compute: the ratio says what following the load costs in latency
 (replicas starting while requests wait), not how much capacity it buys. Requests are of 64 tokens by default: at
 128, the 2 cores are overloaded at the peak whatever the replicas, requests stay in flight for seconds after the
-load falls, and the autoscaler, whose load is what is in flight, keeps every replica until they drain (0.64x the
-fixed cluster's replica-seconds, against 0.56x at 64).
+load falls, and the autoscaler, whose load is the contexts in flight, keeps every replica until they drain.
+``--target-load`` 2 by default: this ramp holds 2-3 live contexts on one replica at its peak, so at 3 the model never
+scales and at 1 it scales early and keeps its replicas longer.
 
 ``--smoke``: a short ramp, the autoscaled run only (what ``tests/cluster/placement/test_autoscaled_nodes.py`` runs);
 ``--json PATH``: every run's samples and requests, for a test to read.
@@ -339,7 +340,7 @@ def main() -> None:
     ap.add_argument("--hold-s", type=float, default=30.0)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--max-replicas", type=int, default=3)
-    ap.add_argument("--target-load", type=float, default=3.0)
+    ap.add_argument("--target-load", type=float, default=2.0)
     ap.add_argument("--upscale-delay-s", type=float, default=3.0)
     ap.add_argument("--downscale-delay-s", type=float, default=10.0)
     ap.add_argument("--settle-s", type=float, default=180.0, help="how long to wait for the scale-down after")
