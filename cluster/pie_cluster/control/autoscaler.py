@@ -1,9 +1,9 @@
 """How many replicas each model should have: a target per model, from what its replicas report, with hysteresis.
 
-The load of a model is what its replicas hold: live contexts (one per running generation, an idle inferlet's too),
-as Serve's is the requests running or queued at its replicas, each counted once (a context whose pass waits for a
-batch is one context, not two), averaged over the last ``load_window_s`` of readings as Serve averages over its
-look-back period (a reading alone is noise: requests of a second come and go between two readings);
+The load of a model is its replicas' live contexts (one per running generation, an idle inferlet's too), each
+counted once whether it is running a pass or waiting for a batch, as Serve counts each request running or queued at
+its replicas once; averaged over the last ``load_window_s`` of readings as Serve averages over its look-back
+period (a reading alone is noise: requests of a second come and go between two readings);
 ``[[model]] target_load`` of it per replica is the aim, so the wanted count is ``ceil(load / target_load)``, within
 ``min_replicas`` and ``max_replicas``. Memory is the other signal, the one only
 this cluster has: a replica that suspended contexts (the market gave their pages to higher bids) is short of KV
